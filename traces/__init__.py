@@ -1,0 +1,26 @@
+"""replay's run format: reading and writing runs needs only numpy and zstandard, never JAX.
+
+A trace can therefore be read anywhere, and written by any training loop (see FORMAT.md).
+"""
+
+from traces.compare import Comparison, FieldDiff, compare, diff_records, float_distance
+from traces.errors import (
+    NewerFormatError,
+    NotARunError,
+    RunLockedError,
+    RunNotFoundError,
+    SchemaError,
+    StepOrderError,
+    TraceCorruptError,
+    TraceError,
+)
+from traces.run import Run, read_manifest
+from traces.schema import CAUSAL_KINDS, Schema, StepRecord, decode_record, encode_record, same_bits
+from traces.trace import FORMAT_VERSION, Damage, TraceReader, TraceWriter
+
+__all__ = [
+    "CAUSAL_KINDS", "FORMAT_VERSION", "Comparison", "Damage", "FieldDiff", "NewerFormatError", "NotARunError",
+    "Run", "RunLockedError", "RunNotFoundError", "Schema", "SchemaError", "StepOrderError", "StepRecord",
+    "TraceCorruptError", "TraceError", "TraceReader", "TraceWriter", "compare", "decode_record", "diff_records",
+    "encode_record", "float_distance", "read_manifest", "same_bits",
+]

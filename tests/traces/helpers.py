@@ -1,0 +1,41 @@
+"""Deterministic synthetic records: record(step) is a pure function of (seed, step)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from traces import Schema, StepRecord
+
+EXAMPLES = 16
+
+
+def make_schema(layer: bool = True) -> Schema:
+    tensors = (
+        (("state/params", "state"), ("embed", "forward"), ("block_00", "forward"), ("logits", "forward"),
+         ("grad/block_00", "backward"), ("grad/embed", "backward"), ("param/block_00", "update"), ("param/embed", "update"))
+        if layer else ()
+    )
+    return Schema(
+        examples_per_step=EXAMPLES,
+        rng_words=2,
+        metrics=(("loss", "loss"), ("grad_norm", "backward"), ("lr", "update"), ("param_norm", "update")),
+        tensors=tensors,
+        example_metrics=("loss",) if layer else (),
+    )
+
+
+def make_record(schema: Schema, step: int, seed: int = 0, layer_every: int = 3) -> StepRecord:
+    rng = np.random.default_rng([seed, step])
+    layer = bool(schema.tensors) and step % layer_every == 0
+    n = len(schema.tensors)
+    return StepRecord(
+        step=step,
+        rng=rng.integers(0, 2**32, schema.rng_words, dtype=np.uint32),
+        batch_hash=int(rng.integers(0, 2**63)) * 2 + 1,
+        example_hashes=rng.integers(0, 2**64 - 1, schema.examples_per_step, dtype=np.uint64, endpoint=True),
+        metrics=rng.standard_normal(len(schema.metrics)).astype(np.float32),
+        fingerprints=rng.integers(0, 2**64 - 1, n, dtype=np.uint64, endpoint=True) if layer else None,
+        rms=rng.random(n).astype(np.float32) if layer else None,
+        example_metrics=rng.random((len(schema.example_metrics), schema.examples_per_step)).astype(np.float32)
+        if layer and schema.example_metrics else None,
+    )

@@ -1,0 +1,162 @@
+"""Round trip, random access, resume-append, duplicate/gap refusal, lock and status."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from traces import (
+    Run, RunLockedError, Schema, SchemaError, StepOrderError, StepRecord, TraceReader, TraceWriter,
+    decode_record, encode_record, same_bits,
+)
+from tests.traces.helpers import make_record, make_schema
+
+
+def write_run(path, n, schema=None, segment_records=7, finish=True, start=0):
+    schema = schema or make_schema()
+    run = Run.create(path, schema, {"config": {"name": "test"}})
+    w = run.writer(segment_records=segment_records)
+    for k in range(start, start + n):
+        assert w.append(make_record(schema, k)) is True
+    run.finish() if finish else run.close()
+    return schema
+
+
+def test_every_field_round_trips_bit_exactly():
+    schema = make_schema()
+    for step in range(6):  # covers records with and without the layer group
+        rec = make_record(schema, step)
+        rec = dataclasses.replace(rec, metrics=np.array([np.nan, -0.0, np.inf, 1e-45], np.float32))
+        back = decode_record(schema, encode_record(schema, rec))
+        assert back.step == rec.step and back.batch_hash == rec.batch_hash
+        for name in ("rng", "example_hashes", "metrics", "fingerprints", "rms", "example_metrics"):
+            a, b = getattr(rec, name), getattr(back, name)
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), name
+        assert same_bits(schema, rec, back)
+
+
+def test_same_bits_sees_a_one_ulp_metric_change_and_a_sign_of_zero():
+    schema = make_schema()
+    rec = make_record(schema, 0)
+    bumped = rec.metrics.copy()
+    bumped.view(np.uint32)[0] += 1
+    assert not same_bits(schema, rec, dataclasses.replace(rec, metrics=bumped))
+    zero = dataclasses.replace(rec, metrics=np.array([0.0, 0, 0, 0], np.float32))
+    negzero = dataclasses.replace(rec, metrics=np.array([-0.0, 0, 0, 0], np.float32))
+    assert not same_bits(schema, zero, negzero)
+
+
+def test_record_that_does_not_fit_the_schema_is_refused():
+    schema = make_schema()
+    rec = make_record(schema, 1)
+    with pytest.raises(SchemaError, match="example_hashes"):
+        encode_record(schema, dataclasses.replace(rec, example_hashes=rec.example_hashes[:3]))
+    with pytest.raises(SchemaError, match="metrics"):
+        encode_record(schema, dataclasses.replace(rec, metrics=rec.metrics.astype(np.float64)))
+    with pytest.raises(SchemaError):
+        Schema(examples_per_step=1, rng_words=2, metrics=(("loss", "nonsense"),))
+
+
+def test_run_round_trip_random_access_across_segments(tmp_path):
+    schema = write_run(tmp_path / "run", 50)
+    run = Run.open(tmp_path / "run")
+    assert run.status == "complete" and run.recorded_end == 50
+    trace = run.trace
+    assert (trace.start, trace.end, trace.damage) == (0, 50, [])
+    assert len(list((tmp_path / "run" / "trace").glob("*.seg"))) == 8
+    order = np.random.default_rng(1).permutation(50)
+    for step in order:
+        assert same_bits(schema, trace.read(int(step)), make_record(schema, int(step)))
+    assert [r.step for r in trace.records(10, 13)] == [10, 11, 12]
+    with pytest.raises(IndexError):
+        trace.read(50)
+
+
+def test_random_access_reads_only_the_segment_it_needs(tmp_path, monkeypatch):
+    write_run(tmp_path / "run", 50)
+    trace = Run.open(tmp_path / "run").trace
+    opened = []
+    real = type(tmp_path).read_bytes
+    monkeypatch.setattr(type(tmp_path), "read_bytes", lambda p: opened.append(p.name) or real(p))
+    trace.read(23)
+    assert opened == ["000000000021.seg"]
+
+
+def test_resume_appends_without_gap_and_accepts_identical_rewrites(tmp_path):
+    schema = write_run(tmp_path / "run", 20, finish=False)
+    run = Run.resume(tmp_path / "run")
+    w = run.writer(segment_records=7)
+    assert w.next_step == 20
+    # A resumed trainer restarts from its last checkpoint and re-records steps 15..19.
+    assert [w.append(make_record(schema, k)) for k in range(15, 25)] == [False] * 5 + [True] * 5
+    run.finish()
+    trace = Run.open(tmp_path / "run").trace
+    assert (trace.start, trace.end) == (0, 25)
+    assert all(same_bits(schema, trace.read(k), make_record(schema, k)) for k in range(25))
+
+
+def test_rewrite_of_a_step_with_different_content_is_refused(tmp_path):
+    schema = write_run(tmp_path / "run", 10, finish=False)
+    run = Run.resume(tmp_path / "run")
+    w = run.writer()
+    other = make_record(schema, 4, seed=99)
+    with pytest.raises(StepOrderError, match="step 4 is already recorded with different content"):
+        w.append(other)
+    with pytest.raises(StepOrderError, match="gap"):
+        w.append(make_record(schema, 12))
+    run.close()
+    assert same_bits(schema, Run.open(tmp_path / "run").trace.read(4), make_record(schema, 4))
+
+
+def test_a_second_writer_is_refused_and_status_tells_running_from_crashed(tmp_path):
+    schema = make_schema()
+    run = Run.create(tmp_path / "run", schema, {})
+    run.writer().append(make_record(schema, 0))
+    with pytest.raises(RunLockedError, match=r"is being written by pid \d+"):
+        Run.resume(tmp_path / "run")
+    assert Run.open(tmp_path / "run").status == "running"
+    run.close()
+    assert Run.open(tmp_path / "run").status == "crashed"
+    Run.resume(tmp_path / "run").finish()
+    assert Run.open(tmp_path / "run").status == "complete"
+
+
+def test_create_refuses_a_non_empty_directory(tmp_path):
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "file").write_text("keep me")
+    with pytest.raises(Exception, match="not empty"):
+        Run.create(tmp_path / "x", make_schema(), {})
+    assert (tmp_path / "x" / "file").read_text() == "keep me"
+
+
+def test_trace_may_start_at_any_step(tmp_path):
+    schema = make_schema(layer=False)
+    w = TraceWriter(tmp_path / "t", schema, segment_records=4)
+    for k in range(10, 21):
+        w.append(make_record(schema, k))
+    w.close()
+    r = TraceReader(tmp_path / "t", schema)
+    assert (r.start, r.end) == (10, 21)
+    with pytest.raises(StepOrderError, match="before the first recorded step"):
+        TraceWriter(tmp_path / "t", schema).append(make_record(schema, 3))
+
+
+def test_segment_of_a_different_schema_is_refused(tmp_path):
+    schema = write_run(tmp_path / "run", 5)
+    other = dataclasses.replace(schema, rng_words=4)
+    with pytest.raises(SchemaError, match="different schema"):
+        TraceReader(tmp_path / "run" / "trace", other)
+
+
+def test_step_level_record_is_small(tmp_path):
+    schema = make_schema(layer=False)
+    w = TraceWriter(tmp_path / "t", schema)
+    for k in range(1000):
+        w.append(make_record(schema, k))
+    w.close()
+    size = sum(p.stat().st_size for p in (tmp_path / "t").iterdir())
+    assert size / 1000 <= 200

@@ -1,0 +1,26 @@
+"""`traces` must import and work where JAX is not installed."""
+
+import subprocess
+import sys
+
+BLOCK_JAX = r"""
+import sys
+class NoJax:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("jax", "jaxlib", "flax", "optax", "orbax"):
+            raise ImportError(f"{name} is blocked for this test")
+sys.meta_path.insert(0, NoJax())
+import traces, traces.fingerprint, traces.compare, traces.run
+import numpy as np
+print(traces.FORMAT_VERSION, traces.fingerprint.fingerprint(np.arange(5, dtype=np.float32)) > 0)
+assert not any(m.split(".")[0] in ("jax", "jaxlib") for m in sys.modules)
+try:
+    import jax
+except ImportError:
+    print("jax blocked")
+"""
+
+
+def test_traces_imports_without_jax():
+    out = subprocess.run([sys.executable, "-c", BLOCK_JAX], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["1", "True", "jax", "blocked"]

@@ -1,0 +1,231 @@
+"""`replay show RUN`: what a run holds, whether it finished, and its last metrics.
+
+Read-only: it never writes to the run directory (a crashed run stays exactly as it was, so
+`replay train --resume` can repair it later). `summarize` builds the report as plain data;
+`show` prints it as tables or as one JSON object and sets the exit code:
+
+  0  a complete (or still running) run whose trace reads cleanly
+  2  bad input: no such run, not a run, newer format, or a crashed or damaged run
+     (for a crashed or damaged run the summary is still printed, then one error line)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import numpy as np
+import typer
+
+import traces
+from replay.cli import console
+
+# Config fields worth a line in the human summary, when the manifest's config has them.
+CONFIG_KEYS = (
+    "preset", "seed", "steps", "model.n_layers", "model.d_model", "model.dtype", "data.source",
+    "data.global_batch_size", "mesh.mesh_invariant", "trace.level",
+)
+MAX_DETAIL_ROWS = 12  # environment/data entries shown before "... see --json"
+MAX_LISTED_CHECKPOINTS = 12
+
+
+def register(app: typer.Typer) -> None:
+    app.command("show")(show)
+
+
+def show(
+    run: Annotated[Path, typer.Argument(metavar="RUN", help="The run directory (what `replay train --out` wrote).", show_default=False)],
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of tables.")] = False,
+    verify: Annotated[
+        bool, typer.Option("--verify", help="Check every record's checksum (reads the whole trace), not only the tail.")
+    ] = False,
+) -> None:
+    """Show a run: manifest summary, step range, completeness, checkpoints and last metrics."""
+    summary = summarize(run, verify=verify)
+    if json_out:
+        console.print_json(summary)
+    else:
+        render(summary)
+    for note in summary["notes"]:
+        console.status(note)
+    for warning in summary["warnings"]:
+        console.warn(warning)
+    if summary["problem"]:
+        console.fail(summary["problem"])
+
+
+# ------------------------------------------------------------------------------ the data
+
+
+def summarize(path: str | Path, verify: bool = False) -> dict[str, Any]:
+    """Everything `show` reports, as JSON-ready data. Raises traces.TraceError on bad input."""
+    run = traces.Run.open(path)
+    manifest = run.manifest
+    schema = run.schema
+    reader = run.trace
+    damage = reader.verify() if verify else list(reader.damage)
+    status = run.status
+
+    last = None
+    if len(reader):
+        try:
+            rec = reader.read(reader.end - 1)
+            last = {"step": rec.step, "metrics": _metric_values(schema, rec.metrics)}
+        except traces.TraceCorruptError as e:
+            damage.append(traces.Damage(e.path or str(reader.dir), 0, e.step, str(e).split(": ", 1)[-1]))
+
+    summary: dict[str, Any] = {
+        "path": str(path),
+        "format_version": manifest["format_version"],
+        "status": status,
+        "steps": {
+            "start": reader.start,
+            "end": reader.end,  # exclusive
+            "last": reader.end - 1 if len(reader) else None,
+            "count": len(reader),
+        },
+        "schema": {
+            "examples_per_step": schema.examples_per_step,
+            "rng_words": schema.rng_words,
+            "metric_dtype": schema.metric_dtype,
+            "metrics": list(schema.metric_names),
+            "tensors": len(schema.tensors),
+            "example_metrics": list(schema.example_metrics),
+        },
+        "checkpoints": _checkpoint_steps(manifest.get("checkpoints")),
+        "config": manifest.get("config"),
+        "environment": manifest.get("environment"),
+        "data": manifest.get("data"),
+        "program_hash": manifest.get("program_hash"),
+        "damage": [
+            {"path": d.path, "offset": d.offset, "step": d.step, "reason": d.reason, "message": str(d)} for d in damage
+        ],
+        "verified": verify,
+        "last_metrics": last,
+    }
+    summary.update(_verdict(summary, damage, reader.tail))
+    return summary
+
+
+def _metric_values(schema: traces.Schema, values: np.ndarray) -> list[dict[str, Any]]:
+    """Each metric's exact value: shortest repr that round-trips its dtype, and its bits."""
+    bits = values.view(np.uint32 if values.dtype.itemsize == 4 else np.uint64)
+    width = values.dtype.itemsize * 2
+    out = []
+    for name, v, b in zip(schema.metric_names, values, bits):
+        out.append(
+            {
+                "name": name,
+                "value": float(v) if np.isfinite(v) else None,  # JSON has no NaN/inf
+                "repr": str(v),  # numpy's shortest round-trip repr of the stored dtype: 'nan', '-0.0', '2.3025851'
+                "bits": f"0x{int(b):0{width}x}",
+            }
+        )
+    return out
+
+
+def _checkpoint_steps(value: Any) -> list[int]:
+    if not isinstance(value, list):
+        return []
+    steps = []
+    for item in value:
+        step = item.get("step") if isinstance(item, dict) else item
+        if isinstance(step, int):
+            steps.append(step)
+    return sorted(steps)
+
+
+def _verdict(summary: dict, damage: list[traces.Damage], tail: tuple[Path, int] | None) -> dict[str, Any]:
+    """`problem`: the one error line (exit 2) or None; `warnings` and `notes`: extra lines."""
+    path, status, steps = summary["path"], summary["status"], summary["steps"]
+    readable = f"steps {steps['start']}..{steps['last']} are readable" if steps["count"] else "no step is readable"
+    warnings = [str(d) for d in damage]
+    notes: list[str] = []
+    problem = None
+    if status == "crashed":
+        where = "before recording any step" if not steps["count"] else f"after step {steps['last']}"
+        detail = readable
+        if len(damage) == 1 and tail is not None and damage[0].path == str(tail[0]):
+            d = damage[0]
+            detail += f"; the damaged tail at {d.path} byte {d.offset} ({d.reason}) is dropped on resume"
+            warnings = []
+        problem = (
+            f"{path}: run crashed {where}: it is incomplete and no writer is running; {detail}. "
+            f"Resume it with `replay train --resume {path}`"
+        )
+    elif damage and status == "complete":
+        problem = (
+            f"{path}: the trace of this complete run is damaged ({damage[0]}); {readable}. "
+            f"Restore the run's files from a copy, or record it again"
+        )
+        warnings = warnings[1:]
+    elif status == "running":
+        notes.append(f"{path}: a live process is writing this run; this is a snapshot of the steps recorded so far")
+        if damage:  # a record being written right now looks like a torn tail
+            notes.extend(f"(expected while it writes) {w}" for w in warnings)
+            warnings = []
+    return {"problem": problem, "warnings": warnings, "notes": notes}
+
+
+# ------------------------------------------------------------------------------ for people
+
+
+def render(s: dict[str, Any]) -> None:
+    steps, schema = s["steps"], s["schema"]
+    status_style = {"complete": "green", "running": "cyan", "crashed": "bold red"}.get(s["status"], "")
+    rows: list[tuple[str, Any]] = [
+        ("status", console.styled(s["status"] + (" (damaged)" if s["damage"] and s["status"] == "complete" else ""),
+                                status_style)),
+        ("format_version", s["format_version"]),
+        ("steps", f"{steps['start']}..{steps['last']} ({steps['count']} steps)" if steps["count"] else "none recorded"),
+        ("checkpoints", _list_steps(s["checkpoints"]) if s["checkpoints"] else "none"),
+        ("examples per step", schema["examples_per_step"]),
+        ("metrics", f"{', '.join(schema['metrics'])} ({schema['metric_dtype']})"),
+        ("fingerprinted tensors", schema["tensors"]),
+    ]
+    if s["program_hash"] is not None:
+        rows.append(("program hash", s["program_hash"]))
+    if isinstance(s["config"], dict):
+        flat = _flatten(s["config"])
+        rows += [(f"config.{k}", _fmt(flat[k])) for k in CONFIG_KEYS if k in flat]
+    for section in ("environment", "data"):
+        if isinstance(s[section], dict):
+            flat = _flatten(s[section])
+            shown = list(flat.items())[:MAX_DETAIL_ROWS]
+            rows += [(f"{section}.{k}", _fmt(v)) for k, v in shown]
+            if len(flat) > len(shown):
+                rows.append((f"{section}", f"... {len(flat) - len(shown)} more (see --json)"))
+    console.print_table(rows, title=f"run {s['path']}")
+
+    last = s["last_metrics"]
+    if last:
+        console.print_table(
+            [(m["name"], m["repr"], m["bits"]) for m in last["metrics"]],
+            columns=["metric", "value", "bits"],
+            title=f"last metrics (step {last['step']})",
+            justify=["left", "right", "left"],
+        )
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, list):
+        return ", ".join(map(str, v))
+    return str(v)
+
+
+def _list_steps(steps: list[int]) -> str:
+    if len(steps) <= MAX_LISTED_CHECKPOINTS:
+        return ", ".join(map(str, steps))
+    half = MAX_LISTED_CHECKPOINTS // 2
+    return ", ".join(map(str, steps[:half])) + f", ... ({len(steps) - 2 * half} more), " + ", ".join(map(str, steps[-half:]))

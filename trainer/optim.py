@@ -1,0 +1,45 @@
+"""AdamW with linear warmup, cosine decay and global-norm clipping (optax)."""
+
+from __future__ import annotations
+
+import optax
+
+from trainer.config import OptimizerConfig
+
+
+def lr_schedule(cfg: OptimizerConfig) -> optax.Schedule:
+    """Linear warmup from 0 to `lr`, cosine down to `lr * min_lr_ratio` at `decay_steps`, then flat.
+
+    decay_steps is explicit (not the run's length) so that extending a run on resume
+    keeps the schedule of the steps already taken.
+    """
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=cfg.lr,
+        warmup_steps=cfg.warmup_steps,
+        decay_steps=cfg.decay_steps,
+        end_value=cfg.lr * cfg.min_lr_ratio,
+    )
+
+
+def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
+    # Weight decay skips 1-D parameters (norm scales), as OLMo and most LM trainers do.
+    def decay_mask(params):
+        import jax
+
+        return jax.tree.map(lambda p: p.ndim > 1, params)
+
+    # inject_hyperparams keeps the learning rate each update used in the optimizer state, so
+    # the step records the rate that was applied, not one recomputed beside it.
+    adamw = optax.inject_hyperparams(optax.adamw)(
+        learning_rate=lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+        weight_decay=cfg.weight_decay, mask=decay_mask,
+    )
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw) if cfg.grad_clip > 0 else adamw
+
+
+def applied_lr(opt_state) -> "jax.Array":
+    """The learning rate the last update used (kept in the state by inject_hyperparams)."""
+    import jax
+
+    return optax.tree_utils.tree_get(opt_state, "learning_rate", filtering=lambda _, v: isinstance(v, jax.Array))

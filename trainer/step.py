@@ -1,0 +1,142 @@
+"""The train step: `train_step(state, batch) -> (state, metrics)`, a pure function.
+
+`compile_step` is the one place it is jitted. What a step records depends on the level:
+
+    off    the training outputs only (loss, for the progress bar)
+    step   + loss, z-loss, grad norm, lr, param norm, per-example loss, the step's RNG key words
+    layer  + a 64-bit fingerprint and the RMS of: the parameters and optimizer state entering
+           the step (state), every layer's forward output (forward, execution order), every
+           gradient leaf (backward, in the order backprop computes them: last layer first),
+           every parameter leaf after the update (update, execution order)
+
+Fingerprints only read the bits of tensors the step computes anyway; training results are
+identical at every level (tested), so recording can be switched on for any run.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from trainer import model, rng
+from trainer.config import Config
+from trainer.fingerprint import fingerprint_lanes
+from trainer.optim import applied_lr, make_optimizer
+
+LEVELS = ("off", "step", "layer")
+# (name, causal kind) of the scalar metrics, in the order a record stores them.
+METRICS = (("loss", "loss"), ("z_loss", "loss"), ("grad_norm", "backward"), ("lr", "update"), ("param_norm", "update"))
+
+
+class TrainState(NamedTuple):
+    step: jax.Array  # int32 scalar: steps taken so far; the next step is this one
+    params: Any  # model parameters (nested dict, see trainer/model.py)
+    opt_state: Any  # optax AdamW state
+    key: jax.Array  # uint32[2]: raw words of the dropout base key (raw, so checkpoints store it as is)
+
+
+def init_state(cfg: Config) -> TrainState:
+    """The state before step 0: a pure function of the config (and so of the root seed)."""
+    params = model.init_params(cfg.model, rng.init_key(cfg.seed))
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=make_optimizer(cfg.optimizer).init(params),
+        key=jax.random.key_data(rng.dropout_key(cfg.seed)),
+    )
+
+
+def get_path(tree: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        tree = tree[part]
+    return tree
+
+
+def tensor_schema(cfg: Config) -> tuple[tuple[str, str], ...]:
+    """(name, kind) of every tensor a layer-level record fingerprints, in causal order."""
+    names = model.param_names(cfg.model)
+    return (
+        (("state/params", "state"), ("state/opt_state", "state"))
+        + tuple((name, "forward") for name in model.layer_names(cfg.model))
+        + tuple((f"grad/{name}", "backward") for name in reversed(names))
+        + tuple((f"param/{name}", "update") for name in names)
+    )
+
+
+def _tree_lanes(leaves: list[jax.Array]) -> jax.Array:
+    # A pytree's fingerprint is the fingerprint of its leaves' lanes stacked in order, so the
+    # numpy reference can recompute it from per-leaf fingerprints.
+    return fingerprint_lanes(jnp.stack([fingerprint_lanes(x) for x in leaves]))
+
+
+def _rms(x: jax.Array) -> jax.Array:
+    return jnp.sqrt(jnp.mean(jnp.square(x.astype(jnp.float32))))
+
+
+def _tree_rms(leaves: list[jax.Array]) -> jax.Array:
+    total = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves)
+    return jnp.sqrt(total / sum(x.size for x in leaves))
+
+
+def loss_fn(params: Any, cfg: Config, inputs_BxL: jax.Array, targets_BxL: jax.Array, key: jax.Array | None,
+            capture: bool) -> tuple[jax.Array, dict]:
+    """Mean next-token cross-entropy (+ z-loss); aux holds per-example loss and captured layers."""
+    dropout_key = key if cfg.model.dropout > 0 else None
+    out = model.apply(cfg.model, params, inputs_BxL, dropout_key=dropout_key, capture=capture)
+    logits_BxLxV, layers = out if capture else (out, {})
+    logz_BxL = jax.nn.logsumexp(logits_BxLxV, axis=-1)
+    target_logit_BxL = jnp.take_along_axis(logits_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
+    ce_B = jnp.mean(logz_BxL - target_logit_BxL, axis=-1)
+    z_loss = cfg.optimizer.z_loss * jnp.mean(jnp.square(logz_BxL))
+    loss = jnp.mean(ce_B)
+    return loss + z_loss, {"loss": loss, "z_loss": z_loss, "example_loss": ce_B, "layers": layers}
+
+
+def train_step(state: TrainState, batch: dict, *, cfg: Config, level: str = "step") -> tuple[TrainState, dict]:
+    """One optimizer step on `batch` ({"inputs": int32[B, L], "targets": int32[B, L]})."""
+    step_key = rng.step_key(jax.random.wrap_key_data(state.key, impl="threefry2x32"), state.step)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    (_, aux), grads = grad_fn(state.params, cfg, batch["inputs"], batch["targets"], step_key, level == "layer")
+    optimizer = make_optimizer(cfg.optimizer)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    new_state = TrainState(state.step + 1, params, opt_state, state.key)
+    metrics = {"loss": aux["loss"]}
+    if level == "off":
+        return new_state, metrics
+    metrics.update(
+        z_loss=aux["z_loss"],
+        grad_norm=optax.global_norm(grads),
+        lr=jnp.asarray(applied_lr(opt_state), jnp.float32),
+        param_norm=optax.global_norm(params),
+        example_loss=aux["example_loss"],
+        rng=rng.key_words(step_key),
+    )
+    if level == "layer":
+        names = model.param_names(cfg.model)
+        before = [get_path(state.params, n) for n in names]
+        opt_leaves = jax.tree.leaves(state.opt_state)
+        tensors = (
+            [(_tree_lanes(before), _tree_rms(before)), (_tree_lanes(opt_leaves), _tree_rms(opt_leaves))]
+            + [(fingerprint_lanes(x), _rms(x)) for x in (aux["layers"][n] for n in model.layer_names(cfg.model))]
+            + [(fingerprint_lanes(x), _rms(x)) for x in (get_path(grads, n) for n in reversed(names))]
+            + [(fingerprint_lanes(x), _rms(x)) for x in (get_path(params, n) for n in names)]
+        )
+        metrics["fingerprints"] = jnp.stack([lanes for lanes, _ in tensors])
+        metrics["rms"] = jnp.stack([r for _, r in tensors])
+    return new_state, metrics
+
+
+def compile_step(cfg: Config, level: str, state_sharding: Any = None, batch_sharding: Any = None):
+    """The jitted train step (the one place it is jitted). Shardings None = let jit decide."""
+    if level not in LEVELS:
+        raise ValueError(f"trace level {level!r} is not one of {LEVELS}")
+    fn = functools.partial(train_step, cfg=cfg, level=level)
+    if state_sharding is None:
+        return jax.jit(fn, donate_argnums=0)
+    return jax.jit(fn, in_shardings=(state_sharding, batch_sharding), out_shardings=(state_sharding, None),
+                   donate_argnums=0)

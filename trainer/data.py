@@ -1,0 +1,351 @@
+"""The deterministic data source: token sources and batches by step.
+
+The batch at step k is a pure function of (token source, data seed, k, global batch
+size). Nothing here holds iterator state or looks at devices, so a resumed run, a
+replay on a workstation and a run on a different number of hosts all read the same
+examples in the same global order. Each host loads only its contiguous slice of
+the global batch; concatenating the hosts' slices in process order gives the batch a
+single host would load.
+
+Layout: a source is a flat stream of token ids. Example e is the window
+tokens[e*(L+1) : (e+1)*(L+1)] for seq_len L (inputs are the first L tokens,
+targets the last L), so examples never overlap and n_examples = n_tokens // (L+1).
+Global example slot g = k*B + j lives in epoch g // n_examples at position
+g % n_examples, and its id is that epoch's permutation at that position; a batch
+that crosses an epoch boundary therefore takes the end of one permutation and the
+start of the next.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gzip
+import os
+from importlib import resources
+from typing import NamedTuple
+
+import numpy as np
+import xxhash
+
+from trainer import tokenizer
+
+# Little-endian explicitly: a file written on one machine must read (and hash) the
+# same on any other.
+DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+EMBEDDED_PREFIX = "embedded:"
+EMBEDDED_DEFAULT = "embedded:default"
+_EMBEDDED_FILES = {"default": "default.txt.gz"}
+
+# Domain tag mixed into every permutation seed, so the data order can never equal
+# the stream of another component that happens to use the same integer seed.
+_PERMUTATION_TAG = xxhash.xxh3_64_intdigest(b"replay.data.epoch_permutation.v1")
+_FINGERPRINT_TAG = b"replay.data.tokens.v1\0"
+_BATCH_HASH_TAG = xxhash.xxh3_64_intdigest(b"replay.data.batch_hash.v1")
+# Scans of big memmaps go in chunks so validation never allocates a full-size mask.
+_SCAN_CHUNK = 1 << 24
+
+
+class DataError(ValueError):
+    """A user-facing problem with the data: the message says what to do."""
+
+
+# --------------------------------------------------------------------------- sources
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TokenSource:
+    """A flat stream of token ids (a read-only memmap for files)."""
+
+    kind: str  # "file" or "embedded"
+    path: str  # file path, or "embedded:NAME"
+    dtype: str  # "uint16" or "uint32"
+    tokens: np.ndarray
+    declared_vocab_size: int | None = None
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @functools.cached_property
+    def max_id(self) -> int:
+        return max(int(chunk.max()) for _, chunk in _chunks(self.tokens))
+
+    @property
+    def vocab_size(self) -> int:
+        """The declared vocab, else the smallest one that covers every id in the source."""
+        if self.declared_vocab_size is not None:
+            return self.declared_vocab_size
+        return self.max_id + 1
+
+    @functools.cached_property
+    def _fingerprint(self) -> str:
+        # The dtype and length are in the digest: the same bytes read as uint16 or
+        # uint32 are a different token stream.
+        h = xxhash.xxh3_128(_FINGERPRINT_TAG)
+        h.update(f"{self.dtype}:{self.n_tokens}\0".encode())
+        for _, chunk in _chunks(self.tokens):
+            h.update(np.ascontiguousarray(chunk))
+        return h.hexdigest()
+
+    def fingerprint(self) -> str:
+        """xxh3_128 hex of the token bytes, dtype and length (computed once)."""
+        return self._fingerprint
+
+    def describe(self) -> dict:
+        """What the run manifest records about the data."""
+        return {
+            "kind": self.kind,
+            "path": self.path,
+            "dtype": self.dtype,
+            "n_tokens": self.n_tokens,
+            "fingerprint": self.fingerprint(),
+        }
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise DataError if any id would index past a model vocab of `vocab_size`."""
+        if self.max_id < vocab_size:
+            return
+        for start, chunk in _chunks(self.tokens):
+            bad = np.flatnonzero(chunk >= vocab_size)
+            if bad.size:
+                pos = start + int(bad[0])
+                raise DataError(
+                    f"{self.path}: token id {int(chunk[bad[0]])} at position {pos} is >= the "
+                    f"model's vocab_size {vocab_size} (max id in the source is {self.max_id}); "
+                    f"set vocab_size to at least {self.max_id + 1} or re-tokenize the data"
+                )
+
+
+def open_source(spec: str, dtype: str = "uint16", vocab_size: int | None = None) -> TokenSource:
+    """A token source from "embedded:NAME" or a flat token file path.
+
+    With `vocab_size`, the source is validated against it at once, so a wrong
+    vocabulary fails before any compile or step instead of as silent garbage.
+    """
+    spec = os.fspath(spec)
+    if spec.startswith(EMBEDDED_PREFIX):
+        source = _open_embedded(spec[len(EMBEDDED_PREFIX) :], vocab_size)
+    else:
+        source = _open_file(spec, dtype, vocab_size)
+    if vocab_size is not None:
+        source.validate(vocab_size)
+    return source
+
+
+def _open_file(path: str, dtype: str, vocab_size: int | None) -> TokenSource:
+    if dtype not in DTYPES:
+        raise DataError(f"unknown token dtype {dtype!r} for {path}; use one of {sorted(DTYPES)}")
+    if not os.path.isfile(path):
+        raise DataError(
+            f"token file not found: {path}; pass an existing flat token file "
+            f"(raw uint16/uint32 memmap) or {EMBEDDED_DEFAULT!r}"
+        )
+    np_dtype = DTYPES[dtype]
+    size = os.path.getsize(path)
+    if size == 0:
+        raise DataError(f"token file {path} is empty; write tokens to it or use {EMBEDDED_DEFAULT!r}")
+    if size % np_dtype.itemsize:
+        raise DataError(
+            f"token file {path} has {size} bytes, not a multiple of {np_dtype.itemsize} "
+            f"({dtype}); the file is truncated or its dtype is not {dtype}"
+        )
+    tokens = np.memmap(path, dtype=np_dtype, mode="r")
+    return TokenSource("file", path, dtype, tokens, vocab_size)
+
+
+def _open_embedded(name: str, vocab_size: int | None) -> TokenSource:
+    if name not in _EMBEDDED_FILES:
+        raise DataError(
+            f"unknown embedded corpus {EMBEDDED_PREFIX}{name}; available: "
+            + ", ".join(EMBEDDED_PREFIX + n for n in sorted(_EMBEDDED_FILES))
+        )
+    return TokenSource(
+        "embedded", EMBEDDED_PREFIX + name, "uint16", _embedded_tokens(name),
+        vocab_size if vocab_size is not None else tokenizer.VOCAB_SIZE,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _embedded_tokens(name: str) -> np.ndarray:
+    blob = resources.files("trainer").joinpath("corpus", _EMBEDDED_FILES[name]).read_bytes()
+    tokens = tokenizer.encode(gzip.decompress(blob).decode("utf-8")).astype(DTYPES["uint16"])
+    tokens.setflags(write=False)  # shared by every source opened in this process
+    return tokens
+
+
+def write_token_file(path: str, tokens, dtype: str = "uint16") -> None:
+    """Write ids as a raw little-endian token file, atomically (temp file + rename)."""
+    if dtype not in DTYPES:
+        raise DataError(f"unknown token dtype {dtype!r}; use one of {sorted(DTYPES)}")
+    ids = np.asarray(tokens).reshape(-1)
+    limit = np.iinfo(DTYPES[dtype]).max
+    if ids.size and (ids.min() < 0 or ids.max() > limit):
+        raise DataError(f"token ids span [{ids.min()}, {ids.max()}], which {dtype} cannot hold")
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(ids.astype(DTYPES[dtype]).tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _chunks(tokens: np.ndarray):
+    for start in range(0, tokens.shape[0], _SCAN_CHUNK):
+        yield start, tokens[start : start + _SCAN_CHUNK]
+
+
+# --------------------------------------------------------------------------- order
+
+
+def _check_nonneg_int(name: str, value) -> int:
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 0:
+        return int(value)
+    raise DataError(f"{name} must be a non-negative integer, got {value!r}")
+
+
+@functools.lru_cache(maxsize=8)
+def epoch_permutation(n_examples: int, data_seed: int, epoch: int) -> np.ndarray:
+    """The order of examples in `epoch`: a permutation of range(n_examples), int64.
+
+    Seeded by name from (tag, data_seed, epoch), never a library default, so it is the
+    same in every process. Memory is 8 bytes per example (a few million examples is
+    tens of MB); a source with billions of examples would need a lazy permutation.
+    NumPy does not promise Generator streams across versions; the golden test pins
+    it so a change shows up as a failing test, not as silently different data.
+    """
+    seq = np.random.SeedSequence([_PERMUTATION_TAG, int(data_seed), int(epoch)])
+    perm = np.random.Generator(np.random.PCG64(seq)).permutation(n_examples)
+    perm.setflags(write=False)  # cached and shared
+    return perm
+
+
+def example_ids(n_examples: int, data_seed: int, step: int, global_batch: int) -> np.ndarray:
+    """Global example ids of the batch at `step`, in global order: int64 (B,)."""
+    n_examples = _check_nonneg_int("n_examples", n_examples)
+    data_seed = _check_nonneg_int("data_seed", data_seed)
+    step = _check_nonneg_int("step", step)
+    global_batch = _check_nonneg_int("global_batch", global_batch)
+    if global_batch == 0:
+        raise DataError("global_batch must be at least 1")
+    if n_examples < global_batch:
+        # A batch would hold some example twice; also keeps a batch within 2 epochs.
+        raise DataError(f"{n_examples} examples is fewer than one global batch of {global_batch}")
+    slots_B = step * global_batch + np.arange(global_batch, dtype=np.int64)
+    epochs_B, positions_B = np.divmod(slots_B, n_examples)
+    ids_B = np.empty(global_batch, dtype=np.int64)
+    for epoch in np.unique(epochs_B):
+        mask = epochs_B == epoch
+        ids_B[mask] = epoch_permutation(n_examples, data_seed, int(epoch))[positions_B[mask]]
+    return ids_B
+
+
+def host_slice(global_batch: int, process_index: int, process_count: int) -> slice:
+    """The contiguous positions of the global batch that this process loads."""
+    if process_count < 1 or not 0 <= process_index < process_count:
+        raise DataError(f"process_index {process_index} is not in [0, {process_count})")
+    if global_batch % process_count:
+        raise DataError(
+            f"global batch {global_batch} does not split evenly over {process_count} processes; "
+            f"use a global batch that is a multiple of {process_count}"
+        )
+    per_host = global_batch // process_count
+    return slice(process_index * per_host, (process_index + 1) * per_host)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_batch(source: TokenSource, ids, seq_len: int) -> np.ndarray:
+    """Examples `ids` as int32 (B, seq_len + 1): each row is one window of the source."""
+    ids_B = np.asarray(ids, dtype=np.int64).reshape(-1)
+    width = seq_len + 1
+    n_examples = source.n_tokens // width
+    if ids_B.size and (ids_B.min() < 0 or ids_B.max() >= n_examples):
+        raise DataError(f"example ids must be in [0, {n_examples}) for {source.path}, got {ids_B}")
+    offsets_BxL1 = ids_B[:, None] * width + np.arange(width, dtype=np.int64)
+    return np.asarray(source.tokens[offsets_BxL1], dtype=np.int32)
+
+
+def example_hashes(tokens_BxL1: np.ndarray) -> np.ndarray:
+    """xxh3_64 of each example's bytes: uint64 (B,).
+
+    xxhash sees bytes only, so the dtype and row shape seed the hash: the same bytes
+    as another dtype or length must not collide.
+    """
+    rows = np.ascontiguousarray(tokens_BxL1)
+    rows = rows.astype(rows.dtype.newbyteorder("<"), copy=False)
+    seed = xxhash.xxh3_64_intdigest(f"{rows.dtype.name}{rows.shape[1:]}".encode())
+    return np.array([xxhash.xxh3_64_intdigest(row, seed=seed) for row in rows], dtype=np.uint64)
+
+
+def batch_hash(example_hashes_B: np.ndarray) -> int:
+    """One uint64 over the per-example hashes in global order, and their count."""
+    hashes = np.ascontiguousarray(example_hashes_B, dtype="<u8")
+    h = xxhash.xxh3_64(seed=_BATCH_HASH_TAG)
+    h.update(np.uint64(hashes.shape[0]).astype("<u8").tobytes())
+    h.update(hashes)
+    return h.intdigest()
+
+
+class Batch(NamedTuple):
+    inputs_BxL: np.ndarray  # int32, this host's rows
+    targets_BxL: np.ndarray  # int32, inputs shifted by one
+    example_hashes: np.ndarray  # uint64 (B_local,), of the (L+1)-token rows
+    ids: np.ndarray  # int64 (B_local,), global example ids
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Batcher:
+    """Batches by step for one process; changing process_count keeps every batch."""
+
+    source: TokenSource
+    seq_len: int
+    global_batch: int
+    data_seed: int
+    process_index: int = 0
+    process_count: int = 1
+
+    def __post_init__(self):
+        if self.seq_len < 1:
+            raise DataError(f"seq_len must be at least 1, got {self.seq_len}")
+        _check_nonneg_int("data_seed", self.data_seed)
+        if self.global_batch < 1:
+            raise DataError(f"global batch must be at least 1, got {self.global_batch}")
+        if self.n_examples < self.global_batch:
+            raise DataError(
+                f"{self.source.path} has {self.source.n_tokens} tokens = {self.n_examples} "
+                f"examples of seq_len+1={self.seq_len + 1}, fewer than one global batch of "
+                f"{self.global_batch}; use more data or a smaller global batch or seq_len"
+            )
+        host_slice(self.global_batch, self.process_index, self.process_count)
+
+    @property
+    def n_examples(self) -> int:
+        return self.source.n_tokens // (self.seq_len + 1)
+
+    @property
+    def local_slice(self) -> slice:
+        return host_slice(self.global_batch, self.process_index, self.process_count)
+
+    def global_ids(self, step: int) -> np.ndarray:
+        return example_ids(self.n_examples, self.data_seed, step, self.global_batch)
+
+    def batch_at(self, step: int) -> Batch:
+        """This process's slice of the batch at `step`."""
+        ids_B = self.global_ids(step)[self.local_slice]
+        tokens_BxL1 = load_batch(self.source, ids_B, self.seq_len)
+        return Batch(
+            np.ascontiguousarray(tokens_BxL1[:, :-1]),
+            np.ascontiguousarray(tokens_BxL1[:, 1:]),
+            example_hashes(tokens_BxL1),
+            ids_B,
+        )
+
+    def global_example_hashes(self, step: int) -> np.ndarray:
+        """Per-example hashes of the whole global batch, in global order.
+
+        Reads every host's rows from the source (B/P times this host's I/O), so any
+        process can record or check the global hashes without a collective.
+        """
+        return example_hashes(load_batch(self.source, self.global_ids(step), self.seq_len))

@@ -1,0 +1,404 @@
+"""Run configuration: frozen dataclasses nested by concern, presets, CLI overrides.
+
+A config is saved whole into the run manifest and compared on resume, so it must
+round-trip exactly through JSON (`to_dict` / `from_dict`) and never change after a run
+starts (frozen; `apply_overrides` returns a new object).
+
+There is one root seed (`Config.seed`). The init, data and dropout streams are derived
+from it by name elsewhere, so no section carries a seed of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A bad preset name, override or value; the message is one line meant for users."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    vocab_size: int = 320  # byte tokenizer: 256 bytes + specials, padded to a multiple of 64
+    d_model: int = 64  # residual stream width
+    n_layers: int = 2  # transformer blocks; traces name them block_00.. in this order
+    n_heads: int = 4  # query heads; head_dim = d_model // n_heads
+    n_kv_heads: int = 2  # key/value heads (< n_heads is GQA); must divide n_heads
+    d_ff: int = 192  # SwiGLU hidden width (about 8/3 * d_model, rounded for tiling)
+    seq_len: int = 32  # tokens per example fed to the model (data cuts seq_len + 1)
+    rope_theta: float = 10_000.0  # RoPE base; OLMo-2/3 use 500k for long context
+    dropout: float = 0.0  # on each residual branch; its key is passed in, never hidden
+    tied_embeddings: bool = False  # OLMo-2/3 untie; tying saves vocab * d_model params
+    qk_norm: bool = True  # OLMo-2 RMSNorm on q and k projections, for stability
+    norm_eps: float = 1e-6  # RMSNorm epsilon (OLMo-2 value)
+    init_std: float = 0.02  # every weight ~ N(0, init_std) truncated at 3 std, as OLMo-2
+    dtype: Literal["float32", "bfloat16"] = "float32"  # activations and matmul inputs
+    param_dtype: Literal["float32", "bfloat16"] = "float32"  # stored params (and optimizer)
+
+    def __post_init__(self) -> None:
+        _positive(self, "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
+                  "d_ff", "seq_len", "rope_theta", "norm_eps", "init_std")
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"model.d_model={self.d_model} must be divisible by "
+                              f"model.n_heads={self.n_heads}")
+        if (self.d_model // self.n_heads) % 2:
+            raise ConfigError(f"head_dim = d_model // n_heads = {self.d_model // self.n_heads}"
+                              " must be even for rotary embeddings")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(f"model.n_heads={self.n_heads} must be divisible by "
+                              f"model.n_kv_heads={self.n_kv_heads}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    source: str = "embedded:default"  # "embedded:NAME" (ships in the package) or a token file
+    token_dtype: Literal["uint16", "uint32"] = "uint16"  # element type of the flat token file
+    global_batch_size: int = 16  # examples per step over all hosts and devices
+
+    def __post_init__(self) -> None:
+        _positive(self, "global_batch_size")
+        if not self.source:
+            raise ConfigError("data.source must not be empty")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    lr: float = 1e-3  # peak learning rate, reached at the end of warmup
+    warmup_steps: int = 5  # linear warmup from 0
+    decay_steps: int = 20  # cosine end; apart from Config.steps so a longer resume keeps the schedule
+    min_lr_ratio: float = 0.1  # final lr as a fraction of peak; held after decay_steps
+    weight_decay: float = 0.1  # AdamW decoupled decay
+    b1: float = 0.9  # Adam first-moment decay
+    b2: float = 0.95  # Adam second-moment decay (0.95 as OLMo, steadier than 0.999 for LMs)
+    eps: float = 1e-8  # Adam denominator epsilon
+    grad_clip: float = 1.0  # global-norm clip; 0 disables
+    z_loss: float = 0.0  # coefficient of log(Z)^2, keeps logits from drifting; 0 disables
+
+    def __post_init__(self) -> None:
+        _positive(self, "lr", "decay_steps", "eps")
+        _non_negative(self, "warmup_steps", "min_lr_ratio", "weight_decay", "grad_clip", "z_loss")
+        if self.warmup_steps > self.decay_steps:
+            raise ConfigError(f"optimizer.warmup_steps={self.warmup_steps} must be <= "
+                              f"optimizer.decay_steps={self.decay_steps}")
+        if self.min_lr_ratio > 1.0:
+            raise ConfigError(f"optimizer.min_lr_ratio={self.min_lr_ratio} must be <= 1")
+        for name in ("b1", "b2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"optimizer.{name}={getattr(self, name)} must be in [0, 1)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+    data: int = -1  # data-parallel axis size; -1 = all devices the other axes leave
+    fsdp: int = 1  # axis params and optimizer state are sharded over; -1 = all remaining
+    mesh_invariant: bool = False  # fixed-order gradient reduction: same bits on any device count
+    n_microbatches: int = 1  # global microbatches in mesh-invariant mode (fixes the sum order)
+
+    def __post_init__(self) -> None:
+        for name in ("data", "fsdp"):
+            v = getattr(self, name)
+            if v != -1 and v < 1:
+                raise ConfigError(f"mesh.{name}={v} must be a positive size or -1")
+        if self.data == -1 and self.fsdp == -1:
+            raise ConfigError("at most one of mesh.data, mesh.fsdp may be -1")
+        _positive(self, "n_microbatches")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    every_steps: int = 10  # save every N steps (and always at the end); 0 = only at the end
+    keep: int = 3  # most recent checkpoints kept on disk; 0 = keep all
+
+    def __post_init__(self) -> None:
+        _non_negative(self, "every_steps", "keep")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TraceConfig:
+    level: Literal["off", "step", "layer"] = "layer"  # what each step records (trainer/step.py)
+    layer_every: int = 1  # level=layer: layer fingerprints every N steps; step fields every step
+
+    def __post_init__(self) -> None:
+        _positive(self, "layer_every")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    seed: int = 0  # the one root seed; init/data/dropout streams derive from it by name
+    steps: int = 20  # total training steps of the run
+    model: ModelConfig = field(default_factory=ModelConfig)  # architecture
+    data: DataConfig = field(default_factory=DataConfig)  # what is fed, in which order
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)  # AdamW and schedule
+    mesh: MeshConfig = field(default_factory=MeshConfig)  # device layout
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # orbax saves
+    trace: TraceConfig = field(default_factory=TraceConfig)  # what is recorded
+
+    def __post_init__(self) -> None:
+        if self.seed < 0:
+            raise ConfigError(f"seed={self.seed} must be >= 0")
+        _non_negative(self, "steps")
+        limit = _TOKEN_LIMIT[self.data.token_dtype]
+        if self.model.vocab_size > limit:
+            raise ConfigError(f"model.vocab_size={self.model.vocab_size} does not fit "
+                              f"data.token_dtype={self.data.token_dtype}; use uint32")
+
+
+_TOKEN_LIMIT = {"uint16": 2**16, "uint32": 2**32}
+SECTIONS: tuple[str, ...] = ("model", "data", "optimizer", "mesh", "checkpoint", "trace")
+
+
+def _positive(obj: Any, *names: str) -> None:
+    for name in names:
+        if not getattr(obj, name) > 0:
+            raise ConfigError(f"{_section_of(obj)}{name}={getattr(obj, name)} must be > 0")
+
+
+def _non_negative(obj: Any, *names: str) -> None:
+    for name in names:
+        if getattr(obj, name) < 0:
+            raise ConfigError(f"{_section_of(obj)}{name}={getattr(obj, name)} must be >= 0")
+
+
+def _section_of(obj: Any) -> str:
+    for section, cls in _SECTION_TYPES.items():
+        if type(obj) is cls:
+            return section + "."
+    return ""
+
+
+_SECTION_TYPES: dict[str, type] = {
+    "model": ModelConfig, "data": DataConfig, "optimizer": OptimizerConfig,
+    "mesh": MeshConfig, "checkpoint": CheckpointConfig, "trace": TraceConfig,
+}
+
+
+# ---------------------------------------------------------------------------- presets
+
+def _tiny() -> Config:
+    # Tests: compiles and steps in about a second on 2 CPU cores. GQA and dropout are on so
+    # that tests exercise those paths (and the dropout key actually matters). Batch 16, not
+    # 8: with one 32-token example per device XLA:CPU picks another matmul kernel for the
+    # small k/v projections and 1 vs 8 devices differ; from 2 examples per device the
+    # forward is bit-identical on 1, 2 and 8 devices (measured).
+    return Config(
+        seed=0, steps=20,
+        model=ModelConfig(dropout=0.1),
+        data=DataConfig(global_batch_size=16),
+        optimizer=OptimizerConfig(lr=1e-3, warmup_steps=5, decay_steps=20),
+        checkpoint=CheckpointConfig(every_steps=10, keep=0),
+        trace=TraceConfig(level="layer", layer_every=1),
+    )
+
+
+def _demo() -> Config:
+    # CPU demo: 0.94M params learns the embedded English byte corpus visibly within a few
+    # hundred steps. No dropout: the model is far too small to overfit ~0.5 MB in 1000 steps,
+    # and dropout's random bits are a measurable cost on CPU.
+    return Config(
+        seed=0, steps=1000,
+        model=ModelConfig(d_model=128, n_layers=4, n_heads=4, n_kv_heads=4, d_ff=384,
+                          seq_len=128, dropout=0.0),
+        data=DataConfig(global_batch_size=16),
+        optimizer=OptimizerConfig(lr=3e-3, warmup_steps=50, decay_steps=1000, z_loss=1e-4),
+        checkpoint=CheckpointConfig(every_steps=100, keep=0),
+        trace=TraceConfig(level="layer", layer_every=1),
+    )
+
+
+def _olmo(d_model: int, n_layers: int, n_heads: int, d_ff: int, lr: float) -> Config:
+    # OLMo-2/3 shapes for accelerators (not run here): dolma2 tokenizer (100278 ids padded
+    # to 100352), 4096-token context, rope 500k, QK-norm, untied, bf16 activations with fp32
+    # master weights, 1024 x 4096 = 4M tokens per step, FSDP over every device.
+    # Not modelled: OLMo-3's sliding-window layers and its 8k/long-context extension.
+    return Config(
+        seed=0, steps=1_000_000,
+        model=ModelConfig(vocab_size=100_352, d_model=d_model, n_layers=n_layers,
+                          n_heads=n_heads, n_kv_heads=n_heads, d_ff=d_ff, seq_len=4096,
+                          rope_theta=500_000.0, dropout=0.0, tied_embeddings=False,
+                          qk_norm=True, norm_eps=1e-6, dtype="bfloat16", param_dtype="float32"),
+        data=DataConfig(source="embedded:default", token_dtype="uint32", global_batch_size=1024),
+        optimizer=OptimizerConfig(lr=lr, warmup_steps=2000, decay_steps=1_000_000,
+                                  min_lr_ratio=0.1, weight_decay=0.1, b1=0.9, b2=0.95,
+                                  eps=1e-8, grad_clip=1.0, z_loss=1e-5),
+        mesh=MeshConfig(data=1, fsdp=-1),
+        checkpoint=CheckpointConfig(every_steps=1000, keep=3),
+        trace=TraceConfig(level="layer", layer_every=100),
+    )
+
+
+PRESETS: dict[str, Config] = {
+    "tiny": _tiny(),
+    "demo": _demo(),
+    "olmo-1b": _olmo(d_model=2048, n_layers=16, n_heads=16, d_ff=8192, lr=4e-4),
+    "olmo3-7b": _olmo(d_model=4096, n_layers=32, n_heads=32, d_ff=11008, lr=3e-4),
+}
+
+
+def get_preset(name: str) -> Config:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; valid presets: {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+# ----------------------------------------------------------------- overrides and dicts
+
+def _field_types(cls: type) -> dict[str, Any]:
+    # `from __future__ import annotations` leaves field.type as a string; resolve it.
+    return typing.get_type_hints(cls)
+
+
+def _coerce(value: Any, tp: Any, key: str, *, text: bool) -> Any:
+    """Turn a CLI string (text=True) or a JSON value (text=False, no string parsing) into
+    a value of type `tp`, or raise ConfigError."""
+    if typing.get_origin(tp) is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{key}={value!r} is not one of: {', '.join(map(str, choices))}")
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if text and isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+            return True
+        if text and isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{key}={value!r} is not a bool (true/false)")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if text and isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+            try:  # "1e6" is a natural way to write a step count
+                f = float(value)
+                if f.is_integer():
+                    return int(f)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}={value!r} is not an integer")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if text and isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}={value!r} is not a number")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}={value!r} is not a string")
+    raise ConfigError(f"{key}: unsupported field type {tp!r}")  # pragma: no cover
+
+
+def _valid_keys(cls: type, prefix: str = "") -> str:
+    return ", ".join(prefix + f.name for f in dataclasses.fields(cls))
+
+
+def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:
+    """Return a new Config with "section.field=value" (or "seed=1", "steps=10") applied.
+
+    All overrides are applied together and validated once, so coupled fields can change
+    in any order ("mesh.fsdp=-1 mesh.data=1"); a later override of the same key wins."""
+    top_changes: dict[str, Any] = {}
+    section_changes: dict[str, dict[str, Any]] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like section.field=value")
+        section, dot, name = key.partition(".")
+        if not dot:
+            top = _field_types(Config)
+            if key in SECTIONS:
+                raise ConfigError(f"override {key!r} names a section; use {key}.FIELD=value")
+            if key not in top:
+                raise ConfigError(f"unknown config key {key!r}; valid top-level keys: "
+                                  f"seed, steps, and sections {', '.join(SECTIONS)}")
+            top_changes[key] = _coerce(raw, top[key], key, text=True)
+            continue
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown config section {section!r} in {key!r}; valid sections: "
+                              f"{', '.join(SECTIONS)}")
+        cls = _SECTION_TYPES[section]
+        types = _field_types(cls)
+        if name not in types:
+            raise ConfigError(f"unknown config key {key!r}; valid keys of {section}: "
+                              f"{_valid_keys(cls, section + '.')}")
+        section_changes.setdefault(section, {})[name] = _coerce(raw, types[name], key, text=True)
+    for section, changes in section_changes.items():
+        top_changes[section] = _replace(getattr(cfg, section), **changes)
+    return _replace(cfg, **top_changes) if top_changes else cfg
+
+
+def _replace(obj: Any, **changes: Any) -> Any:
+    # dataclasses.replace re-runs __post_init__, so every override is validated.
+    return dataclasses.replace(obj, **changes)
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    """Nested dict of plain JSON values (int, float, bool, str)."""
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(d: dict[str, Any]) -> Config:
+    """Inverse of to_dict. Strict: unknown or missing keys are errors, because a manifest
+    read with silently filled-in defaults could claim a config the run never had."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"config must be a dict, got {type(d).__name__}")
+    top = _field_types(Config)
+    _check_keys(d, Config, "")
+    kwargs: dict[str, Any] = {}
+    for name, tp in top.items():
+        if name in SECTIONS:
+            sub = d[name]
+            cls = _SECTION_TYPES[name]
+            if not isinstance(sub, dict):
+                raise ConfigError(f"config section {name!r} must be a dict")
+            _check_keys(sub, cls, name + ".")
+            types = _field_types(cls)
+            kwargs[name] = cls(**{k: _coerce(sub[k], t, f"{name}.{k}", text=False)
+                                  for k, t in types.items()})
+        else:
+            kwargs[name] = _coerce(d[name], tp, name, text=False)
+    return Config(**kwargs)
+
+
+def _check_keys(d: dict[str, Any], cls: type, prefix: str) -> None:
+    want = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - want)
+    missing = sorted(want - set(d))
+    if unknown:
+        raise ConfigError(f"unknown config key {prefix + unknown[0]!r}; valid keys: "
+                          f"{_valid_keys(cls, prefix)}")
+    if missing:
+        raise ConfigError(f"config is missing key {prefix + missing[0]!r}")
+
+
+def flatten(cfg: Config) -> dict[str, Any]:
+    """{"seed": 0, "model.d_model": 64, ...} in field order."""
+    out: dict[str, Any] = {}
+    for key, value in to_dict(cfg).items():
+        if isinstance(value, dict):
+            out.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            out[key] = value
+    return out
+
+
+def config_diff(a: Config, b: Config) -> list[tuple[str, Any, Any]]:
+    """[(dotted key, value in a, value in b)] for every field that differs, in field order."""
+    fa, fb = flatten(a), flatten(b)
+    return [(k, fa[k], fb[k]) for k in fa if fa[k] != fb[k] or type(fa[k]) is not type(fb[k])]

@@ -1,0 +1,391 @@
+"""Decoder-only transformer LM of the OLMo-2/3 family, in Flax linen.
+
+Why linen and not NNX: linen's `apply(variables, ...)` is a pure function of plain nested
+dicts, which is exactly what a pure jitted `train_step(state, batch)` wants and what
+optax and orbax take as they are. NNX modules are mutable objects whose RNG streams are
+hidden counters inside the module; every jit boundary needs split/merge, and the
+"dropout key of step k is a pure function of (seed, k)" contract would live in object
+state instead of in an argument. Here the dropout key is passed in, nothing else.
+
+Why OLMo-2's norm placement (x + norm(f(x)), the "reordered" post-norm inside the
+residual) rather than Llama's pre-norm: the presets are OLMo-2/3 shapes and the tool's
+motivating case is reproducing an OLMo run; this placement plus QK-norm is OLMo-2's fix
+for loss spikes, which `replay spike` is meant to study. OLMo-2 normalises q and k over
+the whole projection (all heads at once), not per head, and so does this model.
+
+Shape suffixes: B batch, L query positions, S key positions, D d_model, N query heads,
+K key/value heads, G = N / K query heads per kv head, H head_dim, F d_ff, V vocab.
+
+Intermediates: every interesting activation is `sow`n under a stable dotted name. Sowing
+into a collection that is not mutable is a no-op, so the same traced program computes the
+logits whether or not anything is captured; `apply(..., capture=...)` only makes the
+collection mutable. Layer-level names (`layer_names`) go to "intermediates"; the finer
+names inside one block (`block_capture_names`) go to a collection of that block alone,
+so asking for block_03's internals does not keep every block's attention matrix alive.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from trainer.config import Config, ModelConfig
+
+LAYERS = "intermediates"  # collection holding the layer-level outputs
+_TAP = "tap:"  # prefix of sown variable names: they then never collide with submodule names
+
+
+def _model_cfg(cfg: Config | ModelConfig) -> ModelConfig:
+    return cfg.model if isinstance(cfg, Config) else cfg
+
+
+def _fine_collection(block: str) -> str:
+    return f"fine_{block}"
+
+
+def _tap(mod: nn.Module, leaf: str, x: jax.Array, *, layer: bool = False) -> None:
+    """Sow `x` as "<module path>.<leaf>" into its block's fine collection, and into the
+    layer-level collection when `layer`."""
+    path = tuple(mod.path) + ((leaf,) if leaf else ())
+    name = _TAP + ".".join(path)
+    keep = dict(init_fn=lambda: None, reduce_fn=_sow_once)
+    if path[0].startswith("block_"):
+        mod.sow(_fine_collection(path[0]), name, x, **keep)
+    if layer:
+        mod.sow(LAYERS, name, x, **keep)
+
+
+def _sow_once(prev: Any, x: jax.Array) -> jax.Array:
+    if prev is not None:  # a module called twice would silently overwrite its capture
+        raise RuntimeError("an intermediate was sown twice in one forward pass")
+    return x
+
+
+def _dtype(name: str) -> jnp.dtype:
+    return jnp.dtype(name)
+
+
+def _init(cfg: ModelConfig) -> nn.initializers.Initializer:
+    # OLMo-2: every weight N(0, 0.02), truncated at 3 std so no init outlier starts a spike.
+    return nn.initializers.truncated_normal(stddev=cfg.init_std, lower=-3.0, upper=3.0)
+
+
+def tree_sum(x: jax.Array) -> jax.Array:
+    """Sum over the last axis (kept, size 1) in a fixed pairwise order.
+
+    XLA:CPU vectorises a plain reduction differently depending on the array's shape, so
+    jnp.sum over the same row gave different bits when the per-device batch changed (1 vs
+    4 devices). Elementwise adds of halves have one order on every shape and device count.
+    Zero padding to a power of two is exact (only an all -0.0 row would become +0.0).
+    """
+    n = x.shape[-1]
+    width = 1 << (n - 1).bit_length()
+    if width != n:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)])
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x
+
+
+def softmax(logits: jax.Array) -> jax.Array:
+    """Softmax over the last axis with a shape-independent sum (see tree_sum)."""
+    # max is exact in any order; softmax does not depend on it, so no gradient through it.
+    m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    e = jnp.exp(logits - m)
+    return e / tree_sum(e)
+
+
+def logsumexp(logits: jax.Array) -> jax.Array:
+    """log(sum(exp(x))) over the last axis (kept), with the same fixed-order sum; for the
+    loss and z-loss, so the loss bits do not depend on the per-device batch either."""
+    m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    return m + jnp.log(tree_sum(jnp.exp(logits - m)))
+
+
+class RMSNorm(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],),
+                           _dtype(self.cfg.param_dtype))
+        # Statistics in float32 whatever the activation dtype: bf16 mean-of-squares loses
+        # ~3 significant digits over d_model=4096 elements.
+        x32 = x.astype(jnp.float32)
+        mean_sq = tree_sum(jnp.square(x32)) / x.shape[-1]
+        rms = jax.lax.rsqrt(mean_sq + self.cfg.norm_eps)
+        return (x32 * rms * scale.astype(jnp.float32)).astype(_dtype(self.cfg.dtype))
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """sin and cos, each [L, H/2] float32, for rotate-half RoPE (the OLMo/HF layout)."""
+    inv_freq_H2 = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angle_LxH2 = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq_H2[None, :]
+    return jnp.sin(angle_LxH2), jnp.cos(angle_LxH2)
+
+
+def apply_rope(x: jax.Array, sin_LxH2: jax.Array, cos_LxH2: jax.Array) -> jax.Array:
+    """Rotate x of shape [B, L, ..., H] by position; computed in float32."""
+    extra = x.ndim - 3  # head axes between L and H
+    sin = sin_LxH2.reshape(sin_LxH2.shape[:1] + (1,) * extra + sin_LxH2.shape[1:])
+    cos = cos_LxH2.reshape(cos_LxH2.shape[:1] + (1,) * extra + cos_LxH2.shape[1:])
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def _dense(cfg: ModelConfig, features: int, name: str) -> nn.Dense:
+    return nn.Dense(features, use_bias=False, dtype=_dtype(cfg.dtype),
+                    param_dtype=_dtype(cfg.param_dtype), kernel_init=_init(cfg), name=name)
+
+
+class Attention(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BxLxD: jax.Array, sin_LxH2: jax.Array, cos_LxH2: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        N, K, H = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        B, L, _ = x_BxLxD.shape
+        q_BxLxNH = _dense(cfg, N * H, "q")(x_BxLxD)
+        _tap(self, "q", q_BxLxNH)
+        k_BxLxKH = _dense(cfg, K * H, "k")(x_BxLxD)
+        _tap(self, "k", k_BxLxKH)
+        v_BxLxKH = _dense(cfg, K * H, "v")(x_BxLxD)
+        _tap(self, "v", v_BxLxKH)
+        if cfg.qk_norm:  # OLMo-2: over the full projection width, before splitting heads
+            q_BxLxNH = RMSNorm(cfg, name="q_norm")(q_BxLxNH)
+            _tap(self, "q_norm", q_BxLxNH)
+            k_BxLxKH = RMSNorm(cfg, name="k_norm")(k_BxLxKH)
+            _tap(self, "k_norm", k_BxLxKH)
+        # Query head n = k * G + g uses kv head k (the layout of HF's repeat_kv).
+        q_BxLxKxGxH = apply_rope(q_BxLxNH.reshape(B, L, K, N // K, H), sin_LxH2, cos_LxH2)
+        _tap(self, "q_rope", q_BxLxKxGxH)
+        k_BxSxKxH = apply_rope(k_BxLxKH.reshape(B, L, K, H), sin_LxH2, cos_LxH2)
+        _tap(self, "k_rope", k_BxSxKxH)
+        v_BxSxKxH = v_BxLxKH.reshape(B, L, K, H)
+
+        # Scores and softmax in float32: bf16 logits lose the small differences between
+        # nearby keys that attention is made of, and softmax's exp amplifies the error.
+        logits_BxKxGxLxS = jnp.einsum("blkgh,bskh->bkgls", q_BxLxKxGxH, k_BxSxKxH,
+                                      preferred_element_type=jnp.float32) * (H ** -0.5)
+        causal_LxS = jnp.tril(jnp.ones((L, L), dtype=jnp.bool_))
+        # Finite fill, not -inf: -inf - (-inf) = nan in a fully masked row (none here, but
+        # a future padding mask could make one).
+        logits_BxKxGxLxS = jnp.where(causal_LxS, logits_BxKxGxLxS, jnp.finfo(jnp.float32).min)
+        _tap(self, "logits", logits_BxKxGxLxS)
+        probs_BxKxGxLxS = softmax(logits_BxKxGxLxS)
+        _tap(self, "probs", probs_BxKxGxLxS)
+        ctx_BxLxKxGxH = jnp.einsum("bkgls,bskh->blkgh",
+                                   probs_BxKxGxLxS.astype(_dtype(cfg.dtype)), v_BxSxKxH)
+        ctx_BxLxNH = ctx_BxLxKxGxH.reshape(B, L, N * H)
+        _tap(self, "ctx", ctx_BxLxNH)
+        out_BxLxD = _dense(cfg, cfg.d_model, "o")(ctx_BxLxNH)
+        _tap(self, "out", out_BxLxD)
+        return out_BxLxD
+
+
+class MLP(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        gate_BxLxF = _dense(cfg, cfg.d_ff, "gate")(x_BxLxD)
+        _tap(self, "gate", gate_BxLxF)
+        up_BxLxF = _dense(cfg, cfg.d_ff, "up")(x_BxLxD)
+        _tap(self, "up", up_BxLxF)
+        act_BxLxF = nn.silu(gate_BxLxF) * up_BxLxF  # SwiGLU
+        _tap(self, "act", act_BxLxF)
+        down_BxLxD = _dense(cfg, cfg.d_model, "down")(act_BxLxF)
+        _tap(self, "down", down_BxLxD)
+        return down_BxLxD
+
+
+class Block(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BxLxD: jax.Array, sin_LxH2: jax.Array, cos_LxH2: jax.Array,
+                 deterministic: bool) -> jax.Array:
+        cfg = self.cfg
+        h_BxLxD = Attention(cfg, name="attn")(x_BxLxD, sin_LxH2, cos_LxH2)
+        h_BxLxD = RMSNorm(cfg, name="attn_norm")(h_BxLxD)
+        _tap(self, "attn_norm", h_BxLxD)
+        h_BxLxD = nn.Dropout(cfg.dropout, name="attn_dropout")(h_BxLxD, deterministic=deterministic)
+        _tap(self, "attn", h_BxLxD, layer=True)  # the branch as added to the residual
+        x_BxLxD = x_BxLxD + h_BxLxD
+        h_BxLxD = MLP(cfg, name="mlp")(x_BxLxD)
+        h_BxLxD = RMSNorm(cfg, name="mlp_norm")(h_BxLxD)
+        _tap(self, "mlp_norm", h_BxLxD)
+        h_BxLxD = nn.Dropout(cfg.dropout, name="mlp_dropout")(h_BxLxD, deterministic=deterministic)
+        _tap(self, "mlp", h_BxLxD, layer=True)
+        x_BxLxD = x_BxLxD + h_BxLxD
+        _tap(self, "", x_BxLxD, layer=True)
+        return x_BxLxD
+
+
+class Transformer(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens_BxL: jax.Array, deterministic: bool = True) -> jax.Array:
+        cfg = self.cfg
+        embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=_init(cfg),
+                         dtype=_dtype(cfg.dtype), param_dtype=_dtype(cfg.param_dtype),
+                         name="embed")
+        x_BxLxD = embed(tokens_BxL)
+        _tap(self, "embed", x_BxLxD, layer=True)
+        sin_LxH2, cos_LxH2 = rope_tables(tokens_BxL.shape[1], cfg.head_dim, cfg.rope_theta)
+        for name in block_names(cfg):
+            x_BxLxD = Block(cfg, name=name)(x_BxLxD, sin_LxH2, cos_LxH2, deterministic)
+        x_BxLxD = RMSNorm(cfg, name="final_norm")(x_BxLxD)
+        _tap(self, "final_norm", x_BxLxD, layer=True)
+        if cfg.tied_embeddings:
+            logits_BxLxV = embed.attend(x_BxLxD)
+        else:
+            logits_BxLxV = _dense(cfg, cfg.vocab_size, "lm_head")(x_BxLxD)
+        # The loss (log-softmax, z-loss) is computed in float32 from here on.
+        logits_BxLxV = logits_BxLxV.astype(jnp.float32)
+        _tap(self, "logits", logits_BxLxV, layer=True)
+        return logits_BxLxV
+
+
+# ------------------------------------------------------------------------ public API
+
+def block_names(cfg: Config | ModelConfig) -> list[str]:
+    """["block_00", "block_01", ...]; zero-padded so names sort in execution order."""
+    m = _model_cfg(cfg)
+    width = max(2, len(str(m.n_layers - 1)))
+    return [f"block_{i:0{width}d}" for i in range(m.n_layers)]
+
+
+def layer_names(cfg: Config | ModelConfig) -> list[str]:
+    """Names of the layer-level forward outputs, in execution order (what traces record)."""
+    names = ["embed"]
+    for b in block_names(cfg):
+        names += [f"{b}.attn", f"{b}.mlp", b]
+    return names + ["final_norm", "logits"]
+
+
+def block_capture_names(cfg: Config | ModelConfig, block: str) -> list[str]:
+    """Names of the intermediates inside one block, in execution order."""
+    m = _model_cfg(cfg)
+    if block not in block_names(m):
+        raise ValueError(f"unknown block {block!r}; valid: {', '.join(block_names(m))}")
+    attn = ["q", "k", "v"] + (["q_norm", "k_norm"] if m.qk_norm else [])
+    attn += ["q_rope", "k_rope", "logits", "probs", "ctx", "out"]
+    names = [f"{block}.attn.{n}" for n in attn] + [f"{block}.attn_norm", f"{block}.attn"]
+    names += [f"{block}.mlp.{n}" for n in ("gate", "up", "act", "down")]
+    return names + [f"{block}.mlp_norm", f"{block}.mlp", block]
+
+
+def _collect(tree: Mapping[str, Any], out: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    # Walk in insertion order, which flax keeps as execution order (jit would sort keys).
+    for key, value in tree.items():
+        if key.startswith(_TAP):
+            out[key[len(_TAP):]] = value
+        else:
+            _collect(value, out)
+    return out
+
+
+def apply(cfg: Config | ModelConfig, params: Any, tokens_BxL: jax.Array, *,
+          dropout_key: jax.Array | None = None, capture: bool | str = False) -> Any:
+    """Forward pass: float32 logits [B, L, V].
+
+    dropout_key: None runs without dropout (evaluation); a key enables it, and that key is
+      the only randomness used.
+    capture: False -> logits. True (or "layers") -> (logits, {layer_names(cfg)[i]: array}).
+      A block name such as "block_03" -> (logits, {block_capture_names(cfg, "block_03")[i]:
+      array}). Capturing never changes the logits' bits. Dict keys are in execution order
+      when called eagerly; jit returns dicts with sorted keys, so take the order from the
+      name functions.
+    """
+    m = _model_cfg(cfg)
+    model = Transformer(m)
+    variables = {"params": params}
+    rngs = {} if dropout_key is None else {"dropout": dropout_key}
+    deterministic = dropout_key is None
+    if capture is False:
+        return model.apply(variables, tokens_BxL, deterministic, rngs=rngs)
+    if capture is True or capture == "layers":
+        collection, names = LAYERS, layer_names(m)
+    elif isinstance(capture, str) and capture in block_names(m):
+        collection, names = _fine_collection(capture), block_capture_names(m, capture)
+    else:
+        raise ValueError(f"capture must be False, True, 'layers' or a block name "
+                         f"({block_names(m)[0]}..{block_names(m)[-1]}), got {capture!r}")
+    logits_BxLxV, state = model.apply(variables, tokens_BxL, deterministic, rngs=rngs,
+                                      mutable=[collection])
+    captured = _collect(state[collection], {})
+    if list(captured) != names:  # checked at trace time: costs nothing per step
+        raise RuntimeError(f"captured {list(captured)} != declared {names}")
+    return logits_BxLxV, captured
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def init_params(cfg: Config | ModelConfig, key: jax.Array) -> Any:
+    """Parameters as a plain nested dict; a pure function of (cfg, key). Jitted so the bits
+    are the same whether the caller runs it eagerly or inside its own jit with shardings
+    (threefry_partitionable makes random bits independent of the sharding)."""
+    m = _model_cfg(cfg)
+    tokens_BxL = jnp.zeros((1, 1), jnp.int32)  # parameter shapes do not depend on L
+    return Transformer(m).init({"params": key}, tokens_BxL, True, mutable=["params"])["params"]
+
+
+@functools.lru_cache(maxsize=32)
+def param_names(cfg: Config | ModelConfig) -> tuple[str, ...]:
+    """Dotted paths of every parameter leaf, in execution order ("embed.embedding",
+    "block_00.attn.q.kernel", ...). jax's tree functions sort dict keys, so use this for
+    the order of anything recorded per parameter."""
+    m = _model_cfg(cfg)
+    order: list[str] = []
+
+    def walk(tree: Mapping[str, Any], prefix: str) -> None:
+        for k, v in tree.items():
+            if isinstance(v, Mapping):
+                walk(v, prefix + k + ".")
+            else:
+                order.append(prefix + k)
+
+    def trace(key: jax.Array) -> Any:
+        # Runs once, abstractly; flax builds the dict in creation (= execution) order.
+        params = Transformer(m).init({"params": key}, jnp.zeros((1, 1), jnp.int32), True,
+                                     mutable=["params"])["params"]
+        walk(params, "")
+        return params
+
+    jax.eval_shape(trace, jax.random.key(0))
+    return tuple(order)
+
+
+def param_count(cfg: Config | ModelConfig) -> int:
+    """Exact number of parameters (tested against the initialised tree)."""
+    m = _model_cfg(cfg)
+    D, F, V, KH = m.d_model, m.d_ff, m.vocab_size, m.n_kv_heads * m.head_dim
+    attn = D * D + 2 * D * KH + D * D + ((D + KH) if m.qk_norm else 0)
+    block = attn + 3 * D * F + 2 * D  # + attn_norm and mlp_norm scales
+    return V * D + m.n_layers * block + D + (0 if m.tied_embeddings else D * V)
+
+
+def flops_per_token(cfg: Config | ModelConfig) -> float:
+    """Training FLOPs per token, forward + backward, for MFU.
+
+    PaLM (Chowdhery et al. 2022), appendix B: 6 * N + 12 * n_layers * d_model * seq_len.
+    N counts the parameters that take part in a matmul, so the embedding lookup is left out
+    unless it is tied (then it is the lm_head matmul); the 1-D norm scales are included and
+    negligible. 6N = 2 (multiply-add) x 3 (forward, grad wrt inputs, grad wrt weights).
+    The attention term is q.k^T and probs.v: 2 matmuls x 2 flops x 3 passes x d_model x
+    seq_len per layer = 12 * L * D * T, counted for the full (not causal-halved) square, as
+    PaLM does; GQA does not change it because every query head still attends.
+    """
+    m = _model_cfg(cfg)
+    n_matmul = param_count(m) - (0 if m.tied_embeddings else m.vocab_size * m.d_model)
+    return float(6 * n_matmul + 12 * m.n_layers * m.d_model * m.seq_len)

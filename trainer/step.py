@@ -88,9 +88,11 @@ def loss_fn(params: Any, cfg: Config, inputs_BxL: jax.Array, targets_BxL: jax.Ar
     dropout_key = key if cfg.model.dropout > 0 else None
     out = model.apply(cfg.model, params, inputs_BxL, dropout_key=dropout_key, capture=capture)
     logits_BxLxV, layers = out if capture else (out, {})
-    logz_BxL = jax.nn.logsumexp(logits_BxLxV, axis=-1)
+    # Fixed-order sums (model.tree_sum) over the vocabulary and the sequence keep each
+    # example's loss bits independent of how many examples a device holds.
+    logz_BxL = model.logsumexp(logits_BxLxV)[..., 0]
     target_logit_BxL = jnp.take_along_axis(logits_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
-    ce_B = jnp.mean(logz_BxL - target_logit_BxL, axis=-1)
+    ce_B = model.tree_sum(logz_BxL - target_logit_BxL)[..., 0] / targets_BxL.shape[-1]
     z_loss = cfg.optimizer.z_loss * jnp.mean(jnp.square(logz_BxL))
     loss = jnp.mean(ce_B)
     return loss + z_loss, {"loss": loss, "z_loss": z_loss, "example_loss": ce_B, "layers": layers}
@@ -110,9 +112,9 @@ def train_step(state: TrainState, batch: dict, *, cfg: Config, level: str = "ste
         return new_state, metrics
     metrics.update(
         z_loss=aux["z_loss"],
-        grad_norm=optax.global_norm(grads),
+        grad_norm=optax.tree.norm(grads),
         lr=jnp.asarray(applied_lr(opt_state), jnp.float32),
-        param_norm=optax.global_norm(params),
+        param_norm=optax.tree.norm(params),
         example_loss=aux["example_loss"],
         rng=rng.key_words(step_key),
     )
@@ -138,5 +140,7 @@ def compile_step(cfg: Config, level: str, state_sharding: Any = None, batch_shar
     fn = functools.partial(train_step, cfg=cfg, level=level)
     if state_sharding is None:
         return jax.jit(fn, donate_argnums=0)
-    return jax.jit(fn, in_shardings=(state_sharding, batch_sharding), out_shardings=(state_sharding, None),
+    # Metrics come back replicated so that every process can read them whole (multi-host).
+    replicated = jax.sharding.NamedSharding(batch_sharding.mesh, jax.sharding.PartitionSpec())
+    return jax.jit(fn, in_shardings=(state_sharding, batch_sharding), out_shardings=(state_sharding, replicated),
                    donate_argnums=0)

@@ -83,10 +83,11 @@ def _root(
 
 
 def _register_commands() -> None:
-    from replay.cli import demo, show
+    from replay.cli import demo, show, train
 
-    for module in (show, demo):
+    for module in (show, train, demo):
         module.register(app)
+    __import__("replay.cli.plan", fromlist=["register"]).register(app)  # replay plan (trainer/plan.py)
 
 
 _register_commands()

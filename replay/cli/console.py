@@ -82,3 +82,13 @@ def error(msg: str) -> None:
 def fail(msg: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
     """Stops the command: `main` prints `error: msg` on stderr and exits with `code`."""
     raise UserError(msg, code)
+
+
+def progress(description: str):
+    """A rich progress bar on stderr for long work; use as a context manager."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    return Progress(
+        TextColumn(description), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=False,
+    )

@@ -1,0 +1,82 @@
+"""`replay train`: train a run with the recording trainer, or resume one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from replay.cli import console
+
+
+def train(
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="New run directory to create.")] = None,
+    preset: Annotated[Optional[str], typer.Option("--preset", "-p", help="tiny, demo, olmo-1b, olmo3-7b.")] = None,
+    steps: Annotated[Optional[int], typer.Option("--steps", help="Total steps of the run (on resume: train up to this step).")] = None,
+    overrides: Annotated[Optional[list[str]], typer.Option("--set", help="Config override section.field=value; repeatable.")] = None,
+    resume: Annotated[Optional[Path], typer.Option("--resume", help="Continue this run from its newest checkpoint.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    coordinator: Annotated[Optional[str], typer.Option(help="Multi-process: coordinator HOST:PORT (jax.distributed).")] = None,
+    num_processes: Annotated[int, typer.Option(help="Multi-process: number of processes.")] = 1,
+    process_id: Annotated[int, typer.Option(help="Multi-process: this process's index.")] = 0,
+) -> None:
+    """Train a run that records every step (new run: --preset and --out; or --resume RUN)."""
+    if coordinator is not None:
+        import jax
+
+        # Must come before anything touches a device.
+        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+    from replay.cli.errors import register_user_error
+    from trainer.checkpoint import CheckpointError
+    from trainer.config import ConfigError, apply_overrides, get_preset
+    from trainer.data import DataError
+    from trainer.loop import StepInfo, load_resume_config, prepare, run_prepared
+    from trainer.mesh import MeshError
+
+    register_user_error(ConfigError, DataError, MeshError, CheckpointError)
+    if resume is not None and out is not None:
+        console.fail("give either --out (a new run) or --resume RUN, not both")
+    if resume is None and out is None:
+        console.fail("give --out RUN for a new run (with --preset), or --resume RUN to continue one")
+    if resume is not None:
+        asked = apply_overrides(get_preset(preset), overrides or []) if preset else None
+        if overrides and not preset:
+            console.fail("--set with --resume needs the --preset the run was made with; or drop --set")
+        cfg = load_resume_config(resume, asked, steps)
+        path = resume
+    else:
+        cfg = apply_overrides(get_preset(preset or "tiny"), list(overrides or []) + ([f"steps={steps}"] if steps is not None else []))
+        path = out
+
+    import jax
+
+    job = prepare(cfg, path, resume=resume is not None, preset=preset,
+                  on_compile=lambda: console.status(f"compiling the train step for {path} ..."))
+    if jax.process_index() != 0:  # one progress display per run
+        run_prepared(job)
+        return
+    with console.progress(f"train {path.name}") as bar:
+        task = bar.add_task("train", total=cfg.steps, info="")
+
+        def on_step(info: StepInfo) -> None:
+            loss = f"loss {info.loss:.4f}" if info.loss is not None else "loss -"
+            mfu = f"  MFU {info.mfu:.1%}" if info.mfu is not None else ""
+            bar.update(task, completed=info.step + 1, info=f"{loss}  {info.tokens_per_s:,.0f} tok/s{mfu}")
+
+        result = run_prepared(job, on_step)
+        bar.update(task, completed=cfg.steps)
+    summary = {
+        "run": str(result.path), "steps": result.end_step, "started_at": result.start_step,
+        "rewritten_identical": result.rewritten, "last_loss": result.last_loss,
+        "seconds": round(result.seconds, 2), "compile_seconds": round(result.compile_seconds, 2),
+        "checkpoints": result.checkpoints,
+    }
+    if json_out:
+        console.print_json(summary)
+    else:
+        console.print_table([(k, str(v)) for k, v in summary.items()], title="trained")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("train")(train)

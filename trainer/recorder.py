@@ -1,0 +1,101 @@
+"""From a step's device outputs to a trace record, written one step late.
+
+The recorder holds step k's outputs until step k+1 has been dispatched and only then copies
+them to the host, so the host never blocks the device on recording. Only process 0 writes;
+every process gathers its slice of the per-example hashes, so the record holds what each
+host really fed, in global order.
+
+This is also the public entry point for training loops that are not `trainer/`: build a
+schema with `make_schema`, then call `Recorder.record(step, metrics, example_hashes)` with
+the metrics dict your step returns (see trainer/step.py for the keys).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from traces import Schema, StepRecord, TraceWriter
+from trainer.data import batch_hash
+from trainer.step import METRICS
+
+RNG_WORDS = 2  # a threefry2x32 key
+
+
+def make_schema(global_batch: int, level: str, tensors: tuple[tuple[str, str], ...] = ()) -> Schema:
+    """The trace schema of a run: step-level fields always, tensors at the layer level."""
+    return Schema(
+        examples_per_step=global_batch,
+        rng_words=RNG_WORDS,
+        metrics=METRICS,
+        tensors=tensors if level == "layer" else (),
+        example_metrics=("loss",),
+    )
+
+
+def lanes_to_uint64(lanes_Tx2: np.ndarray) -> np.ndarray:
+    lanes = np.asarray(lanes_Tx2, np.uint32).astype(np.uint64)
+    return (lanes[:, 0] << np.uint64(32)) | lanes[:, 1]
+
+
+def gather_example_hashes(local_hashes: np.ndarray) -> np.ndarray:
+    """Every process's per-example hashes, concatenated in process order (= global order)."""
+    if jax.process_count() == 1:
+        return np.asarray(local_hashes, np.uint64)
+    from jax.experimental import multihost_utils
+
+    words = np.asarray(local_hashes, np.uint64).view(np.uint32).reshape(-1, 2)  # no uint64 on device
+    gathered = np.asarray(multihost_utils.process_allgather(words, tiled=True), np.uint32)
+    return np.ascontiguousarray(gathered).reshape(-1).view(np.uint64)
+
+
+def to_record(schema: Schema, step: int, metrics: dict, example_hashes: np.ndarray) -> StepRecord:
+    """A host-side record from a step's metrics (already device_get) and global example hashes."""
+    layer = "fingerprints" in metrics
+    return StepRecord(
+        step=step,
+        rng=np.asarray(metrics["rng"], np.uint32),
+        batch_hash=batch_hash(example_hashes),
+        example_hashes=np.asarray(example_hashes, np.uint64),
+        metrics=np.array([np.asarray(metrics[name], np.float32) for name in schema.metric_names], np.float32),
+        fingerprints=lanes_to_uint64(metrics["fingerprints"]) if layer else None,
+        rms=np.asarray(metrics["rms"], np.float32) if layer else None,
+        example_metrics=np.asarray(metrics["example_loss"], np.float32)[None, :],
+    )
+
+
+@dataclass
+class Pending:
+    step: int
+    metrics: dict  # device arrays, not yet fetched
+    example_hashes: np.ndarray
+
+
+class Recorder:
+    """Writes records one step behind the device. `writer` is None on processes other than 0."""
+
+    def __init__(self, schema: Schema, writer: TraceWriter | None, level: str):
+        self.schema = schema
+        self.writer = writer
+        self.level = level
+        self._pending: Pending | None = None
+        self.last: StepRecord | None = None  # the newest record written (for progress display)
+        self.rewritten = 0  # steps that were already in the trace and re-recorded bit-identically
+
+    def record(self, step: int, metrics: dict, example_hashes: np.ndarray) -> None:
+        if self.level == "off":
+            return
+        self.flush()
+        self._pending = Pending(step, metrics, example_hashes)
+
+    def flush(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        host = jax.device_get(pending.metrics)
+        rec = to_record(self.schema, pending.step, host, pending.example_hashes)
+        if self.writer is not None and not self.writer.append(rec):
+            self.rewritten += 1
+        self.last = rec

@@ -4,6 +4,7 @@ Everything that can be wrong with the input is checked before the run directory 
 so bad input never changes a run. A resumed run restarts from its newest checkpoint and
 re-records the steps after it; the trace writer accepts them only if they are bit-identical
 to what was recorded before the interruption, so every resume is also a determinism check.
+`build` is shared with the replay engine, so a replay runs the very program training ran.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from traces import Run, TraceWriter
+from traces import Run, Schema, TraceWriter
 from trainer import data, mesh as meshlib, model, rng
 from trainer.checkpoint import Checkpointer
-from trainer.config import Config, ConfigError, config_diff, from_dict, to_dict
+from trainer.config import Config, ConfigError, MeshConfig, config_diff, from_dict, to_dict
 from trainer.environment import environment, peak_flops, program_hash
 from trainer.recorder import Recorder, gather_example_hashes, make_schema
 from trainer.step import compile_step, tensor_schema
@@ -48,6 +49,70 @@ class TrainResult:
     checkpoints: list[int] = field(default_factory=list)
 
 
+@dataclass
+class Built:
+    """The compiled step and everything needed to feed it, for one config on this machine."""
+
+    cfg: Config
+    source: data.TokenSource
+    mesh: Any
+    batcher: data.Batcher
+    batch_sharding: Any
+    abstract_sharded: Any  # the state's ShapeDtypeStructs with shardings: restore target
+    schema: Schema
+    compiled: dict  # trace level -> compiled step
+    program_hash: str
+    compile_seconds: float
+
+    def level(self, step: int) -> str:
+        """The recording level of `step`: layer fingerprints only every trace.layer_every steps."""
+        level = self.cfg.trace.level
+        return "step" if level == "layer" and step % self.cfg.trace.layer_every else level
+
+    def device_batch(self, step: int) -> tuple[dict, np.ndarray]:
+        """The global batch of `step` on the mesh, and its per-example hashes in global order."""
+        batch = self.batcher.batch_at(step)
+        arrays = {
+            "inputs": meshlib.global_batch(batch.inputs_BxL.astype(np.int32), self.mesh, self.batch_sharding),
+            "targets": meshlib.global_batch(batch.targets_BxL.astype(np.int32), self.mesh, self.batch_sharding),
+        }
+        return arrays, gather_example_hashes(batch.example_hashes)
+
+    def run_step(self, state: Any, step: int) -> tuple[Any, dict, np.ndarray]:
+        arrays, hashes = self.device_batch(step)
+        state, metrics = self.compiled[self.level(step)](state, arrays)
+        return state, metrics, hashes
+
+
+def build(cfg: Config, source: data.TokenSource | None = None, mesh_cfg: MeshConfig | None = None,
+          on_compile: Callable[[], None] | None = None) -> Built:
+    """Validates the config against the data and devices, then lowers and compiles the step."""
+    if source is None:
+        source = data.open_source(cfg.data.source, cfg.data.token_dtype, cfg.model.vocab_size)
+    mesh = meshlib.make_mesh(mesh_cfg or cfg.mesh)
+    meshlib.check_batch(cfg.data.global_batch_size, mesh)
+    batcher = data.Batcher(source, cfg.model.seq_len, cfg.data.global_batch_size, rng.data_seed(cfg.seed),
+                           jax.process_index(), jax.process_count())
+    abstract = meshlib.abstract_state(cfg)
+    shardings = meshlib.state_shardings(mesh, abstract)
+    batch_sharding = meshlib.batch_sharding(mesh)
+    abstract_sharded = meshlib.abstract_with_shardings(abstract, shardings)
+    schema = make_schema(cfg.data.global_batch_size, cfg.trace.level, tensor_schema(cfg))
+    levels = {cfg.trace.level} | ({"step"} if cfg.trace.level == "layer" and cfg.trace.layer_every > 1 else set())
+    if on_compile is not None:
+        on_compile()
+    t0 = time.perf_counter()
+    example = meshlib.abstract_batch(cfg, mesh)
+    compiled, phash = {}, ""
+    for lvl in sorted(levels):
+        lowered = compile_step(cfg, lvl, shardings, batch_sharding).lower(abstract_sharded, example)
+        compiled[lvl] = lowered.compile()
+        if lvl == cfg.trace.level:
+            phash = program_hash(lowered)
+    return Built(cfg, source, mesh, batcher, batch_sharding, abstract_sharded, schema, compiled, phash,
+                 time.perf_counter() - t0)
+
+
 def load_resume_config(path: Path, cfg: Config | None, steps: int | None) -> Config:
     """The config of the run to resume, refusing a different one (steps may grow)."""
     run = Run.open(path)
@@ -62,29 +127,14 @@ def load_resume_config(path: Path, cfg: Config | None, steps: int | None) -> Con
     return from_dict({**to_dict(recorded), "steps": total})
 
 
-def _level_fn(cfg: Config, step: int) -> str:
-    level = cfg.trace.level
-    if level == "layer" and step % cfg.trace.layer_every:
-        return "step"
-    return level
-
-
 @dataclass
 class Prepared:
     """A validated, compiled training job whose run directory has not been touched yet."""
 
-    cfg: Config
     out: Path
     resume: bool
-    preset: str | None
-    mesh: Any
-    batcher: data.Batcher
-    batch_sharding: Any
-    abstract_sharded: Any
-    schema: Any
-    compiled: dict
+    built: Built
     manifest: dict
-    compile_seconds: float
 
 
 def prepare(cfg: Config, out: str | Path, *, resume: bool = False, preset: str | None = None,
@@ -93,40 +143,18 @@ def prepare(cfg: Config, out: str | Path, *, resume: bool = False, preset: str |
     out = Path(out)
     if not resume and out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} already exists; choose a new --out, or continue it with --resume {out}")
-    source = data.open_source(cfg.data.source, cfg.data.token_dtype, cfg.model.vocab_size)
-    mesh = meshlib.make_mesh(cfg.mesh)
-    meshlib.check_batch(cfg.data.global_batch_size, mesh)
-    batcher = data.Batcher(source, cfg.model.seq_len, cfg.data.global_batch_size, rng.data_seed(cfg.seed),
-                           jax.process_index(), jax.process_count())
-    abstract = meshlib.abstract_state(cfg)
-    shardings = meshlib.state_shardings(mesh, abstract)
-    batch_sharding = meshlib.batch_sharding(mesh)
-    levels = {cfg.trace.level} | ({"step"} if cfg.trace.level == "layer" and cfg.trace.layer_every > 1 else set())
-    schema = make_schema(cfg.data.global_batch_size, cfg.trace.level, tensor_schema(cfg))
-
-    if on_compile is not None:
-        on_compile()
-    t0 = time.perf_counter()
-    example = _global_batch(batcher.batch_at(0), mesh, batch_sharding)
-    abstract_sharded = meshlib.abstract_with_shardings(abstract, shardings)
-    compiled = {}
-    for lvl in levels:
-        lowered = compile_step(cfg, lvl, shardings, batch_sharding).lower(abstract_sharded, example)
-        compiled[lvl] = lowered.compile()
-        if lvl == cfg.trace.level:
-            phash = program_hash(lowered)
+    built = build(cfg, on_compile=on_compile)
     manifest = {
         "preset": preset,
         "config": to_dict(cfg),
         "environment": environment(),
-        "data": source.describe(),
-        "program_hash": phash,
-        "mesh": {"shape": dict(mesh.shape), "devices": int(mesh.devices.size)},
+        "data": built.source.describe(),
+        "program_hash": built.program_hash,
+        "mesh": {"shape": dict(built.mesh.shape), "devices": int(built.mesh.devices.size)},
         "model": {"params": model.param_count(cfg.model), "flops_per_token": model.flops_per_token(cfg.model)},
         "checkpoints": [],
     }
-    return Prepared(cfg, out, resume, preset, mesh, batcher, batch_sharding, abstract_sharded, schema, compiled,
-                    manifest, time.perf_counter() - t0)
+    return Prepared(out, resume, built, manifest)
 
 
 def train(cfg: Config, out: str | Path, *, resume: bool = False, preset: str | None = None,
@@ -138,44 +166,39 @@ def run_prepared(job: Prepared, on_step: Callable[[StepInfo], None] | None = Non
     """Opens (or creates) the run and trains. Only process 0 writes the trace and manifest."""
     run = None
     if jax.process_index() == 0:
-        run = Run.resume(job.out) if job.resume else Run.create(job.out, job.schema, job.manifest)
+        run = Run.resume(job.out) if job.resume else Run.create(job.out, job.built.schema, job.manifest)
     elif not job.resume:
         _wait_for(job.out / "run.json")
     try:
-        return _train_loop(job.cfg, job.out, run, job.resume, job.compiled, job.batcher, job.mesh, job.batch_sharding,
-                           job.abstract_sharded, job.schema, job.compile_seconds, on_step)
+        return _train_loop(job, run, on_step)
     finally:
         if run is not None:
             run.close()  # a no-op after finish(); otherwise the run stays marked incomplete
 
 
-def _train_loop(cfg, out, run, resume, compiled, batcher, mesh, batch_sharding, abstract_sharded, schema,
-                compile_seconds, on_step) -> TrainResult:
-    ckpt = Checkpointer(out / "checkpoints", keep=cfg.checkpoint.keep, create=True)
+def _train_loop(job: Prepared, run: Run | None, on_step: Callable[[StepInfo], None] | None) -> TrainResult:
+    built, cfg = job.built, job.built.cfg
+    ckpt = Checkpointer(job.out / "checkpoints", keep=cfg.checkpoint.keep, create=True)
     writer: TraceWriter | None = run.writer() if run is not None else None
-    start = 0
-    if resume:
+    start, state = 0, None
+    if job.resume:
         recorded_end = writer.next_step if writer is not None and writer.next_step is not None else 0
-        latest = ckpt.latest_at_or_before(recorded_end) if ckpt.steps() else None
-        state = ckpt.restore(latest, abstract_sharded) if latest is not None else None
-        start = latest or 0
-    else:
-        state = None
+        latest = ckpt.latest_at_or_before(recorded_end)
+        if latest is not None:
+            state, start = ckpt.restore(latest, built.abstract_sharded), latest
     if state is None:
-        state = meshlib.init_sharded_state(cfg, mesh)
-    recorder = Recorder(schema, writer, cfg.trace.level)
+        state = meshlib.init_sharded_state(cfg, built.mesh)
+    recorder = Recorder(built.schema, writer, cfg.trace.level)
     tokens_per_step = cfg.data.global_batch_size * cfg.model.seq_len
     peak = peak_flops(jax.devices()[0].device_kind)
     flops_per_step = model.flops_per_token(cfg.model) * tokens_per_step
     t_start = time.perf_counter()
     for step in range(start, cfg.steps):
-        batch = batcher.batch_at(step)
-        hashes = gather_example_hashes(batch.example_hashes)
-        state, metrics = compiled[_level_fn(cfg, step)](state, _global_batch(batch, mesh, batch_sharding))
+        state, metrics, hashes = built.run_step(state, step)
         recorder.record(step, metrics, hashes)
         done = step + 1
         if done == cfg.steps or (cfg.checkpoint.every_steps and done % cfg.checkpoint.every_steps == 0):
-            recorder.flush()
+            recorder.flush()  # the trace always reaches at least as far as the newest checkpoint
             ckpt.save(state)
             if run is not None:
                 run.update_manifest(checkpoints=ckpt.steps())
@@ -183,8 +206,9 @@ def _train_loop(cfg, out, run, resume, compiled, batcher, mesh, batch_sharding, 
             elapsed = time.perf_counter() - t_start
             rate = (done - start) * tokens_per_step / elapsed if elapsed > 0 else 0.0
             last = recorder.last
-            on_step(StepInfo(step, cfg.steps, last.metric(schema, "loss") if last else None, rate,
-                             rate / tokens_per_step * flops_per_step / (peak * mesh.devices.size) if peak else None))
+            # MFU = achieved FLOP/s over the devices' peak; FLOPs per token from model.flops_per_token.
+            mfu = rate * flops_per_step / tokens_per_step / (peak * built.mesh.devices.size) if peak else None
+            on_step(StepInfo(step, cfg.steps, last.metric(built.schema, "loss") if last else None, rate, mfu))
     recorder.flush()
     ckpt.close()
     seconds = time.perf_counter() - t_start
@@ -192,15 +216,8 @@ def _train_loop(cfg, out, run, resume, compiled, batcher, mesh, batch_sharding, 
         run.update_manifest(checkpoints=ckpt.steps(), config={**run.manifest["config"], "steps": cfg.steps})
         run.finish()
     last = recorder.last
-    return TrainResult(out, start, cfg.steps, recorder.rewritten, seconds, compile_seconds,
-                       last.metric(schema, "loss") if last else None, ckpt.steps())
-
-
-def _global_batch(batch: data.Batch, mesh, sharding) -> dict:
-    return {
-        "inputs": meshlib.global_batch(batch.inputs_BxL.astype(np.int32), mesh, sharding),
-        "targets": meshlib.global_batch(batch.targets_BxL.astype(np.int32), mesh, sharding),
-    }
+    return TrainResult(job.out, start, cfg.steps, recorder.rewritten, seconds, built.compile_seconds,
+                       last.metric(built.schema, "loss") if last else None, ckpt.steps())
 
 
 def _wait_for(path: Path, timeout: float = 120.0) -> None:

@@ -83,11 +83,12 @@ def _root(
 
 
 def _register_commands() -> None:
-    from replay.cli import demo, show, train
+    from replay.cli import demo, run, show, train
 
-    for module in (show, train, demo):
+    for module in (show, train, run, demo):
         module.register(app)
     __import__("replay.cli.plan", fromlist=["register"]).register(app)  # replay plan (trainer/plan.py)
+    __import__("replay.cli.audit", fromlist=["register"]).register(app)  # replay audit (replay/audit.py)
 
 
 _register_commands()

@@ -1,0 +1,119 @@
+"""`replay run RUN --steps A:B`: re-run recorded steps from a checkpoint and verify them bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from replay.cli import console
+from replay.cli.errors import EXIT_DIVERGED
+
+
+def _fmt_distance(d: dict | None) -> str:
+    if not d:
+        return ""
+    if d.get("nan"):
+        return "NaN involved"
+    return f"abs {d['abs']:.3g}  rel {d['rel']:.3g}  ulp {d['ulp']}"
+
+
+def run(
+    path: Annotated[Path, typer.Argument(help="The run directory.")],
+    steps: Annotated[str, typer.Option("--steps", help="A:B (inclusive) or A.")],
+    data: Annotated[Optional[str], typer.Option("--data", help="Where the run's token file is now.")] = None,
+    allow_data_change: Annotated[bool, typer.Option("--allow-data-change",
+                                                    help="Replay although the data fingerprint changed.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """Replay steps A..B of a run and compare every recorded field with the trace."""
+    from replay import contract as contractlib
+    from replay.cli.errors import register_user_error
+    from replay.engine import ReplayInputError, check_range, parse_steps, replay
+    from traces import Run
+    from trainer import replayable as replayables
+    from trainer.checkpoint import CheckpointError
+    from trainer.config import ConfigError
+    from trainer.data import DataError
+    from trainer.mesh import MeshError
+
+    register_user_error(ReplayInputError, ConfigError, DataError, MeshError, CheckpointError)
+    first, last = parse_steps(steps)
+    target = Run.open(path)
+    if target.status == "running":
+        console.warn(f"{path} is still being written; replaying the steps recorded so far")
+    check_range(target, first, last, _checkpoints(target))  # before compiling: bad ranges fail fast
+    replayable = replayables.load(target, data=data, allow_data_change=allow_data_change,
+                                  on_compile=lambda: console.status(f"compiling the train step of {path} ..."))
+    mesh_invariant = bool(target.manifest.get("config", {}).get("mesh", {}).get("mesh_invariant"))
+    contract = contractlib.evaluate(target.manifest.get("environment", {}), replayable.environment(),
+                                    target.manifest.get("program_hash"), replayable.program_hash(), mesh_invariant,
+                                    tuple(target.manifest.get("invariant_device_counts", ())))
+    if contract.fatal:
+        console.fail(f"cannot replay {path} here: {contract.fatal[0]}")
+    console.status(f"contract: {contract.line}")
+    with console.progress(f"replay {path.name}") as bar:
+        task = bar.add_task("replay", total=None, info="restoring")
+
+        def on_step(result) -> None:
+            if bar.tasks[task].total is None:
+                bar.update(task, total=last - result.step + 1, completed=0)
+            bar.update(task, advance=1, info=f"step {result.step} {'exact' if result.exact else 'DIFFERS'}")
+
+        report = replay(target, replayable, first, last, contract, on_step)
+    if getattr(replayable, "mesh_note", None):
+        report.notes.append(replayable.mesh_note)
+    if getattr(replayable, "data_changed", False):
+        report.notes.append("the data source changed since recording (--allow-data-change)")
+    if json_out:
+        console.print_json(report.to_json())
+    else:
+        _render(report)
+    if not report.exact:
+        raise typer.Exit(EXIT_DIVERGED)
+
+
+def _checkpoints(run) -> list[int]:
+    from trainer.checkpoint import Checkpointer
+
+    return Checkpointer(run.checkpoint_dir, create=False).steps() if run.checkpoint_dir.is_dir() else []
+
+
+def _render(report) -> None:
+    j = report.to_json()
+    exact_word = "bit-exact" if report.contract.expect_bits else "bit-identical (not promised here)"
+    rows = [
+        ("steps", f"{report.first}..{report.last}"),
+        ("from checkpoint", str(report.checkpoint)),
+        ("replayed", str(j["replayed"])),
+        (exact_word, f"{j['bit_exact']} of {j['replayed']}"),
+        ("warm-up steps verified", f"{j['warmup_bit_exact']} of {j['warmup_replayed']} bit-identical"),
+        ("contract", report.contract.line),
+    ]
+    for key, rec, here in report.contract.differences:
+        rows.append((f"differs: {key}", f"recorded {rec}, here {here}"))
+    rows += [("note", n) for n in report.notes]
+    console.print_table(rows, title=f"replay {report.run}")
+    first = report.first_mismatch
+    if first is None:
+        console.print_text(f"all {len(report.steps)} replayed steps are bit-identical to the trace", style="green")
+        return
+    console.print_table(
+        [(d.kind, d.name, "" if d.a is None else repr(d.a), "" if d.b is None else repr(d.b),
+          _fmt_distance(d.distance), "" if d.positions is None else ", ".join(map(str, d.positions[:16])))
+         for d in first.diffs[:20]],
+        columns=("kind", "field or layer", "recorded", "replayed", "distance", "examples"),
+        title=f"first mismatch: step {first.step}{' (warm-up)' if first.warmup else ''}",
+    )
+    if len(first.diffs) > 20:
+        console.print_text(f"... and {len(first.diffs) - 20} more fields (see --json)")
+    verdict = ("the contract promised bits here: this is a real divergence" if report.contract.expect_bits
+               else "the contract does not promise bits on this machine; the distances above are measurements")
+    console.print_text(f"{len(j['mismatched_steps'])} step(s) differ; {verdict}", style="red")
+    if any(d.kind in ("forward", "backward", "update", "state") for d in first.diffs):
+        console.print_text("for tensors the trace holds fingerprints and RMS only: 'recorded'/'replayed' are RMS values")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("run")(run)

@@ -1,0 +1,116 @@
+"""The replay engine: restore the checkpoint at or before A, re-run steps up to B, compare.
+
+Every recorded field of every replayed step is compared with the trace (RNG key words,
+per-example hashes, metric bits, layer fingerprints), the warm-up steps between the
+checkpoint and A included. Nothing is written anywhere: the run is opened read-only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import jax
+
+from replay.contract import Contract
+from traces import FieldDiff, Run, diff_records
+from trainer.recorder import to_record
+
+
+class ReplayInputError(ValueError):
+    """A step range or run that cannot be replayed; one line, exit 2."""
+
+
+@dataclass
+class StepResult:
+    step: int
+    exact: bool  # every recorded field bit-identical
+    warmup: bool  # between the checkpoint and A: replayed to get there, verified too
+    diffs: list[FieldDiff] = field(default_factory=list)  # differing fields in causal order
+
+
+@dataclass
+class ReplayReport:
+    run: str
+    first: int  # A
+    last: int  # B (inclusive)
+    checkpoint: int  # the checkpoint the replay started from
+    contract: Contract
+    steps: list[StepResult] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def in_range(self) -> list[StepResult]:
+        return [s for s in self.steps if not s.warmup]
+
+    @property
+    def exact(self) -> bool:
+        return all(s.exact for s in self.steps)
+
+    @property
+    def first_mismatch(self) -> StepResult | None:
+        return next((s for s in self.steps if not s.exact), None)
+
+    def to_json(self) -> dict:
+        first = self.first_mismatch
+        return {
+            "run": self.run, "steps": [self.first, self.last], "checkpoint": self.checkpoint,
+            "replayed": len(self.in_range), "bit_exact": sum(s.exact for s in self.in_range),
+            "warmup_replayed": len(self.steps) - len(self.in_range),
+            "warmup_bit_exact": sum(s.exact for s in self.steps if s.warmup),
+            "all_bit_exact": self.exact, "contract": self.contract.to_json(), "notes": self.notes,
+            "first_mismatch": None if first is None else {
+                "step": first.step, "warmup": first.warmup,
+                "fields": [{"kind": d.kind, "name": d.name, "recorded": d.a, "replayed": d.b, "distance": d.distance,
+                            "positions": d.positions} for d in first.diffs],
+            },
+            "mismatched_steps": [s.step for s in self.steps if not s.exact],
+        }
+
+
+def parse_steps(text: str) -> tuple[int, int]:
+    """"A:B" (inclusive) or "A" (one step)."""
+    try:
+        if ":" in text:
+            a, b = text.split(":", 1)
+            first, last = int(a), int(b)
+        else:
+            first = last = int(text)
+    except ValueError:
+        raise ReplayInputError(f"--steps {text!r} is not A:B or A (step numbers, B inclusive)") from None
+    if first < 0 or first > last:
+        raise ReplayInputError(f"--steps {text}: need 0 <= A <= B")
+    return first, last
+
+
+def check_range(run: Run, first: int, last: int, checkpoints: list[int]) -> int:
+    """The checkpoint to start from; raises ReplayInputError for a range the run cannot replay."""
+    trace = run.trace
+    if len(trace) == 0:
+        raise ReplayInputError(f"{run.path}: the trace holds no steps; nothing to replay")
+    if first < trace.start or last >= trace.end:
+        raise ReplayInputError(f"--steps {first}:{last} is outside the recorded steps {trace.start}..{trace.end - 1} "
+                               f"of {run.path}")
+    before = [c for c in checkpoints if c <= first]
+    if not before:
+        have = ", ".join(map(str, checkpoints)) or "none"
+        raise ReplayInputError(f"{run.path} has no checkpoint at or before step {first} (checkpoints: {have}); "
+                               "replay a range that starts at or after a checkpoint")
+    return max(before)
+
+
+def replay(run: Run, replayable: Any, first: int, last: int, contract: Contract,
+           on_step: Callable[[StepResult], None] | None = None) -> ReplayReport:
+    start = check_range(run, first, last, replayable.checkpoint_steps())
+    report = ReplayReport(str(run.path), first, last, start, contract)
+    schema = run.schema
+    state = replayable.restore(start)
+    for step in range(start, last + 1):
+        state, metrics, hashes = replayable.step(state, step)
+        replayed = to_record(replayable.schema, step, jax.device_get(metrics), hashes)
+        diffs = diff_records(schema, run.trace.read(step), replayable.schema, replayed)
+        result = StepResult(step, not diffs, step < first, diffs)
+        report.steps.append(result)
+        if on_step is not None:
+            on_step(result)
+    return report

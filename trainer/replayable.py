@@ -1,0 +1,120 @@
+"""The replay protocol: what `replay run` needs from a training loop, and the trainer's implementation.
+
+A loop is replayable when it can (1) restore its state as it was before step k from a
+checkpoint, and (2) run step k again, returning the same metrics dict it recorded and the
+global per-example hashes of the batch it fed. The engine compares the result with the trace.
+
+Runs of `trainer/` are replayed by `TrainerReplay`. Another loop names its own factory in
+the run manifest ("replayable": "module:function", "replayable_path": folder to import
+from); `replay run` calls `function(run, data=..., allow_data_change=...)` and uses what it
+returns. examples/optax_loop.py is such a loop.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+
+from traces import Run, Schema
+
+
+class Replayable(Protocol):
+    schema: Schema  # the run's trace schema (records it produces must fit it)
+
+    def environment(self) -> dict: ...  # this machine, in the manifest's "environment" format
+
+    def program_hash(self) -> str | None: ...  # hash of the step program as lowered here
+
+    def checkpoint_steps(self) -> list[int]: ...  # steps k with a saved state before step k
+
+    def restore(self, step: int) -> Any: ...  # the state before `step` (a checkpointed step)
+
+    def step(self, state: Any, step: int) -> tuple[Any, dict, np.ndarray]: ...  # (state, metrics, example hashes)
+
+
+TRAINER_FACTORY = "trainer.replayable:from_run"
+
+
+def load(run: Run, **options: Any) -> Replayable:
+    """The replayable that the run's manifest names (the trainer's by default)."""
+    target = run.manifest.get("replayable", TRAINER_FACTORY)
+    extra = run.manifest.get("replayable_path")
+    if extra:
+        folder = (run.path / extra).resolve() if not Path(extra).is_absolute() else Path(extra)
+        if str(folder) not in sys.path:
+            sys.path.insert(0, str(folder))
+    module_name, _, attr = target.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        from trainer.config import ConfigError
+
+        raise ConfigError(f"{run.path}: its manifest names the replay entry point {target!r}, which cannot be "
+                          f"imported here ({e}); install or put that code on PYTHONPATH") from None
+    return factory(run, **options)
+
+
+class TrainerReplay:
+    """Replays a run of trainer/ on this machine's devices, from its own checkpoints."""
+
+    def __init__(self, run: Run, data: str | None = None, allow_data_change: bool = False,
+                 on_compile=None):
+        from trainer import data as datalib
+        from trainer.checkpoint import Checkpointer
+        from trainer.config import MeshConfig, from_dict
+        from trainer.loop import build
+        from trainer.mesh import MeshError
+
+        cfg = from_dict(run.manifest["config"])
+        self.cfg = cfg
+        spec = data or cfg.data.source
+        try:
+            source = datalib.open_source(spec, cfg.data.token_dtype, cfg.model.vocab_size)
+        except datalib.DataError as e:
+            raise datalib.DataError(f"the run's data source cannot be read ({e}); pass --data PATH to point at it") from None
+        recorded = run.manifest.get("data", {}).get("fingerprint")
+        if recorded and source.fingerprint() != recorded and not allow_data_change:
+            raise datalib.DataError(
+                f"data source {spec} has changed since the run was recorded (fingerprint {source.fingerprint()[:12]} "
+                f"!= {recorded[:12]}); pass --data PATH to the original data, or --allow-data-change to replay "
+                "anyway and see which steps' batches differ"
+            )
+        self.data_changed = bool(recorded) and source.fingerprint() != recorded
+        try:
+            built = build(cfg, source, on_compile=on_compile)
+            self.mesh_note = None
+        except MeshError:
+            # The recorded mesh does not fit this machine: use all local devices for data parallelism.
+            mesh_cfg = MeshConfig(data=-1, fsdp=1, mesh_invariant=cfg.mesh.mesh_invariant,
+                                  n_microbatches=cfg.mesh.n_microbatches)
+            built = build(cfg, source, mesh_cfg=mesh_cfg, on_compile=on_compile)
+            self.mesh_note = f"the recorded mesh does not fit {jax.device_count()} devices; replaying data-parallel"
+        self.built = built
+        self.schema = built.schema
+        self._ckpt = Checkpointer(run.checkpoint_dir, create=False)
+
+    def environment(self) -> dict:
+        from trainer.environment import environment
+
+        return environment()
+
+    def program_hash(self) -> str | None:
+        return self.built.program_hash
+
+    def checkpoint_steps(self) -> list[int]:
+        return self._ckpt.steps()
+
+    def restore(self, step: int) -> Any:
+        return self._ckpt.restore(step, self.built.abstract_sharded)
+
+    def step(self, state: Any, step: int) -> tuple[Any, dict, np.ndarray]:
+        return self.built.run_step(state, step)
+
+
+def from_run(run: Run, **options: Any) -> TrainerReplay:
+    return TrainerReplay(run, **options)

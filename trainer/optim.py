@@ -31,7 +31,7 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
 
     # inject_hyperparams keeps the learning rate each update used in the optimizer state, so
     # the step records the rate that was applied, not one recomputed beside it.
-    adamw = optax.inject_hyperparams(optax.adamw)(
+    adamw = optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
         learning_rate=lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
         weight_decay=cfg.weight_decay, mask=decay_mask,
     )

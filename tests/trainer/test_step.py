@@ -115,3 +115,13 @@ def test_dropout_changes_with_the_step_key():
     moved = init_state(cfg)._replace(step=jax.numpy.asarray(1, jax.numpy.int32))
     _, b = fn(moved, batch(0))
     assert a["loss"] != b["loss"]  # the same batch with another step's dropout mask
+
+
+def test_weight_decay_applies_to_matrices_only():
+    from trainer.config import OptimizerConfig
+    from trainer.optim import make_optimizer
+
+    opt = make_optimizer(OptimizerConfig(lr=1.0, warmup_steps=0, decay_steps=10, weight_decay=0.5, grad_clip=0.0))
+    params = {"w": np.ones((2, 2), np.float32), "scale": np.ones(2, np.float32)}
+    updates, _ = opt.update(jax.tree.map(np.zeros_like, params), opt.init(params), params)
+    assert np.all(np.asarray(updates["w"]) == -0.5) and np.all(np.asarray(updates["scale"]) == 0)

@@ -1,0 +1,149 @@
+"""`replay plan --preset P --devices N`: what one device needs to train P on N devices.
+
+Compiles the train step (trace level "step") for a mesh of N devices from abstract shapes,
+without allocating the state or the batch, and prints per-device memory from the compiled
+program (XLA's memory analysis), the parameter count, parameter and optimizer bytes per
+device, FLOPs per step and the compile time. A JAX process's device count is fixed when JAX
+starts, so the work runs in a child process, `python -m trainer.plan`, with N virtual CPU
+devices (XLA_FLAGS=--xla_force_host_platform_device_count=N, JAX_PLATFORMS=cpu). Its
+progress lines are relayed to stderr as they come; its result (JSON) is printed here.
+
+Example (the 7B on 256 devices: about 35 s on 2 CPU cores, of which 27 s is XLA's compile):
+
+    replay plan --preset olmo3-7b --devices 256
+    replay plan --preset tiny --devices 4 --json
+
+Exit codes: 0 ok; 2 bad input (unknown preset or override, a device count the mesh or the
+batch cannot use); 1 if the child process failed otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from typing import Annotated, Any, Optional
+
+import typer
+
+from replay.cli import console
+from replay.cli.errors import EXIT_BAD_INPUT, EXIT_BUG
+
+
+def register(app: typer.Typer) -> None:
+    app.command("plan")(plan)
+
+
+def plan(
+    preset: Annotated[str, typer.Option("--preset", "-p", help="Config preset: tiny, demo, olmo-1b, olmo3-7b.")],
+    devices: Annotated[int, typer.Option("--devices", "-n", help="Number of devices of the mesh (simulated as virtual CPU devices).")],
+    overrides: Annotated[
+        Optional[list[str]], typer.Option("--set", help="Config override section.field=value, e.g. mesh.fsdp=8; repeatable.")
+    ] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of a table.")] = False,
+) -> None:
+    """Compile the train step for N devices from abstract shapes and print per-device memory (nothing is allocated)."""
+    from replay.cli.errors import register_user_error
+    from trainer.config import ConfigError, apply_overrides, get_preset
+    from trainer.plan import plan_env
+
+    register_user_error(ConfigError)
+    apply_overrides(get_preset(preset), list(overrides or []))  # bad preset or key: exit 2 before starting JAX
+    if devices < 1:
+        console.fail(f"--devices {devices}: the mesh needs at least 1 device")
+
+    cmd = [sys.executable, "-m", "trainer.plan", "--preset", preset, "--devices", str(devices), "--json"]
+    for item in overrides or []:
+        cmd += ["--set", item]
+    report, error, code = _run_child(cmd, plan_env(devices))
+    if code == EXIT_BAD_INPUT:
+        console.fail(error or f"the plan for {devices} devices was rejected as bad input")
+    if code != 0 or report is None:
+        console.fail(f"the planning process (python -m trainer.plan) failed with exit code {code}"
+                     + (f": {error}" if error else "") + "; rerun with --debug or run it directly to see why", EXIT_BUG)
+    if json_out:
+        console.print_json(report)
+    else:
+        render(report)
+
+
+def _run_child(cmd: list[str], env: dict[str, str]) -> tuple[dict[str, Any] | None, str | None, int]:
+    """Runs the child, relaying its stderr line by line; returns (its JSON report, its error
+    line without the "error: " prefix, its exit code)."""
+    error = None
+    last_line = None
+    with tempfile.TemporaryFile(mode="w+") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE, env=env, text=True)
+        try:
+            assert proc.stderr is not None
+            for line in proc.stderr:
+                line = line.rstrip("\n")
+                if not line.strip():
+                    continue
+                if line.startswith("error: "):
+                    error = line[len("error: "):]
+                    continue
+                last_line = line
+                console.status(line)
+            code = proc.wait()
+        finally:
+            if proc.poll() is None:  # interrupted: do not leave the compile running
+                proc.kill()
+                proc.wait()
+        out.seek(0)
+        text = out.read().strip()
+    report = None
+    if code == 0 and text:
+        try:
+            report = json.loads(text.splitlines()[-1])
+        except json.JSONDecodeError:
+            error = error or "its output was not JSON"
+    return report, error or (last_line if code not in (0, EXIT_BAD_INPUT) else None), code
+
+
+# ------------------------------------------------------------------------------ for people
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n} B"
+
+
+def _count(n: float) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:,.2f}{unit}"
+    return f"{n:g}"
+
+
+def render(r: dict[str, Any]) -> None:
+    b, mem, sec = r["bytes"], r.get("memory_per_device") or {}, r["seconds"]
+    rows = [
+        ("preset", r["preset"]),
+        ("devices", f"{r['devices']} (virtual {r['backend']} devices; mesh data={r['mesh']['data']} x fsdp={r['mesh']['fsdp']})"),
+        ("trace level", f"{r['trace_level']} (the step compiled with step-level recording)"),
+        ("parameters", f"{_count(r['params'])} ({r['params']:,})"),
+        ("params per device", f"{_bytes(b['params_per_device'])} (of {_bytes(b['params_total'])})"),
+        ("optimizer per device", f"{_bytes(b['optimizer_per_device'])} (of {_bytes(b['optimizer_total'])})"),
+        ("batch", f"{r['global_batch_size']} x {r['seq_len']} tokens = {r['tokens_per_step']:,} per step"),
+        ("FLOPs per step", f"{r['flops_per_step']:.3e} (6N + attention, all devices)"),
+    ]
+    if mem:
+        rows += [
+            ("memory: arguments", _bytes(mem["argument"])),
+            ("memory: outputs", f"{_bytes(mem['output'])} ({_bytes(mem['alias'])} aliased to donated arguments)"),
+            ("memory: temporaries", _bytes(mem["temp"])),
+            ("memory: generated code", _bytes(mem["generated_code"])),
+            ("memory: total per device", f"{_bytes(mem['total'])} (arguments + outputs - aliased + temporaries)"),
+        ]
+    else:
+        rows.append(("memory", "not reported by this backend"))
+    rows.append(("time", f"trace {sec['trace']:.1f} s, lower {sec['lower']:.1f} s, compile {sec['compile']:.1f} s"))
+    console.print_table([(k, str(v)) for k, v in rows], title=f"plan: {r['preset']} on {r['devices']} devices (per device)")
+    console.status("memory is XLA:CPU's buffer assignment for one device's program: arguments and outputs are "
+                   "exact for this sharding; temporaries depend on the backend's fusion, so they are an estimate")

@@ -1,0 +1,103 @@
+"""`replay plan`: compile the train step for N virtual devices from abstract shapes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from replay.cli import plan as plan_cli
+from replay.cli.app import app
+from trainer.config import get_preset
+from trainer.model import flops_per_token, param_count
+from trainer.plan import plan_env
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, list(args), env={"REPLAY_DEBUG": None})
+
+
+def assert_one_line_error(result, code: int, *words: str) -> str:
+    assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert lines and lines[-1].startswith("error: "), result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    assert all(w in lines[-1] for w in words), lines[-1]
+    return lines[-1]
+
+
+def test_plan_env_sets_device_count_and_keeps_other_flags():
+    env = plan_env(16, {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false --xla_force_host_platform_device_count=2",
+                        "PATH": "/bin"})
+    assert env["XLA_FLAGS"].split() == ["--xla_cpu_multi_thread_eigen=false",
+                                        "--xla_force_host_platform_device_count=16"]
+    assert env["JAX_PLATFORMS"] == "cpu" and env["PATH"] == "/bin"
+    assert plan_env(4, {})["XLA_FLAGS"] == "--xla_force_host_platform_device_count=4"
+
+
+@pytest.fixture(scope="module")
+def tiny_plan():
+    """`replay plan --preset tiny --devices 4 --json` (mesh 2 x 2), run once: (result, report)."""
+    result = invoke("plan", "--preset", "tiny", "--devices", "4", "--set", "mesh.data=2", "--set", "mesh.fsdp=2",
+                    "--json")
+    assert result.exit_code == 0, result.stderr
+    return result, json.loads(result.stdout)
+
+
+@pytest.mark.slow
+def test_plan_tiny_on_4_devices_json(tiny_plan):
+    result, r = tiny_plan
+    cfg = get_preset("tiny")
+    assert r["preset"] == "tiny" and r["devices"] == 4 and r["backend"] == "cpu"
+    assert r["mesh"] == {"data": 2, "fsdp": 2} and r["trace_level"] == "step"
+    assert r["params"] == param_count(cfg)
+    b = r["bytes"]
+    assert b["params_total"] == 4 * param_count(cfg)  # float32
+    # fsdp=2 halves every tiny parameter (each has an even axis), moments likewise (+ scalars)
+    assert b["params_per_device"] * 2 == b["params_total"]
+    assert b["optimizer_total"] // 2 <= b["optimizer_per_device"] < b["optimizer_total"] // 2 + 1024
+    assert r["tokens_per_step"] == cfg.data.global_batch_size * cfg.model.seq_len
+    assert r["flops_per_step"] == flops_per_token(cfg) * r["tokens_per_step"]
+    mem = r["memory_per_device"]
+    # the donated state comes back in place; the arguments hold at least this device's state
+    assert mem["argument"] >= b["params_per_device"] + b["optimizer_per_device"]
+    assert mem["alias"] > 0 and mem["temp"] > 0
+    assert mem["total"] == mem["argument"] + mem["output"] - mem["alias"] + mem["temp"]
+    assert mem["total"] < 64 * 2**20  # a 140k-parameter model: sensible, not absurd
+    assert r["seconds"]["compile"] > 0
+    assert "compiled in" in result.stderr  # progress relayed from the child
+
+
+@pytest.mark.slow
+def test_plan_table_output(tiny_plan, capsys):
+    _, report = tiny_plan
+    plan_cli.render(report)  # what `replay plan` prints without --json
+    out = capsys.readouterr().out
+    for words in ("tiny", "4 (virtual cpu devices; mesh data=2 x fsdp=2)", "memory: temporaries",
+                  "params per device", "FLOPs per step", "compile"):
+        assert words in out, out
+
+
+def test_unknown_preset_exit_2_one_line():
+    line = assert_one_line_error(invoke("plan", "--preset", "olmo-99b", "--devices", "4"), 2, "olmo-99b", "tiny")
+    assert "valid presets" in line
+
+
+def test_unknown_override_exit_2_one_line():
+    assert_one_line_error(invoke("plan", "--preset", "tiny", "--devices", "4", "--set", "model.width=3"), 2,
+                          "model.width")
+
+
+def test_zero_devices_exit_2():
+    assert_one_line_error(invoke("plan", "--preset", "tiny", "--devices", "0"), 2, "--devices 0")
+
+
+@pytest.mark.slow
+def test_device_count_the_batch_cannot_use_exit_2():
+    batch = get_preset("tiny").data.global_batch_size
+    assert batch % 3
+    assert_one_line_error(invoke("plan", "--preset", "tiny", "--devices", "3"), 2,
+                          f"global_batch_size={batch}", "3 devices")
+    assert_one_line_error(invoke("plan", "--preset", "tiny", "--devices", "4", "--set", "mesh.fsdp=3"), 2,
+                          "mesh.fsdp=3", "4 devices")

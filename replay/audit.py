@@ -1,0 +1,397 @@
+"""`replay audit`: does a run's data order keep its promise, judged from its trace alone?
+
+The trainer deals a fresh permutation of the N examples per epoch (trainer/data.py): slot
+g = step*B + j is in epoch g // N, and in one epoch every example appears once. An example
+seen again in the same epoch "came back early", as with a sampler that re-reads data after
+a resume, which makes a loss look better than it is. A whole batch dealt again in the same
+order counts too: a permutation practically never does that, so it is caught across epoch
+boundaries and when N is unknown. Identical token windows in the corpus share a hash and may
+legitimately appear c times per epoch; c comes from the data source when it is here and
+unchanged, else from the trace (copies that land in one batch).
+
+Only the recorded per-example hashes are needed: numpy and traces, no JAX.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import zstandard
+
+import traces
+from traces.trace import HEADER_SIZE
+
+_FRAME = struct.Struct("<II")  # body length, crc32 (FORMAT.md, "Segment files")
+AUTO_SOURCE_MAX_EXAMPLES = 1 << 20  # hashing the source costs ~1 us per window: auto only when cheap
+_WINDOW_CHUNK_TOKENS = 1 << 24
+
+
+class NothingToAudit(traces.TraceError):
+    """The run (or the asked step range) holds no recorded step; a user error like any bad run."""
+
+
+@dataclass(frozen=True)
+class EarlyRepeat:
+    step: int
+    epoch: int
+    positions: tuple[int, ...]
+    first_seen: tuple[tuple[int, int], ...]  # (step, position) of the same example earlier in the epoch
+
+
+@dataclass
+class AuditReport:
+    start: int  # first audited step
+    end: int  # one past the last
+    examples_per_step: int
+    dataset_size: int  # N used for epochs (inferred from the trace when dataset_size_from == "trace")
+    dataset_size_from: str  # "source", "manifest" or "trace"
+    examples_seen: int
+    distinct: int
+    times_seen: dict[int, int]  # times seen -> how many distinct examples were seen that often
+    early_slots: np.ndarray  # int64 global slots that came back early, ascending
+    first_seen_slots: np.ndarray  # int64, same length: that example's first slot in the epoch
+    duplicate_slots: np.ndarray  # int64 slots excused as duplicate content in the data
+    duplicates: list[dict]  # {"hash", "copies", "evidence"} of each hash known to have copies
+    replayed_batches: int  # steps whose whole ordered batch equals an earlier step's
+    per_epoch: dict[str, np.ndarray]  # epoch, first_step, last_step, slots, complete, distinct, early, duplicate
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.early_slots.size == 0
+
+    @property
+    def epochs(self) -> int:
+        return int(self.per_epoch["epoch"].size)
+
+    @property
+    def first_early_repeat_step(self) -> int | None:
+        return int(self.early_slots[0]) // self.examples_per_step if self.early_slots.size else None
+
+    @property
+    def early_repeat_steps(self) -> int:
+        return int(np.unique(self.early_slots // self.examples_per_step).size)
+
+    def early_repeats(self, limit: int | None = None) -> list[EarlyRepeat]:
+        """Grouped by step, the first `limit` steps; built on demand as a broken run can have millions."""
+        B, slots = self.examples_per_step, self.early_slots
+        if not slots.size:
+            return []
+        bounds = np.flatnonzero(np.diff(slots // B)) + 1
+        return [
+            EarlyRepeat(int(slots[lo]) // B, int(slots[lo]) // self.dataset_size, tuple(int(s) % B for s in slots[lo:hi]),
+                        tuple((int(f) // B, int(f) % B) for f in self.first_seen_slots[lo:hi]))
+            for lo, hi in list(zip(np.r_[0, bounds], np.r_[bounds, slots.size]))[:limit]
+        ]
+
+    def summary(self) -> str:
+        head = f"{self.distinct} examples seen {self.examples_seen} times over {self.examples_seen / self.dataset_size:.3g} epochs"
+        n_dup = self.duplicate_slots.size
+        dup = f"; {_n(n_dup, 'repeat')} {'is' if n_dup == 1 else 'are'} duplicate content in the data" if n_dup else ""
+        if self.ok:
+            return f"{head}; no example came back early: the data order is as promised{dup}"
+        return (f"{head}; {self.early_slots.size} came back early (in {_n(self.early_repeat_steps, 'step')}), "
+                f"first at step {self.first_early_repeat_step}{dup}")
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+# ------------------------------------------------------------------------------ reading
+
+
+def read_example_hashes(run: traces.Run, start: int | None = None, stop: int | None = None) -> np.ndarray:
+    """uint64 (steps, B) of steps start..stop-1, in global example order.
+
+    About 10x faster than `reader.records()`: it decompresses each frame but decodes only
+    the fixed prefix every record shares (step, flags, rng, batch hash, example hashes).
+    Checksums are still checked: a sealed segment's by `segment_bytes`, an unsealed one's
+    frame by frame here, and each record must hold the step its place says.
+    """
+    reader, schema = run.trace, run.schema
+    start = reader.start if start is None else max(start, reader.start)
+    stop = reader.end if stop is None else min(stop, reader.end)
+    B = schema.examples_per_step
+    prefix = 8 + 1 + 4 * schema.rng_words + 8 + 8 * B
+    out = np.empty((max(stop - start, 0), B), dtype=np.uint64)
+    decompress = zstandard.ZstdDecompressor(format=zstandard.FORMAT_ZSTD1_MAGICLESS).decompress
+    for index, seg in enumerate(reader.segments):
+        lo, hi = max(start, seg.first_step), min(stop, seg.first_step + seg.count)
+        if lo >= hi:
+            continue
+        data = reader.segment_bytes(index)
+        view, pos = memoryview(data), HEADER_SIZE
+        for _ in range(lo - seg.first_step):  # frames before the range: skip by their lengths
+            pos += 8 + _FRAME.unpack_from(data, pos)[0]
+        frames = []
+        for _ in range(hi - lo):
+            length, crc = _FRAME.unpack_from(data, pos)
+            frames.append((pos, length, crc))
+            pos += 8 + length
+        if not seg.sealed:  # a sealed segment's checksum was checked whole by segment_bytes
+            for i, (at, length, crc) in enumerate(frames):
+                if zlib.crc32(view[at + 8 : at + 8 + length], zlib.crc32(view[at : at + 4])) != crc:
+                    raise _corrupt(seg.path, lo + i, at, "record checksum mismatch")
+        try:
+            parts = [decompress(view[at + 8 : at + 8 + length])[:prefix] for at, length, _ in frames]
+        except zstandard.ZstdError:
+            parts = []
+        if len(parts) < len(frames) or min(map(len, parts)) < prefix:  # name the first bad record
+            i = next(i for i, (at, n, _) in enumerate(frames) if not _decodes(decompress, view[at + 8 : at + 8 + n], prefix))
+            raise _corrupt(seg.path, lo + i, frames[i][0], "record does not decompress to a record of this schema")
+        block = np.frombuffer(b"".join(parts), dtype=np.uint8).reshape(hi - lo, prefix)
+        held = block[:, :8].copy().view("<u8").ravel()
+        bad = np.flatnonzero(held != np.arange(lo, hi, dtype=np.uint64))
+        if bad.size:
+            raise _corrupt(seg.path, lo + int(bad[0]), 0, f"record holds step {int(held[bad[0]])}")
+        out[lo - start : hi - start] = block[:, prefix - 8 * B :].copy().view("<u8")
+    return out
+
+
+def _decodes(decompress, body, prefix: int) -> bool:
+    try:
+        return len(decompress(body)) >= prefix
+    except zstandard.ZstdError:
+        return False
+
+
+def _corrupt(path: Path, step: int, offset: int, reason: str) -> traces.TraceCorruptError:
+    return traces.TraceCorruptError(f"{path}: damaged at step {step} (byte {offset}): {reason}", str(path), step)
+
+
+# ------------------------------------------------------------------------------ the data
+
+
+def dataset_size(manifest: dict) -> int | None:
+    """N = n_tokens // (seq_len + 1), when the manifest records both (the trainer's does)."""
+    try:
+        n = int(manifest["data"]["n_tokens"]) // (int(manifest["config"]["model"]["seq_len"]) + 1)
+    except (KeyError, TypeError, ValueError):
+        return None
+    return n if n > 0 else None
+
+
+def source_copies(manifest: dict, force: bool = False) -> tuple[tuple[np.ndarray, np.ndarray] | None, str | None]:
+    """(sorted distinct window hashes, copies of each) of the run's data source, or (None, why not).
+
+    Optional: needs trainer.data, the source at its recorded path with the recorded
+    fingerprint, and (unless forced) a source small enough to hash in about a second.
+    """
+    try:
+        from trainer import data as tdata
+    except ImportError:
+        return None, "the data source was not checked for duplicate windows (trainer.data is not importable)"
+    info, n = manifest.get("data") or {}, dataset_size(manifest)
+    spec = info.get("path")
+    if not spec or n is None:
+        return None, "the data source was not checked for duplicate windows (the manifest does not name it)"
+    if not force and n > AUTO_SOURCE_MAX_EXAMPLES:
+        return None, f"the data source ({n} examples) was not checked for duplicate windows; pass --source to check it"
+    if not spec.startswith(tdata.EMBEDDED_PREFIX) and not os.path.isfile(spec):
+        return None, f"the data source {spec} is not here, so duplicate windows are judged from the trace alone"
+    try:
+        source = tdata.open_source(spec, info.get("dtype", "uint16"))
+    except tdata.DataError as e:
+        return None, f"the data source could not be opened ({e}); duplicate windows are judged from the trace alone"
+    if info.get("fingerprint") not in (None, source.fingerprint()):
+        return None, f"the data source {spec} changed since the run (fingerprint differs); not used"
+    seq_len = int(manifest["config"]["model"]["seq_len"])
+    rows = max(1, _WINDOW_CHUNK_TOKENS // (seq_len + 1))
+    hashes = np.concatenate([tdata.example_hashes(tdata.load_batch(source, np.arange(i, min(i + rows, n)), seq_len))
+                             for i in range(0, n, rows)])
+    distinct, copies = np.unique(hashes, return_counts=True)
+    return (distinct, copies), None
+
+
+# ------------------------------------------------------------------------------ the audit
+
+
+def audit(run: traces.Run | str | os.PathLike, steps: tuple[int | None, int | None] = (None, None),
+          source: bool | None = None) -> AuditReport:
+    """Audits steps [a, b) of a run. source: True to hash the data source, False never, None when cheap."""
+    run = run if isinstance(run, traces.Run) else traces.Run.open(run)
+    if run.schema.examples_per_step == 0:
+        raise traces.SchemaError(f"{run.path}: the trace records no per-example hashes, so there is nothing to audit")
+    reader = run.trace
+    start = reader.start if steps[0] is None else max(steps[0], reader.start)
+    stop = reader.end if steps[1] is None else min(steps[1], reader.end)
+    if start >= stop:
+        have = f"it holds steps {reader.start}..{reader.end - 1}" if len(reader) else "its trace holds no step yet"
+        asked = "" if steps == (None, None) else " in steps " + ":".join("" if x is None else str(x) for x in steps)
+        raise NothingToAudit(f"{run.path}: no recorded step to audit{asked}: {have}")
+    hashes = read_example_hashes(run, start, stop)
+    notes = [f"the trace is damaged, only steps up to {reader.end - 1} were audited: {d}" for d in reader.damage]
+    copies, why = (None, None) if source is False else source_copies(run.manifest, force=bool(source))
+    report = audit_hashes(hashes, start, dataset_size(run.manifest), copies)
+    report.notes[:0] = notes + ([why] if why else [])
+    if not report.ok and copies is None:
+        report.notes.append("without the data source, an example seen twice may also be a window the corpus holds "
+                            "twice; `--source` on a machine that has the data tells them apart")
+    return report
+
+
+def audit_hashes(hashes_SxB: np.ndarray, start_step: int = 0, dataset_size: int | None = None,
+                 copies: tuple[np.ndarray, np.ndarray] | None = None) -> AuditReport:
+    """The audit of a (steps, B) uint64 block recorded from `start_step` on.
+
+    One stable argsort groups equal hashes with their slots ascending; everything after is
+    vectorised, and the per-duplicate work only runs on entries that repeat in an epoch.
+    """
+    S, B = hashes_SxB.shape
+    M = S * B
+    if M == 0:
+        raise ValueError("no examples to audit")
+    flat = np.ascontiguousarray(hashes_SxB, dtype=np.uint64).ravel()
+    base = start_step * B
+    gs, hs = _stable_argsort(flat)
+    gs += base  # the order becomes the global slots, in place
+    new_h = np.r_[True, hs[1:] != hs[:-1]]
+    h_start = np.flatnonzero(new_h)
+    seen = np.diff(np.r_[h_start, M])
+    D = int(h_start.size)
+    notes: list[str] = []
+    if copies is not None:
+        N, size_from = dataset_size or D, "source"
+    elif dataset_size is not None:
+        N, size_from = dataset_size, "manifest"
+    else:
+        N, size_from = D, "trace"
+        notes.append(f"the dataset size is unknown (not in the manifest); assumed to be the {D} distinct examples "
+                     "the trace shows, so an epoch is that many examples")
+    if D > N:
+        notes.append(f"the trace holds {D} distinct examples, more than the dataset's {N}: "
+                     "its data is not (only) the recorded source")
+    es = gs // N
+    new_he = new_h | np.r_[True, es[1:] != es[:-1]]
+    again = np.flatnonzero(~new_he)  # sorted positions of second-or-later sightings within an epoch
+    starts = np.flatnonzero(new_he)
+    he_start = starts[np.searchsorted(starts, again) - 1]  # the (hash, epoch) group each repeat belongs to
+    rank = again - he_start
+    allowed, duplicates = _allowed_copies(hs, gs, again, B, copies)
+    early = rank >= allowed
+    replayed, replay_first = _replayed_batches(flat.reshape(S, B), base, N)
+    # np.unique keeps the first index of each slot: an in-epoch first sighting wins over a replay's.
+    early_slots, keep = np.unique(np.r_[gs[again[early]], replayed], return_index=True)
+    first_seen = np.r_[gs[he_start[early]], replay_first][keep]
+    dup_slots = np.setdiff1d(gs[again[~early]], early_slots)
+    e0, e1 = base // N, (base + M - 1) // N
+    epochs = np.arange(e0, e1 + 1)
+    lo, hi = np.maximum(epochs * N, base), np.minimum((epochs + 1) * N, base + M)
+    count = lambda slots: np.bincount(slots // N - e0, minlength=epochs.size)  # noqa: E731
+    per_epoch = {
+        "epoch": epochs, "first_step": lo // B, "last_step": (hi - 1) // B, "slots": hi - lo,
+        "complete": (hi - lo) == N, "distinct": hi - lo - count(gs[again]),
+        "early": count(early_slots), "duplicate": count(dup_slots),
+    }
+    times, how_many = np.unique(seen, return_counts=True)
+    return AuditReport(
+        start=start_step, end=start_step + S, examples_per_step=B, dataset_size=int(N), dataset_size_from=size_from,
+        examples_seen=M, distinct=D, times_seen={int(t): int(c) for t, c in zip(times, how_many)},
+        early_slots=early_slots, first_seen_slots=first_seen, duplicate_slots=dup_slots, duplicates=duplicates,
+        replayed_batches=replayed.size // B, per_epoch=per_epoch, notes=notes,
+    )
+
+
+def _stable_argsort(flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """np.argsort(flat, kind="stable") and flat in that order, about 3x faster.
+
+    A stable argsort of 16M uint64 is numpy's slow merge sort. Instead the slot index is
+    packed into the low bits of each hash and the keys go through numpy's SIMD value sort.
+    Different hashes that agree on the remaining high bits can interleave; those few
+    buckets are re-sorted exactly afterwards.
+    """
+    bits = max(1, (flat.size - 1).bit_length())
+    if bits > 40:  # the key would keep fewer than 24 hash bits: too many clashes to fix up
+        order = np.argsort(flat, kind="stable")
+        return order, flat[order]
+    low = np.uint64((1 << bits) - 1)
+    key = flat & ~low
+    key |= np.arange(flat.size, dtype=np.uint64)
+    key.sort()
+    order = (key & low).view(np.int64)  # slots < 2**40: the bits are the same as int64
+    hs = flat[order]
+    high = key
+    high &= ~low  # in place: fresh full-size arrays are a large part of the cost
+    clash = np.flatnonzero((high[1:] == high[:-1]) & (hs[1:] != hs[:-1]))
+    if clash.size:
+        bucket = np.cumsum(np.r_[True, high[1:] != high[:-1]]) - 1
+        at = np.flatnonzero(np.isin(bucket, bucket[clash]))
+        fix = np.lexsort((order[at], hs[at]))  # by full hash, then slot; buckets keep their place
+        order[at], hs[at] = order[at][fix], hs[at][fix]
+    return order, hs
+
+
+def _replayed_batches(H: np.ndarray, base: int, N: int) -> tuple[np.ndarray, np.ndarray]:
+    """Slots of steps whose whole batch repeats an earlier step's in order, and the slots they repeat.
+
+    A fresh permutation per epoch practically never deals the same ordered batch twice, so
+    this catches replayed data even across an epoch boundary, and when N is unknown and the
+    epochs are only a guess. Skipped when the data is so small that it could happen by
+    chance: (pairs of steps) / (N)_B, the expected count, above 1e-6.
+    """
+    S, B = H.shape
+    none = np.empty(0, np.int64), np.empty(0, np.int64)
+    if S < 2 or B > N or 2 * np.log10(S) - np.log10(N - np.arange(B, dtype=np.float64)).sum() > -6:
+        return none
+    mix = np.random.default_rng(B).integers(0, 2**63, B, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+    key = np.zeros(S, np.uint64)
+    for j in range(B):  # a wrapping weighted sum: equal rows give equal keys; rare clashes are checked below
+        key += H[:, j] * mix[j]
+    order, ks = _stable_argsort(key)
+    again = np.flatnonzero(ks[1:] == ks[:-1]) + 1
+    if not again.size:
+        return none
+    starts = np.flatnonzero(np.r_[True, ks[1:] != ks[:-1]])
+    later, first = order[again], order[starts[np.searchsorted(starts, again) - 1]]
+    same = (H[later] == H[first]).all(axis=1)
+    cols = np.arange(B)
+    return (base + later[same, None] * B + cols).ravel(), (base + first[same, None] * B + cols).ravel()
+
+
+def _allowed_copies(hs, gs, again, B, copies) -> tuple[np.ndarray, list[dict]]:
+    """How many sightings per epoch each repeated entry's hash may have, and the evidence.
+
+    From the source: its exact number of copies. From the trace: copies of a hash seen at
+    several positions of one batch. A batch where many different examples repeat is not
+    taken as evidence: that is the signature of hosts reading the same slice (a sampler
+    bug), while duplicate windows are rare, or one window (padding) repeated many times.
+    """
+    allowed = np.ones(again.size, dtype=np.int64)
+    if again.size == 0:
+        return allowed, []
+    if copies is not None:
+        distinct, n = copies
+        at = np.clip(np.searchsorted(distinct, hs[again]), 0, max(distinct.size - 1, 0))
+        found = distinct[at] == hs[again] if distinct.size else np.zeros(again.size, bool)
+        allowed[found] = n[at[found]]
+        known = np.unique(hs[again][allowed > 1])
+        at = np.searchsorted(distinct, known)
+        return allowed, [{"hash": int(h), "copies": int(c), "evidence": "source"} for h, c in zip(known, n[at])]
+    same_step = again[gs[again] // B == gs[again - 1] // B]  # new_he is False there, so same hash and epoch
+    if same_step.size == 0:
+        return allowed, []
+    # A (hash, epoch, step) group of k sits at k adjacent sorted places, k - 1 of them in same_step.
+    run_start = np.flatnonzero(np.r_[True, np.diff(same_step) != 1])
+    run_ends = np.r_[run_start[1:], same_step.size]
+    first, size = same_step[run_start], run_ends - run_start + 1
+    run_steps = gs[first] // B
+    steps_u, per_step = np.unique(run_steps, return_counts=True)
+    plausible = per_step[np.searchsorted(steps_u, run_steps)] <= max(1, B // 8)
+    if not plausible.any():
+        return allowed, []
+    qh, qsize, qstep = hs[first][plausible], size[plausible], run_steps[plausible]
+    sort = np.lexsort((-qsize, qh))
+    qh, qsize, qstep = qh[sort], qsize[sort], qstep[sort]
+    keep = np.r_[True, qh[1:] != qh[:-1]]  # the largest same-step count per hash
+    qh, qsize, qstep = qh[keep], qsize[keep], qstep[keep]
+    at = np.clip(np.searchsorted(qh, hs[again]), 0, qh.size - 1)
+    hit = qh[at] == hs[again]
+    allowed[hit] = qsize[at[hit]]
+    return allowed, [{"hash": int(h), "copies": int(c), "evidence": f"{int(c)} copies in the batch of step {int(s)}"}
+                     for h, c, s in zip(qh, qsize, qstep)]

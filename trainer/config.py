@@ -37,6 +37,7 @@ class ModelConfig:
     init_std: float = 0.02  # every weight ~ N(0, init_std) truncated at 3 std, as OLMo-2
     dtype: Literal["float32", "bfloat16"] = "float32"  # activations and matmul inputs
     param_dtype: Literal["float32", "bfloat16"] = "float32"  # stored params (and optimizer)
+    bf16_block: int = -1  # fault injection only (layer-bf16): this block computes in bfloat16; -1 none
 
     def __post_init__(self) -> None:
         _positive(self, "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",

@@ -18,11 +18,13 @@ import jax
 import numpy as np
 
 from traces import Run, Schema, TraceWriter
-from trainer import data, mesh as meshlib, model, rng
+from trainer import data, invariant, mesh as meshlib, model, rng
 from trainer.checkpoint import Checkpointer
 from trainer.config import Config, ConfigError, MeshConfig, config_diff, from_dict, to_dict
 from trainer.environment import environment, peak_flops, program_hash
 from trainer.recorder import Recorder, gather_example_hashes, make_schema
+from trainer.faults import FaultPlan
+from trainer.optim import make_optimizer
 from trainer.step import compile_step, tensor_schema
 
 
@@ -63,6 +65,8 @@ class Built:
     compiled: dict  # trace level -> compiled step
     program_hash: str
     compile_seconds: float
+    faults: FaultPlan | None = None  # injected faults (trainer/faults.py), applied step by step
+    compiled_faulty: dict = field(default_factory=dict)  # trace level -> step compiled with layer-bf16
 
     def level(self, step: int) -> str:
         """The recording level of `step`: layer fingerprints only every trace.layer_every steps."""
@@ -79,18 +83,33 @@ class Built:
         return arrays, gather_example_hashes(batch.example_hashes)
 
     def run_step(self, state: Any, step: int) -> tuple[Any, dict, np.ndarray]:
-        arrays, hashes = self.device_batch(step)
-        state, metrics = self.compiled[self.level(step)](state, arrays)
-        return state, metrics, hashes
+        plan = self.faults
+        if not plan:
+            arrays, hashes = self.device_batch(step)
+            state, metrics = self.compiled[self.level(step)](state, arrays)
+            return state, metrics, hashes
+        state = plan.before(state, step, self._init_opt_state)
+        arrays, hashes = self.device_batch(plan.batch_step(step))
+        programs = self.compiled_faulty if plan.model_cfg(step) is not None else self.compiled
+        state, metrics = programs[self.level(step)](state, arrays)
+        return plan.after(state, step), metrics, hashes
+
+    def _init_opt_state(self, params: Any) -> Any:
+        shardings = jax.tree.map(lambda a: a.sharding, self.abstract_sharded.opt_state)
+        return jax.jit(make_optimizer(self.cfg.optimizer).init, out_shardings=shardings)(params)
 
 
 def build(cfg: Config, source: data.TokenSource | None = None, mesh_cfg: MeshConfig | None = None,
-          on_compile: Callable[[], None] | None = None) -> Built:
+          on_compile: Callable[[], None] | None = None, faults: FaultPlan | None = None) -> Built:
     """Validates the config against the data and devices, then lowers and compiles the step."""
     if source is None:
         source = data.open_source(cfg.data.source, cfg.data.token_dtype, cfg.model.vocab_size)
+    if cfg.mesh.mesh_invariant:  # pins the XLA:CPU thread pool: must come before anything starts JAX
+        invariant.pin_thread_pool()
     mesh = meshlib.make_mesh(mesh_cfg or cfg.mesh)
     meshlib.check_batch(cfg.data.global_batch_size, mesh)
+    if cfg.mesh.mesh_invariant:
+        invariant.check(cfg, int(mesh.size))
     batcher = data.Batcher(source, cfg.model.seq_len, cfg.data.global_batch_size, rng.data_seed(cfg.seed),
                            jax.process_index(), jax.process_count())
     abstract = meshlib.abstract_state(cfg)
@@ -109,8 +128,11 @@ def build(cfg: Config, source: data.TokenSource | None = None, mesh_cfg: MeshCon
         compiled[lvl] = lowered.compile()
         if lvl == cfg.trace.level:
             phash = program_hash(lowered)
+    faulty_cfg = faults.model_cfg(10**12) if faults else None  # the faulty program, if a fault needs one
+    compiled_faulty = {lvl: compile_step(faulty_cfg, lvl, shardings, batch_sharding).lower(abstract_sharded, example)
+                       .compile() for lvl in sorted(levels)} if faulty_cfg is not None else {}
     return Built(cfg, source, mesh, batcher, batch_sharding, abstract_sharded, schema, compiled, phash,
-                 time.perf_counter() - t0)
+                 time.perf_counter() - t0, faults, compiled_faulty)
 
 
 def load_resume_config(path: Path, cfg: Config | None, steps: int | None) -> Config:
@@ -138,12 +160,12 @@ class Prepared:
 
 
 def prepare(cfg: Config, out: str | Path, *, resume: bool = False, preset: str | None = None,
-            on_compile: Callable[[], None] | None = None) -> Prepared:
+            on_compile: Callable[[], None] | None = None, faults: FaultPlan | None = None) -> Prepared:
     """Validates everything and compiles the step; raises a one-line error on bad input."""
     out = Path(out)
     if not resume and out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} already exists; choose a new --out, or continue it with --resume {out}")
-    built = build(cfg, on_compile=on_compile)
+    built = build(cfg, on_compile=on_compile, faults=faults)
     manifest = {
         "preset": preset,
         "config": to_dict(cfg),
@@ -153,20 +175,30 @@ def prepare(cfg: Config, out: str | Path, *, resume: bool = False, preset: str |
         "mesh": {"shape": dict(built.mesh.shape), "devices": int(built.mesh.devices.size)},
         "model": {"params": model.param_count(cfg.model), "flops_per_token": model.flops_per_token(cfg.model)},
         "checkpoints": [],
+        "faults": faults.to_manifest() if faults else [],
     }
+    if cfg.mesh.mesh_invariant:  # read by replay/contract.py: the counts measured to give the same bits
+        manifest["invariant_device_counts"] = invariant.invariant_counts(
+            cfg, jax.default_backend(), jax.local_device_count(), invariant.pool_threads())
+        manifest["invariant"] = {"pool_threads": invariant.pool_threads(), "n_microbatches": cfg.mesh.n_microbatches}
     return Prepared(out, resume, built, manifest)
 
 
 def train(cfg: Config, out: str | Path, *, resume: bool = False, preset: str | None = None,
-          on_step: Callable[[StepInfo], None] | None = None) -> TrainResult:
-    return run_prepared(prepare(cfg, out, resume=resume, preset=preset), on_step)
+          on_step: Callable[[StepInfo], None] | None = None, faults: FaultPlan | None = None) -> TrainResult:
+    return run_prepared(prepare(cfg, out, resume=resume, preset=preset, faults=faults), on_step)
 
 
 def run_prepared(job: Prepared, on_step: Callable[[StepInfo], None] | None = None) -> TrainResult:
     """Opens (or creates) the run and trains. Only process 0 writes the trace and manifest."""
     run = None
     if jax.process_index() == 0:
-        run = Run.resume(job.out) if job.resume else Run.create(job.out, job.built.schema, job.manifest)
+        if job.resume:
+            run = Run.resume(job.out)
+            if job.manifest["faults"] != run.manifest.get("faults", []):
+                run.update_manifest(faults=job.manifest["faults"])
+        else:
+            run = Run.create(job.out, job.built.schema, job.manifest)
     elif not job.resume:
         _wait_for(job.out / "run.json")
     try:

@@ -26,6 +26,7 @@ so asking for block_03's internals does not keep every block's attention matrix 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping
 from typing import Any
@@ -243,8 +244,11 @@ class Transformer(nn.Module):
         x_BxLxD = embed(tokens_BxL)
         _tap(self, "embed", x_BxLxD, layer=True)
         sin_LxH2, cos_LxH2 = rope_tables(tokens_BxL.shape[1], cfg.head_dim, cfg.rope_theta)
-        for name in block_names(cfg):
-            x_BxLxD = Block(cfg, name=name)(x_BxLxD, sin_LxH2, cos_LxH2, deterministic)
+        for i, name in enumerate(block_names(cfg)):
+            # bf16_block exists for the layer-bf16 fault (trainer/faults.py): one block computes
+            # in bfloat16 while its parameters and the residual stream stay as configured.
+            block_cfg = dataclasses.replace(cfg, dtype="bfloat16") if i == cfg.bf16_block else cfg
+            x_BxLxD = Block(block_cfg, name=name)(x_BxLxD, sin_LxH2, cos_LxH2, deterministic)
         x_BxLxD = RMSNorm(cfg, name="final_norm")(x_BxLxD)
         _tap(self, "final_norm", x_BxLxD, layer=True)
         if cfg.tied_embeddings:

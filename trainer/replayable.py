@@ -67,6 +67,7 @@ class TrainerReplay:
         from trainer import data as datalib
         from trainer.checkpoint import Checkpointer
         from trainer.config import MeshConfig, from_dict
+        from trainer.faults import FaultPlan
         from trainer.loop import build
         from trainer.mesh import MeshError
 
@@ -85,14 +86,15 @@ class TrainerReplay:
                 "anyway and see which steps' batches differ"
             )
         self.data_changed = bool(recorded) and source.fingerprint() != recorded
+        faults = FaultPlan.from_manifest(run.manifest.get("faults"), cfg)  # a faulty run replays its faults
         try:
-            built = build(cfg, source, on_compile=on_compile)
+            built = build(cfg, source, on_compile=on_compile, faults=faults)
             self.mesh_note = None
         except MeshError:
             # The recorded mesh does not fit this machine: use all local devices for data parallelism.
             mesh_cfg = MeshConfig(data=-1, fsdp=1, mesh_invariant=cfg.mesh.mesh_invariant,
                                   n_microbatches=cfg.mesh.n_microbatches)
-            built = build(cfg, source, mesh_cfg=mesh_cfg, on_compile=on_compile)
+            built = build(cfg, source, mesh_cfg=mesh_cfg, on_compile=on_compile, faults=faults)
             self.mesh_note = f"the recorded mesh does not fit {jax.device_count()} devices; replaying data-parallel"
         self.built = built
         self.schema = built.schema

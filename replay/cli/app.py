@@ -83,9 +83,9 @@ def _root(
 
 
 def _register_commands() -> None:
-    from replay.cli import demo, run, show, train
+    from replay.cli import bisect, demo, run, show, train
 
-    for module in (show, train, run, demo):
+    for module in (show, train, run, bisect, demo):
         module.register(app)
     __import__("replay.cli.plan", fromlist=["register"]).register(app)  # replay plan (trainer/plan.py)
     __import__("replay.cli.audit", fromlist=["register"]).register(app)  # replay audit (replay/audit.py)

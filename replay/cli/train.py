@@ -16,6 +16,7 @@ def train(
     steps: Annotated[Optional[int], typer.Option("--steps", help="Total steps of the run (on resume: train up to this step).")] = None,
     overrides: Annotated[Optional[list[str]], typer.Option("--set", help="Config override section.field=value; repeatable.")] = None,
     resume: Annotated[Optional[Path], typer.Option("--resume", help="Continue this run from its newest checkpoint.")] = None,
+    inject: Annotated[Optional[list[str]], typer.Option("--inject", help="Inject a fault NAME@STEP (trainer/faults.py); repeatable.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     coordinator: Annotated[Optional[str], typer.Option(help="Multi-process: coordinator HOST:PORT (jax.distributed).")] = None,
     num_processes: Annotated[int, typer.Option(help="Multi-process: number of processes.")] = 1,
@@ -34,7 +35,11 @@ def train(
     from trainer.loop import StepInfo, load_resume_config, prepare, run_prepared
     from trainer.mesh import MeshError
 
-    register_user_error(ConfigError, DataError, MeshError, CheckpointError)
+    from traces import Run
+    from trainer.faults import FaultError, FaultPlan, parse
+
+    register_user_error(ConfigError, DataError, MeshError, CheckpointError, FaultError)
+    new_faults = [parse(spec) for spec in inject or []]
     if resume is not None and out is not None:
         console.fail("give either --out (a new run) or --resume RUN, not both")
     if resume is None and out is None:
@@ -45,13 +50,20 @@ def train(
             console.fail("--set with --resume needs the --preset the run was made with; or drop --set")
         cfg = load_resume_config(resume, asked, steps)
         path = resume
+        recorded = Run.open(resume)
+        early = [f for f in new_faults if f.step < recorded.trace.end]
+        if early:
+            console.fail(f"--inject {early[0]}: step {early[0].step} is already recorded (the trace ends at step "
+                         f"{recorded.trace.end - 1}); a fault injected on resume must start at or after step {recorded.trace.end}")
+        faults = FaultPlan([*FaultPlan.from_manifest(recorded.manifest.get("faults"), cfg).faults, *new_faults], cfg)
     else:
         cfg = apply_overrides(get_preset(preset or "tiny"), list(overrides or []) + ([f"steps={steps}"] if steps is not None else []))
         path = out
+        faults = FaultPlan(new_faults, cfg)
 
     import jax
 
-    job = prepare(cfg, path, resume=resume is not None, preset=preset,
+    job = prepare(cfg, path, resume=resume is not None, preset=preset, faults=faults,
                   on_compile=lambda: console.status(f"compiling the train step for {path} ..."))
     if jax.process_index() != 0:  # one progress display per run
         run_prepared(job)

@@ -1,0 +1,124 @@
+"""Named faults that reproduce real bug classes, so users can check the tool catches them.
+
+`replay train --inject NAME@STEP` (repeatable) applies a fault from step STEP on and records
+it in the manifest ("faults"), so a replay of the faulty run reproduces it bit for bit and a
+bisect against a clean run names it. Each fault mimics a bug seen in real training stacks:
+
+    data-repeat        after a resume onto fewer hosts, the sampler recomputes its position
+                       from a per-host counter and re-reads the batches of steps S//2.. from
+                       step S on: already-seen examples come back and the loss looks better
+    dropout-key-reuse  from step S the dropout key stops advancing: every step reuses step S's
+    layer-bf16         from step S the middle block computes in bfloat16 (params stay float32)
+    skip-opt-restore   at step S the optimizer state is re-initialised, as when a resume
+                       restores the parameters but forgets the optimizer state
+    bitflip            before step S one bit of one parameter flips (bit 20 of element [0, 0] of
+                       the middle block's mlp.up kernel), as silent data corruption would
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from trainer import model
+from trainer.config import Config
+
+FAULTS = ("data-repeat", "dropout-key-reuse", "layer-bf16", "skip-opt-restore", "bitflip")
+BITFLIP_BIT = 20
+
+
+class FaultError(ValueError):
+    """A malformed --inject; one line for users."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str  # one of FAULTS
+    step: int  # the first step it affects
+
+    def __str__(self) -> str:
+        return f"{self.name}@{self.step}"
+
+
+def parse(spec: str) -> Fault:
+    name, sep, step = spec.partition("@")
+    if not sep or name not in FAULTS:
+        raise FaultError(f"--inject {spec!r}: expected NAME@STEP with NAME one of {', '.join(FAULTS)}")
+    try:
+        at = int(step)
+    except ValueError:
+        raise FaultError(f"--inject {spec!r}: STEP must be an integer") from None
+    if at < 1:
+        raise FaultError(f"--inject {spec!r}: STEP must be >= 1 (a fault needs a clean step before it)")
+    return Fault(name, at)
+
+
+def bitflip_param(cfg: Config) -> str:
+    return f"{model.block_names(cfg.model)[cfg.model.n_layers // 2]}.mlp.up.kernel"
+
+
+class FaultPlan:
+    """What the faults of a run do at each step. An empty plan changes nothing."""
+
+    def __init__(self, faults: list[Fault] | tuple[Fault, ...], cfg: Config):
+        self.faults = tuple(faults)
+        self.cfg = cfg
+        self._at = {f.name: f.step for f in self.faults}
+
+    def __bool__(self) -> bool:
+        return bool(self.faults)
+
+    def to_manifest(self) -> list[str]:
+        return [str(f) for f in self.faults]
+
+    @classmethod
+    def from_manifest(cls, specs: list[str] | None, cfg: Config) -> "FaultPlan":
+        return cls([parse(s) for s in specs or []], cfg)
+
+    def active(self, name: str, step: int) -> bool:
+        return name in self._at and step >= self._at[name]
+
+    def batch_step(self, step: int) -> int:
+        """The step whose batch the (faulty) sampler feeds at `step`."""
+        if self.active("data-repeat", step):
+            s = self._at["data-repeat"]
+            return s // 2 + (step - s)
+        return step
+
+    def model_cfg(self, step: int) -> Config | None:
+        """A config for the faulty program from this step on, or None for the run's own."""
+        if self.active("layer-bf16", step):
+            return dataclasses.replace(self.cfg, model=dataclasses.replace(self.cfg.model, bf16_block=self.cfg.model.n_layers // 2))
+        return None
+
+    def before(self, state, step: int, init_opt_state):
+        """The state fed to `step` (faults that corrupt state act here)."""
+        if self._at.get("bitflip") == step:
+            path = bitflip_param(self.cfg).split(".")
+            params = jax.tree.map(lambda x: x, state.params)  # shallow copy of the nested dicts
+            node = params
+            for part in path[:-1]:
+                node[part] = dict(node[part])
+                node = node[part]
+            node[path[-1]] = _flip(node[path[-1]])
+            state = state._replace(params=params)
+        if self._at.get("skip-opt-restore") == step:
+            state = state._replace(opt_state=init_opt_state(state.params))
+        if self.active("dropout-key-reuse", step):
+            # The key of a step is fold_in(base key, state.step): holding the counter reuses it.
+            state = state._replace(step=jnp.asarray(self._at["dropout-key-reuse"], jnp.int32))
+        return state
+
+    def after(self, state, step: int):
+        if self.active("dropout-key-reuse", step):
+            state = state._replace(step=jnp.asarray(step + 1, jnp.int32))
+        return state
+
+
+@jax.jit
+def _flip(x: jax.Array) -> jax.Array:
+    bits = jax.lax.bitcast_convert_type(x[0, 0], jnp.uint32) ^ jnp.uint32(1 << BITFLIP_BIT)
+    return x.at[0, 0].set(jax.lax.bitcast_convert_type(bits, x.dtype))

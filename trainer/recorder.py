@@ -52,7 +52,11 @@ def gather_example_hashes(local_hashes: np.ndarray) -> np.ndarray:
 
 
 def to_record(schema: Schema, step: int, metrics: dict, example_hashes: np.ndarray) -> StepRecord:
-    """A host-side record from a step's metrics (already device_get) and global example hashes."""
+    """A host-side record from a step's metrics (already device_get) and global example hashes.
+
+    `metrics` holds every schema metric by name, "rng", "example_<name>" (float32[batch]) for
+    each of the schema's example_metrics, and "fingerprints"/"rms" for a layer-level record.
+    """
     layer = "fingerprints" in metrics
     return StepRecord(
         step=step,
@@ -62,7 +66,8 @@ def to_record(schema: Schema, step: int, metrics: dict, example_hashes: np.ndarr
         metrics=np.array([np.asarray(metrics[name], np.float32) for name in schema.metric_names], np.float32),
         fingerprints=lanes_to_uint64(metrics["fingerprints"]) if layer else None,
         rms=np.asarray(metrics["rms"], np.float32) if layer else None,
-        example_metrics=np.asarray(metrics["example_loss"], np.float32)[None, :],
+        example_metrics=np.stack([np.asarray(metrics[f"example_{name}"], np.float32) for name in schema.example_metrics])
+        if schema.example_metrics else None,
     )
 
 

@@ -43,7 +43,8 @@ def run(
     target = Run.open(path)
     if target.status == "running":
         console.warn(f"{path} is still being written; replaying the steps recorded so far")
-    check_range(target, first, last, _checkpoints(target))  # before compiling: bad ranges fail fast
+    if "replayable" not in target.manifest:  # a trainer run: bad ranges fail fast, before compiling
+        check_range(target, first, last, _checkpoints(target))
     replayable = replayables.load(target, data=data, allow_data_change=allow_data_change,
                                   on_compile=lambda: console.status(f"compiling the train step of {path} ..."))
     mesh_invariant = bool(target.manifest.get("config", {}).get("mesh", {}).get("mesh_invariant"))

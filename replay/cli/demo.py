@@ -1,28 +1,71 @@
-"""`replay demo`: the main job of the README quick start.
-
-Issue 5 builds it: train run A on the embedded corpus, train run B with a data-repeat fault
-in the middle (the "cluster change"), bisect and audit them, and show the first divergent
-step, the cause and the repeated examples. Until then it says so and exits 3, rather than
-pretend.
-"""
+"""`replay demo`: the main job of the README quick start (see replay/demo.py)."""
 
 from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Annotated
 
 import typer
 
 from replay.cli import console
-from replay.cli.errors import EXIT_NOT_IMPLEMENTED
+
+
+def demo(
+    out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the two runs and the plot.")] = Path("replay-demo"),
+    steps: Annotated[int, typer.Option("--steps", help="Steps per run; the fault starts half way.")] = 160,
+    force: Annotated[bool, typer.Option("--force", help="Replace an earlier demo in --out.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+) -> None:
+    """Train two runs, one fed repeated data from the middle on, and let bisect and audit find it."""
+    from replay.demo import run_demo
+
+    if steps < 32:
+        console.fail(f"--steps {steps}: the demo needs at least 32 steps (the fault starts half way)")
+    if out.exists() and any(out.iterdir()):
+        earlier = {p.name for p in out.iterdir()} <= {"run-A", "run-B", "divergence.png"}
+        if not (force and earlier):
+            console.fail(f"{out} is not empty; choose another --out" + (", or pass --force to replace the earlier demo"
+                                                                        if earlier else ""))
+        for name in ("run-A", "run-B"):
+            shutil.rmtree(out / name, ignore_errors=True)
+    with console.progress("replay demo") as bar:
+        task = bar.add_task("demo", total=None, info="")
+
+        def on_phase(name: str, total: int) -> None:
+            bar.update(task, description=name, total=total or 1, completed=0, info="")
+
+        def on_step(info) -> None:
+            loss = f"loss {info.loss:.3f}" if info.loss is not None else ""
+            bar.update(task, completed=info.step + 1, info=f"{loss}  {info.tokens_per_s:,.0f} tok/s")
+
+        result = run_demo(out, steps, on_phase, on_step)
+        bar.update(task, completed=bar.tasks[task].total)
+    if json_out:
+        console.print_json(result.to_json())
+        return
+    j = result.to_json()
+    b = result.bisect
+    rows = [
+        ("run A (clean)", str(result.run_a)),
+        ("run B (data-repeat fault)", f"{result.run_b}  (the sampler re-feeds old batches from step {result.fault_step})"),
+        ("first divergent step", str(j["first_step"])),
+        ("cause", str(j["cause"])),
+        ("examples that differ", f"{j['examples_differing']} of the {result.batch_size} in the batch"),
+        ("already seen by B", f"{j['already_seen_in_b']} of them, first fed by B at step(s) "
+                              f"{', '.join(map(str, j['first_seen_steps'][:8]))}"),
+        ("audit of A", "ok: every example once per epoch" if result.audit_a_ok else "FLAGGED"),
+        ("audit of B", result.audit_b_summary),
+        (f"mean loss from step {result.fault_step}", f"A {result.loss_a_after:.4f}   B {result.loss_b_after:.4f}   "
+                                                     f"(B looks {'better' if result.loss_b_after < result.loss_a_after else 'worse'}: "
+                                                     f"{'it is re-fed data it has seen' if result.loss_b_after < result.loss_a_after else 'no advantage'})"),
+        ("plot", str(result.plot)),
+        ("time", ", ".join(f"{k} {v} s" for k, v in result.seconds.items())),
+    ]
+    console.print_table(rows, title="replay demo: the data-loader bug that made a loss look better than it was")
+    console.print_text(f"next: replay bisect {result.run_a} {result.run_b}   |   replay audit {result.run_b}   |   "
+                       f"replay run {result.run_b} --steps {result.fault_step}:{result.fault_step + 4}")
 
 
 def register(app: typer.Typer) -> None:
     app.command("demo")(demo)
-
-
-def demo() -> None:
-    """Train two runs, one fed repeated data mid-way, and let bisect find where and why (not built yet)."""
-    console.status(
-        "replay demo will train run A on the embedded corpus, train run B with a data-repeat fault in the "
-        "middle, then run `replay bisect A B` to name the first divergent step, the cause (data) and the "
-        "repeated examples."
-    )
-    console.fail("replay demo is not implemented yet (issue 5); `replay show RUN` works now", EXIT_NOT_IMPLEMENTED)

@@ -64,7 +64,8 @@ def run_demo(out: Path, steps: int = DEFAULT_STEPS, on_phase: Callable[[str, int
     phase = on_phase or (lambda name, total: None)
     out.mkdir(parents=True, exist_ok=True)
     cfg = apply_overrides(get_preset("demo"), [f"steps={steps}", f"checkpoint.every_steps={steps // 4}",
-                                               f"optimizer.decay_steps={steps}"])
+                                               f"optimizer.decay_steps={steps}",
+                                               f"optimizer.warmup_steps={min(50, steps // 4)}"])
     fault_step = steps // 2
     seconds = {}
     t0 = time.perf_counter()

@@ -18,7 +18,11 @@ def demo(
     json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
     """Train two runs, one fed repeated data from the middle on, and let bisect and audit find it."""
+    from replay.cli.errors import register_user_error
     from replay.demo import run_demo
+    from trainer.config import ConfigError
+
+    register_user_error(ConfigError)
 
     if steps < 32:
         console.fail(f"--steps {steps}: the demo needs at least 32 steps (the fault starts half way)")

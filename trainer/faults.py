@@ -4,15 +4,22 @@
 it in the manifest ("faults"), so a replay of the faulty run reproduces it bit for bit and a
 bisect against a clean run names it. Each fault mimics a bug seen in real training stacks:
 
-    data-repeat        after a resume onto fewer hosts, the sampler recomputes its position
-                       from a per-host counter and re-reads the batches of steps S//2.. from
-                       step S on: already-seen examples come back and the loss looks better
+    data-repeat        after a resume onto twice the hosts, each host's sampler counter counts
+                       half-batches, so the global position advances every other step: from
+                       step S on every batch is fed twice in a row, starting with a repeat of
+                       step S-1's batch. Already-seen examples come back while the model still
+                       remembers them, and the training loss looks better than it is
     dropout-key-reuse  from step S the dropout key stops advancing: every step reuses step S's
     layer-bf16         from step S the middle block computes in bfloat16 (params stay float32)
     skip-opt-restore   at step S the optimizer state is re-initialised, as when a resume
                        restores the parameters but forgets the optimizer state
     bitflip            before step S one bit of one parameter flips (bit 20 of element [0, 0] of
                        the middle block's mlp.up kernel), as silent data corruption would
+    bad-batch          step S only: the examples at positions 3, 7, 11, ... of the global batch
+                       (every fourth, `bad_positions`; 4 of a batch of 16, one per device on 4
+                       devices) are swapped for degenerate ones, token 0 (a NUL byte) repeated,
+                       as a loader reading a zero-filled region of a token file would feed; the
+                       recorded example hashes are those of the rows really fed
 """
 
 from __future__ import annotations
@@ -22,12 +29,14 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from trainer import model
+from trainer import data, model
 from trainer.config import Config
 
-FAULTS = ("data-repeat", "dropout-key-reuse", "layer-bf16", "skip-opt-restore", "bitflip")
+FAULTS = ("data-repeat", "dropout-key-reuse", "layer-bf16", "skip-opt-restore", "bitflip", "bad-batch")
 BITFLIP_BIT = 20
+BAD_TOKEN = 0  # bad-batch: the token a degenerate example repeats (a NUL byte with the byte tokenizer)
 
 
 class FaultError(ValueError):
@@ -60,6 +69,21 @@ def bitflip_param(cfg: Config) -> str:
     return f"{model.block_names(cfg.model)[cfg.model.n_layers // 2]}.mlp.up.kernel"
 
 
+def bad_positions(global_batch: int) -> list[int]:
+    """The global batch positions bad-batch replaces: every fourth from 3 (the last one if B < 4)."""
+    return list(range(3, global_batch, 4)) or [global_batch - 1]
+
+
+def with_bad_examples(tokens_BxL1: np.ndarray, positions_B: list[int] | range, global_batch: int) -> np.ndarray:
+    """`tokens_BxL1` (the rows at global positions `positions_B`) with the bad-batch rows swapped in."""
+    bad = set(bad_positions(global_batch))
+    rows = np.array(tokens_BxL1, np.int32, copy=True)
+    for i, pos in enumerate(positions_B):
+        if pos in bad:
+            rows[i] = BAD_TOKEN
+    return rows
+
+
 class FaultPlan:
     """What the faults of a run do at each step. An empty plan changes nothing."""
 
@@ -85,8 +109,19 @@ class FaultPlan:
         """The step whose batch the (faulty) sampler feeds at `step`."""
         if self.active("data-repeat", step):
             s = self._at["data-repeat"]
-            return s // 2 + (step - s)
+            return s - 1 + (step - s + 1) // 2
         return step
+
+    def alter_batch(self, batch: data.Batch, step: int, local: slice) -> data.Batch:
+        """The batch fed at `step`; `batch` is this process's rows `local` of the global batch.
+        bad-batch swaps rows at step S; the hashes are recomputed from the rows really fed."""
+        if self._at.get("bad-batch") != step:
+            return batch
+        tokens = np.concatenate([batch.inputs_BxL[:, :1], batch.targets_BxL], axis=1)
+        positions = range(local.start, local.start + tokens.shape[0])
+        rows = with_bad_examples(tokens, positions, self.cfg.data.global_batch_size).astype(batch.inputs_BxL.dtype)
+        return data.Batch(np.ascontiguousarray(rows[:, :-1]), np.ascontiguousarray(rows[:, 1:]),
+                          data.example_hashes(rows), batch.ids)
 
     def model_cfg(self, step: int) -> Config | None:
         """A config for the faulty program from this step on, or None for the run's own."""

@@ -73,9 +73,12 @@ class Built:
         level = self.cfg.trace.level
         return "step" if level == "layer" and step % self.cfg.trace.layer_every else level
 
-    def device_batch(self, step: int) -> tuple[dict, np.ndarray]:
-        """The global batch of `step` on the mesh, and its per-example hashes in global order."""
+    def device_batch(self, step: int, fed_at: int | None = None) -> tuple[dict, np.ndarray]:
+        """The global batch of `step` on the mesh, and its per-example hashes in global order.
+        `fed_at`: the step it is fed at, where a fault may alter it (bad-batch)."""
         batch = self.batcher.batch_at(step)
+        if fed_at is not None and self.faults:
+            batch = self.faults.alter_batch(batch, fed_at, self.batcher.local_slice)
         arrays = {
             "inputs": meshlib.global_batch(batch.inputs_BxL.astype(np.int32), self.mesh, self.batch_sharding),
             "targets": meshlib.global_batch(batch.targets_BxL.astype(np.int32), self.mesh, self.batch_sharding),
@@ -89,7 +92,7 @@ class Built:
             state, metrics = self.compiled[self.level(step)](state, arrays)
             return state, metrics, hashes
         state = plan.before(state, step, self._init_opt_state)
-        arrays, hashes = self.device_batch(plan.batch_step(step))
+        arrays, hashes = self.device_batch(plan.batch_step(step), fed_at=step)
         programs = self.compiled_faulty if plan.model_cfg(step) is not None else self.compiled
         state, metrics = programs[self.level(step)](state, arrays)
         return plan.after(state, step), metrics, hashes
@@ -220,6 +223,9 @@ def _train_loop(job: Prepared, run: Run | None, on_step: Callable[[StepInfo], No
             state, start = ckpt.restore(latest, built.abstract_sharded), latest
     if state is None:
         state = meshlib.init_sharded_state(cfg, built.mesh)
+        # Checkpoint 0 makes every step replayable, the first ones included.
+        if cfg.checkpoint.every_steps and cfg.steps > 0:
+            ckpt.save(state)
     recorder = Recorder(built.schema, writer, cfg.trace.level)
     tokens_per_step = cfg.data.global_batch_size * cfg.model.seq_len
     peak = peak_flops(jax.devices()[0].device_kind)

@@ -132,8 +132,7 @@ def test_a_changed_token_is_refused_then_located(recorded, tmp_path):
     assert data["kind"] == "data" and data["positions"] == [3]
 
 
-@pytest.mark.parametrize("steps, needle", [("35:45", "outside"), ("9:5", "A <= B"), ("5:8", "no checkpoint"),
-                                           ("x", "not A:B")])
+@pytest.mark.parametrize("steps, needle", [("35:45", "outside"), ("9:5", "A <= B"), ("x", "not A:B")])
 def test_bad_ranges_are_refused(recorded, steps, needle):
     path = recorded[0]
     before = dir_digest(path)
@@ -141,6 +140,16 @@ def test_bad_ranges_are_refused(recorded, steps, needle):
     assert result.exit_code == 2, result.output
     assert needle in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert dir_digest(path) == before
+
+
+def test_a_range_before_the_first_checkpoint_is_refused(recorded, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(recorded[0], copy, ignore=shutil.ignore_patterns(".lock"))
+    shutil.rmtree(copy / "checkpoints" / "0")  # as if the run had kept only its later checkpoints
+    before = dir_digest(copy)
+    result = CliRunner().invoke(app, ["run", str(copy), "--steps", "5:8"])
+    assert result.exit_code == 2 and "no checkpoint at or before step 5" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and dir_digest(copy) == before
 
 
 def test_missing_data_source_is_refused(recorded, tmp_path):
@@ -152,7 +161,8 @@ def test_missing_data_source_is_refused(recorded, tmp_path):
 def test_parse_and_check_range_units(recorded):
     assert parse_steps("12:31") == (12, 31) and parse_steps("7") == (7, 7)
     run = Run.open(recorded[0])
-    assert check_range(run, 12, 31, [10, 20, 30, 40]) == 10
+    assert check_range(run, 12, 31, [0, 10, 20, 30, 40]) == 10
+    assert check_range(run, 3, 5, [0, 10]) == 0
     with pytest.raises(ReplayInputError):
         check_range(run, 0, 3, [10])
 

@@ -139,7 +139,7 @@ def test_two_processes_train_and_record(reference, tmp_path):
     run = Run.open(path)
     assert run.status == "complete" and run.trace.end == 4
     assert run.manifest["environment"]["process_count"] == 2 and run.manifest["environment"]["device_count"] == 4
-    assert run.manifest["checkpoints"] == [2, 4]
+    assert run.manifest["checkpoints"] == [0, 2, 4]
     ref = Run.open(reference).trace
     for step in range(4):  # both hosts' halves of the batch, in global order
         assert np.array_equal(run.trace.read(step).example_hashes, ref.read(step).example_hashes)

@@ -23,3 +23,9 @@ def test_trace_compare_bench_finds_the_planted_divergence():
 def test_trace_write_bench_reports_throughput():
     result = run_bench("bench.trace_write", "--records", "5000")
     assert result["records"] == 5000 and result["records_per_second"] > 0
+
+
+def test_bisect_bench_finds_the_planted_divergence():
+    result = run_bench("bench.bisect", "--steps", "3000", "--seed", "5", "--no-sparse")
+    assert result["found_step"] == result["first_divergence"] == result["found_step_data"]
+    assert (result["cause"], result["cause_data"]) == ("loss", "data")

@@ -6,12 +6,23 @@
 3. Refine data: which example positions differ, and for each differing example of either
    run whether that exact example was already seen, and where (run, step, position):
    repeated data makes a loss look better than it is.
-4. Refine a layer (replay/refine.py): replay the step of both runs and name the first
-   intermediate inside the layer that differs, with its distances.
+4. Refine a layer (replay/refine.py): replay the step of both runs from their checkpoints and
+   name the first intermediate inside the layer (or the first parameter, gradient or
+   optimizer-state leaf) that differs, with its max abs, relative and ULP distances and the
+   share of elements that differ.
+5. Sparse traces (replay/refine.py): when the traces cannot localise the divergence -- no
+   records at all (trace.level=off), or states that already differ entering the step the scan
+   found -- compare the runs' states at common checkpoints, then binary-search the steps in
+   between by replaying both runs (O(log N) probes). The divergent step is then the first step
+   whose output state (parameters and optimizer state) differs.
+
+Every replay is read-only and optional (`refine=False`, CLI --no-refine); a run that cannot be
+replayed here leaves a note, never a failed bisect.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,6 +30,7 @@ import numpy as np
 from replay.audit import read_example_hashes
 from traces import Comparison, Run, compare
 
+TENSOR_KINDS = ("state", "forward", "backward", "update")  # fields a replay can look inside (replay/refine.py)
 ENV_KEYS = ("backend", "device_kind", "device_count", "process_count", "cpu_count", "xla_flags")
 
 
@@ -46,23 +58,36 @@ class BisectReport:
     manifest: list[ManifestDiff]
     comparison: Comparison
     examples: list[SeenBefore] = field(default_factory=list)
-    refinement: dict | None = None  # from replay/refine.py when a layer was refined
-    replays: int = 0  # replays done to refine or search
+    refinement: dict | None = None  # from replay/refine.py when the divergent step was recomputed
+    replays: int = 0  # replay probes: both runs replayed to one step and compared
     notes: list[str] = field(default_factory=list)
+    method: str = "trace scan"  # or "binary search by replay", "checkpoint comparison"
+    found_step: int | None = None  # the divergent step found by replay when the trace scan had none or a later one
+    search: dict | None = None  # the binary search's probes (refine.Search.to_json)
+    replayed_steps: int = 0  # single steps re-run, both runs together
 
     @property
     def identical(self) -> bool:
-        return self.comparison.identical
+        return self.comparison.identical and self.found_step is None
+
+    @property
+    def first_step(self) -> int | None:
+        return self.found_step if self.found_step is not None else self.comparison.first_step
 
     @property
     def cause(self) -> str | None:
+        if self.refinement and self.refinement.get("cause"):
+            return self.refinement["cause"]
         first = self.comparison.first
         return first.kind if first else None
 
     @property
     def layer(self) -> str | None:
+        if self.refinement and self.refinement.get("cause"):
+            r = self.refinement
+            return r.get("layer") if r["cause"] in TENSOR_KINDS else None
         first = self.comparison.first
-        return first.name if first and first.kind in ("state", "forward", "backward", "update") else None
+        return first.name if first and first.kind in TENSOR_KINDS else None
 
     def repeated(self, run: str) -> list[SeenBefore]:
         """Examples of `run`'s divergent batch that the same run had already fed."""
@@ -71,14 +96,16 @@ class BisectReport:
     def to_json(self) -> dict:
         c = self.comparison
         return {
-            "identical": self.identical, "first_step": c.first_step, "cause": self.cause, "layer": self.layer,
+            "identical": self.identical, "first_step": self.first_step, "cause": self.cause, "layer": self.layer,
+            "method": self.method, "replays": self.replays, "replayed_steps": self.replayed_steps,
+            "trace_first": None if c.first is None else {"step": c.first_step, "kind": c.first.kind, "name": c.first.name},
             "fields": [{"kind": d.kind, "name": d.name, "a": d.a, "b": d.b, "distance": d.distance,
                         "positions": d.positions} for d in c.diffs],
             "manifest_diff": [{"key": m.key, "a": m.a, "b": m.b} for m in self.manifest],
             "examples": [{"run": e.run, "position": e.position, "hash": e.example_hash, "seen_before": e.seen}
                          for e in self.examples],
             "repeated_in_b": len(self.repeated("B")), "repeated_in_a": len(self.repeated("A")),
-            "refinement": self.refinement, "replays": self.replays, "compared": list(c.compared),
+            "refinement": self.refinement, "search": self.search, "compared": list(c.compared),
             "a_range": list(c.a_range), "b_range": list(c.b_range), "schema_notes": c.schema_notes, "notes": self.notes,
         }
 
@@ -143,11 +170,98 @@ def seen_before(runs: dict[str, Run], step: int, positions: list[int]) -> list[S
     return found
 
 
-def bisect(run_a: Run, run_b: Run) -> BisectReport:
-    """Steps 1-3: manifest diff, first divergence in the traces, and the data refinement."""
+def bisect(run_a: Run, run_b: Run, refine: bool = True) -> BisectReport:
+    """Manifest diff, first divergence in the traces, data refinement and, with `refine`, the
+    replay steps: layer refinement and binary search by replay (replay/refine.py)."""
     report = BisectReport(str(run_a.path), str(run_b.path), manifest_diff(run_a.manifest, run_b.manifest),
                           compare(run_a.trace, run_b.trace))
     first = report.comparison.first
     if first is not None and first.kind == "data":
         report.examples = seen_before({"A": run_a, "B": run_b}, report.comparison.first_step, first.positions or [])
+    if refine:
+        _replay(report, run_a, run_b)
+    elif _needs_replay(report, run_a, run_b):
+        c = report.comparison
+        report.notes.append("the traces record no step both runs took (trace.level=off?) and --no-refine allows no "
+                            "replay to compare checkpoints" if c.compared[1] <= c.compared[0] else
+                            "trace scan only (--no-refine): the traces alone do not show every step's state, so "
+                            "a divergence they do not record would go unnoticed")
     return report
+
+
+def _run_steps(run: Run) -> int:
+    """The steps the run took: its config's, or what its trace holds."""
+    steps = run.manifest.get("config", {}).get("steps")
+    return int(steps) if isinstance(steps, int) else run.trace.end
+
+
+def _trace_vouches(run_a: Run, run_b: Run, c: Comparison) -> bool:
+    """True when equal traces mean equal runs: both record their state's fingerprints at every
+    step (trace.level=layer, layer_every=1) over every step both took."""
+    for run in (run_a, run_b):
+        every = run.manifest.get("config", {}).get("trace", {}).get("layer_every", 1)
+        if "state/params" not in run.schema.tensor_names or every != 1:
+            return False
+    return c.compared[0] == 0 and c.compared[1] >= min(_run_steps(run_a), _run_steps(run_b))
+
+
+def _needs_replay(report: BisectReport, run_a: Run, run_b: Run) -> bool:
+    first = report.comparison.first
+    if first is None:
+        return not _trace_vouches(run_a, run_b, report.comparison)
+    return first.kind not in ("data", "rng")
+
+
+def _replay(report: BisectReport, run_a: Run, run_b: Run) -> None:
+    """Steps 4 and 5: confirm the divergent step by replay (or find it), then recompute it."""
+    from replay.refine import ReplayUnavailable, Replayer, first_state_difference, refine_step, search_first_divergence
+
+    if not _needs_replay(report, run_a, run_b):
+        return  # the trace names an input of the step (data, rng), or vouches for identical runs
+    c = report.comparison
+    first = c.first
+    ra, rb = Replayer("A", run_a), Replayer("B", run_b)
+    try:
+        if first is None:
+            # Nothing recorded differs, but the traces do not show the states: compare checkpoints.
+            search = search_first_divergence(ra, rb, end=min(_run_steps(run_a), _run_steps(run_b)))
+            report.search, report.replays = search.to_json(), report.replays + search.replays
+            report.notes.extend(search.notes)
+            if search.first_step is None:
+                report.method = "checkpoint comparison"
+                return
+            report.method, report.found_step = "binary search by replay", search.first_step
+            step, states, focus = search.first_step, search.states, None
+        else:
+            step = c.first_step
+            (_, sa), (_, sb) = ra.state_at(step), rb.state_at(step)
+            report.replays += 1
+            leaf = first_state_difference(sa, sb)
+            if leaf is None:
+                states = (sa, sb)
+                tensor = first.name in run_a.schema.tensor_names and first.kind in TENSOR_KINDS
+                focus = (first.kind, first.name) if tensor else None
+            else:
+                # The trace scan found a step the states already differ entering (a sparse trace).
+                report.notes.append(f"the states already differ entering step {step} ({leaf}), the first step the "
+                                    "trace records a difference at: searching the steps before it by replay")
+                search = search_first_divergence(ra, rb, upper=step)
+                report.search, report.replays = search.to_json(), report.replays + search.replays
+                report.notes.extend(search.notes)
+                if search.first_step is None:
+                    return
+                report.method, report.found_step = "binary search by replay", search.first_step
+                step, states, focus = search.first_step, search.states, None
+        report.refinement = refine_step(ra, rb, step, states, focus)
+        if report.refinement.get("cause") == "data" and not report.examples:
+            report.notes.append("the traces hold no per-example hashes of earlier steps: whether these examples "
+                                "were already seen is not known (record with trace.level=step or layer)")
+    except ReplayUnavailable as e:
+        report.notes.append(f"not refined by replay: {e}")
+    except Exception as e:  # noqa: BLE001 - a failed refinement must not lose the trace scan's answer
+        if os.environ.get("REPLAY_DEBUG"):
+            raise
+        report.notes.append(f"replay refinement failed ({type(e).__name__}: {' '.join(str(e).split())[:200]}); "
+                            "rerun with --debug for the traceback")
+    finally:
+        report.replayed_steps = ra.replayed_steps + rb.replayed_steps

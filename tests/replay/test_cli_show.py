@@ -265,13 +265,6 @@ def test_user_error_registry():
     assert user_error_code(MyError("x")) == 4
 
 
-def test_demo_does_not_pretend():
-    result = invoke("demo")
-    assert result.exit_code == 3
-    assert "not implemented yet" in result.stderr
-    assert result.stdout == ""
-
-
 def test_console_script_without_debug_has_no_traceback(tmp_path):
     script = Path(sys.executable).with_name("replay")
     exe = [str(script)] if script.exists() else [shutil.which("replay") or pytest.skip("replay console script not installed")]

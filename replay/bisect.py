@@ -65,6 +65,13 @@ class BisectReport:
     found_step: int | None = None  # the divergent step found by replay when the trace scan had none or a later one
     search: dict | None = None  # the binary search's probes (refine.Search.to_json)
     replayed_steps: int = 0  # single steps re-run, both runs together
+    bits_expected: bool = True  # whether the determinism contract promises equal bits for this pair
+    noise: dict | None = None  # replay/noise.py's verdict when bits are not expected
+
+    @property
+    def noise_only(self) -> bool:
+        """The runs differ in bits, but only by rounding noise the contract allows for this pair."""
+        return self.noise is not None and not self.noise["above"]
 
     @property
     def identical(self) -> bool:
@@ -106,6 +113,7 @@ class BisectReport:
                          for e in self.examples],
             "repeated_in_b": len(self.repeated("B")), "repeated_in_a": len(self.repeated("A")),
             "refinement": self.refinement, "search": self.search, "compared": list(c.compared),
+            "bits_expected": self.bits_expected, "noise": self.noise, "noise_only": self.noise_only,
             "a_range": list(c.a_range), "b_range": list(c.b_range), "schema_notes": c.schema_notes, "notes": self.notes,
         }
 
@@ -178,7 +186,15 @@ def bisect(run_a: Run, run_b: Run, refine: bool = True) -> BisectReport:
     first = report.comparison.first
     if first is not None and first.kind == "data":
         report.examples = seen_before({"A": run_a, "B": run_b}, report.comparison.first_step, first.positions or [])
-    if refine:
+    report.bits_expected = _bits_expected(run_a, run_b)
+    if first is not None and not report.bits_expected and first.kind not in ("data", "rng"):
+        # Another backend or device count: bits were never promised, so judge the difference
+        # against the noise floor instead of replaying both runs here (which would agree).
+        if refine:
+            _noise(report, run_a, run_b)
+        else:
+            report.notes.append("bits are not expected to match for this pair; --no-refine skips the noise floor")
+    elif refine:
         _replay(report, run_a, run_b)
     elif _needs_replay(report, run_a, run_b):
         c = report.comparison
@@ -187,6 +203,36 @@ def bisect(run_a: Run, run_b: Run, refine: bool = True) -> BisectReport:
                             "trace scan only (--no-refine): the traces alone do not show every step's state, so "
                             "a divergence they do not record would go unnoticed")
     return report
+
+
+def _bits_expected(run_a: Run, run_b: Run) -> bool:
+    from replay.contract import evaluate
+
+    mesh = [r.manifest.get("config", {}).get("mesh", {}).get("mesh_invariant", False) for r in (run_a, run_b)]
+    counts = tuple(run_a.manifest.get("invariant_device_counts", ()))
+    contract = evaluate(run_a.manifest.get("environment", {}), run_b.manifest.get("environment", {}),
+                        None, None, all(mesh), counts)
+    return contract.expect_bits
+
+
+NOISE_WINDOW = 200  # steps after the first difference judged against the floor (bounds the replay)
+
+
+def _noise(report: BisectReport, run_a: Run, run_b: Run) -> None:
+    from replay.noise import judge
+    from replay.refine import ReplayUnavailable
+    from traces import TraceError
+
+    c = report.comparison
+    start, stop = c.first_step, min(c.compared[1], c.first_step + NOISE_WINDOW)
+    try:
+        verdict = judge(run_a, run_b, start, stop)
+    except (ReplayUnavailable, TraceError, ValueError, OSError) as e:  # data, checkpoints or config missing here
+        report.notes.append(f"bits are not expected to match for this pair, and the noise floor could not be measured "
+                            f"here (run A cannot be replayed: {e}); the differences are unjudged")
+        return
+    report.noise = verdict.to_json()
+    report.replays += verdict.replays
 
 
 def _run_steps(run: Run) -> int:

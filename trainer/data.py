@@ -14,6 +14,10 @@ Global example slot g = k*B + j lives in epoch g // n_examples at position
 g % n_examples, and its id is that epoch's permutation at that position; a batch
 that crosses an epoch boundary therefore takes the end of one permutation and the
 start of the next.
+
+A bug-report bundle (replay/bundle.py) carries only the rows of the examples its steps
+read: `ExampleSource` serves them by example id with the original source's size, so the
+permutations, and with them every batch's ids, are the same as with the full source.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gzip
+import json
 import os
 from importlib import resources
 from typing import NamedTuple
@@ -195,6 +200,108 @@ def _chunks(tokens: np.ndarray):
         yield start, tokens[start : start + _SCAN_CHUNK]
 
 
+# --------------------------------------------------------------------------- bundled examples
+
+EXAMPLES_FORMAT = "replay.examples.v1"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ExampleSource(TokenSource):
+    """Only some examples of a token source, keyed by example id: what a bug-report bundle
+    carries (replay/bundle.py) so that its steps replay without the dataset.
+
+    It keeps the original source's n_tokens, so n_examples and therefore every epoch
+    permutation and every batch's example ids are unchanged; it serves the rows of the
+    examples it holds and refuses any other id with a DataError. `fingerprint()` is the
+    fingerprint of the source the rows were cut from, checked when the bundle was packed
+    (the replay checks every row again through the recorded per-example hashes).
+    """
+
+    example_ids: np.ndarray | None = None  # int64 (n,), ascending
+    rows: np.ndarray | None = None  # (n, seq_len + 1) in the source dtype
+    seq_len: int = 0
+    total_tokens: int = 0  # n_tokens of the original source
+    source_fingerprint: str = ""
+
+    @property
+    def n_tokens(self) -> int:
+        return self.total_tokens
+
+    @functools.cached_property
+    def max_id(self) -> int:
+        return int(self.rows.max()) if self.rows.size else 0
+
+    def fingerprint(self) -> str:
+        return self.source_fingerprint
+
+    def describe(self) -> dict:
+        return {"kind": "examples", "path": self.path, "dtype": self.dtype, "n_tokens": self.n_tokens,
+                "fingerprint": self.fingerprint(), "examples": int(self.example_ids.size)}
+
+    def validate(self, vocab_size: int) -> None:
+        if self.max_id >= vocab_size:
+            bad = np.argwhere(self.rows >= vocab_size)[0]
+            raise DataError(f"{self.path}: token id {int(self.rows[tuple(bad)])} of example "
+                            f"{int(self.example_ids[bad[0]])} is >= the model's vocab_size {vocab_size}")
+
+    def rows_of(self, ids_B: np.ndarray, seq_len: int) -> np.ndarray:
+        """The rows of examples `ids_B` as int32 (B, seq_len + 1)."""
+        if seq_len != self.seq_len:
+            raise DataError(f"{self.path}: holds examples of seq_len {self.seq_len}, not {seq_len}")
+        at_B = np.searchsorted(self.example_ids, ids_B)
+        found_B = (at_B < self.example_ids.size) & (self.example_ids[np.minimum(at_B, self.example_ids.size - 1)] == ids_B)
+        if not found_B.all():
+            missing = ids_B[~found_B]
+            raise DataError(f"{self.path}: example {int(missing[0])} is not among the {self.example_ids.size} examples "
+                            f"this bundle carries ({missing.size} of the batch are missing); replay only the steps the "
+                            "bundle covers, or pass --data PATH to the full token file")
+        return np.asarray(self.rows[at_B], dtype=np.int32)
+
+
+def write_example_file(path, source: TokenSource, ids, seq_len: int) -> dict:
+    """Writes the rows of examples `ids` of `source` to `path` (.npz); returns its metadata."""
+    ids_N = np.unique(np.asarray(ids, dtype=np.int64).reshape(-1))
+    rows = load_batch(source, ids_N, seq_len).astype(DTYPES[source.dtype])
+    meta = {"format": EXAMPLES_FORMAT, "source": source.path, "source_kind": source.kind, "dtype": source.dtype,
+            "n_tokens": source.n_tokens, "seq_len": int(seq_len), "fingerprint": source.fingerprint(),
+            "examples": int(ids_N.size)}
+    with open(path, "wb") as f:
+        np.savez(f, ids=ids_N, rows=rows, meta=np.frombuffer(json.dumps(meta, sort_keys=True).encode(), np.uint8))
+    return meta
+
+
+def open_example_file(path, vocab_size: int | None = None) -> ExampleSource:
+    """The examples `write_example_file` wrote, as a token source; DataError when unreadable."""
+    import zipfile
+
+    path = os.fspath(path)
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            meta = json.loads(z["meta"].tobytes().decode())
+            ids, rows = z["ids"], z["rows"]
+    except FileNotFoundError:
+        raise DataError(f"{path}: bundled examples not found; the bundle is incomplete") from None
+    except (OSError, KeyError, ValueError, zipfile.BadZipFile, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: bundled examples are unreadable ({e.__class__.__name__}); the bundle is damaged") from None
+    if not isinstance(meta, dict) or meta.get("format") != EXAMPLES_FORMAT:
+        raise DataError(f"{path}: not a {EXAMPLES_FORMAT} example file; upgrade replay or re-pack the bundle")
+    try:
+        width, n_tokens, fingerprint = int(meta["seq_len"]) + 1, int(meta["n_tokens"]), str(meta["fingerprint"])
+    except (KeyError, TypeError, ValueError):
+        width = n_tokens = fingerprint = None
+    if width is None or ids.ndim != 1 or rows.shape != (ids.size, width) or meta.get("dtype") not in DTYPES or (
+            ids.size > 1 and not (np.diff(ids) > 0).all()):
+        raise DataError(f"{path}: bundled examples are inconsistent (metadata, shapes or order); the bundle is damaged")
+    source = ExampleSource(
+        "examples", path, meta["dtype"], np.empty(0, DTYPES[meta["dtype"]]), vocab_size,
+        example_ids=ids.astype(np.int64), rows=rows, seq_len=width - 1, total_tokens=n_tokens,
+        source_fingerprint=fingerprint,
+    )
+    if vocab_size is not None:
+        source.validate(vocab_size)
+    return source
+
+
 # --------------------------------------------------------------------------- order
 
 
@@ -259,6 +366,8 @@ def host_slice(global_batch: int, process_index: int, process_count: int) -> sli
 def load_batch(source: TokenSource, ids, seq_len: int) -> np.ndarray:
     """Examples `ids` as int32 (B, seq_len + 1): each row is one window of the source."""
     ids_B = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if isinstance(source, ExampleSource):
+        return source.rows_of(ids_B, seq_len)
     width = seq_len + 1
     n_examples = source.n_tokens // width
     if ids_B.size and (ids_B.min() < 0 or ids_B.max() >= n_examples):

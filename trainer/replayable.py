@@ -74,8 +74,10 @@ class TrainerReplay:
         cfg = from_dict(run.manifest["config"])
         self.cfg = cfg
         spec = data or cfg.data.source
+        bundled = None if data else run.manifest.get("bundle", {}).get("examples")  # a bundle carries its batches
         try:
-            source = datalib.open_source(spec, cfg.data.token_dtype, cfg.model.vocab_size)
+            source = (datalib.open_example_file(run.path / bundled, cfg.model.vocab_size) if bundled
+                      else datalib.open_source(spec, cfg.data.token_dtype, cfg.model.vocab_size))
         except datalib.DataError as e:
             raise datalib.DataError(f"the run's data source cannot be read ({e}); pass --data PATH to point at it") from None
         recorded = run.manifest.get("data", {}).get("fingerprint")

@@ -89,6 +89,9 @@ def _register_commands() -> None:
         module.register(app)
     __import__("replay.cli.plan", fromlist=["register"]).register(app)  # replay plan (trainer/plan.py)
     __import__("replay.cli.audit", fromlist=["register"]).register(app)  # replay audit (replay/audit.py)
+    __import__("replay.cli.spike", fromlist=["register"]).register(app)  # replay spike (replay/spike.py)
+    __import__("replay.cli.pack", fromlist=["register"]).register(app)  # replay pack (replay/bundle.py)
+    __import__("replay.cli.unpack", fromlist=["register"]).register(app)  # replay unpack (replay/bundle.py)
 
 
 _register_commands()

@@ -16,24 +16,42 @@ def bisect(
     run_b: Annotated[Path, typer.Argument(help="The run to compare with it.")],
     json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write both loss curves and their difference to this PNG.")] = None,
+    no_refine: Annotated[bool, typer.Option("--no-refine", help="Trace scan only: no replays (no layer refinement, "
+                                                                "no binary search over sparse traces).")] = False,
 ) -> None:
-    """Name the first step, field and cause where two runs differ."""
-    from replay.bisect import bisect as run_bisect
-    from traces import Run
+    """Name the first step, field and cause where two runs differ.
 
-    a, b = Run.open(run_a), Run.open(run_b)
-    report = run_bisect(a, b)
+    Reads both traces; where they name a layer (or cannot localise the divergence: runs recorded
+    sparsely or not at all), replays both runs from their checkpoints, read-only, to name the
+    first intermediate that differs, or to find the divergent step by binary search.
+    """
+    from replay.bisect import bisect as run_bisect
+    from replay.bundle import open_run
+
+    if run_a.exists() and run_b.exists() and run_a.resolve() == run_b.resolve():
+        console.fail(f"{run_a} and {run_b} are the same run; bisect compares two different runs "
+                     "(to check one run against itself, replay it: replay run RUN)")
+    a, b = open_run(run_a), open_run(run_b)  # run folders, or bundles (`replay pack`)
+    report = run_bisect(a, b, refine=not no_refine)
     if plot is not None:
         from replay.plot import plot_divergence
 
-        plot_divergence(a, b, report.comparison.first_step, plot)
+        plot_divergence(a, b, report.first_step, plot)
         report.notes.append(f"plot written to {plot}")
+    c = report.comparison
+    if report.identical and c.compared[1] <= c.compared[0] and report.method != "checkpoint comparison":
+        why = "; ".join(report.notes) or "no replay was possible"
+        console.fail(f"nothing to compare: the traces of {run_a} and {run_b} hold no step in common ({why})")
     if json_out:
         console.print_json(report.to_json())
     else:
         render(report)
-    if not report.identical:
+    if not report.identical and not report.noise_only:  # noise the contract allows is not a divergence
         raise typer.Exit(EXIT_DIVERGED)
+
+
+def _num(x) -> str:
+    return "" if x is None else f"{x:.6g}" if isinstance(x, float) else str(x)
 
 
 def render(report) -> None:
@@ -42,35 +60,94 @@ def render(report) -> None:
                             columns=("what differs before any step ran", "A", "B"))
     c = report.comparison
     if report.identical:
-        console.print_text(f"identical: steps {c.compared[0]}..{c.compared[1] - 1} are bit-identical in both runs "
-                           f"(A holds {c.a_range[0]}..{c.a_range[1] - 1}, B {c.b_range[0]}..{c.b_range[1] - 1})",
-                           style="green")
+        if c.compared[1] > c.compared[0]:
+            console.print_text(f"identical: steps {c.compared[0]}..{c.compared[1] - 1} are bit-identical in both runs "
+                               f"(A holds {c.a_range[0]}..{c.a_range[1] - 1}, B {c.b_range[0]}..{c.b_range[1] - 1})",
+                               style="green")
+        if report.method == "checkpoint comparison":
+            console.print_text(f"identical: {'; '.join(report.notes) or 'the states at the common checkpoints are equal'}",
+                               style="green")
+        else:
+            for note in report.notes:
+                console.status(note)
         return
-    rows = [("first divergent step", str(c.first_step)), ("cause", report.cause or "")]
+    rows = [("first divergent step", str(report.first_step)), ("cause", report.cause or "")]
     if report.layer:
         rows.append(("layer", report.layer))
+    r = report.refinement or {}
+    if r.get("first_intermediate"):
+        rows.append(("first intermediate that differs" if r.get("cause") == "forward" else "first tensor that differs",
+                     r["first_intermediate"]))
+    first = c.first
     if report.cause == "data":
-        positions = c.first.positions or []
+        positions = first.positions if first is not None and first.kind == "data" else r.get("positions") or []
         rows.append(("examples that differ", f"{len(positions)} of the batch: {', '.join(map(str, positions[:24]))}"))
         for run in ("B", "A"):
             rep = report.repeated(run)
             if rep:
                 where = sorted({s["step"] for e in rep for s in e.seen if s["run"] == run})
                 rows.append((f"already seen by {run}", f"{len(rep)} of them, first fed at steps {', '.join(map(str, where[:12]))}"))
-    rows.append(("replays", str(report.replays)))
+    method = report.method
+    if r.get("found_by") == "replay" and method == "trace scan":
+        method = "trace scan (step); replay (cause and layer)"
+    rows.append(("found by", method))
+    rows.append(("replays", f"{report.replays}" + (f" ({report.replayed_steps} steps re-run)" if report.replayed_steps else "")))
+    if report.search:
+        probes = report.search["probes"]
+        rows.append(("probes", ", ".join(f"{p['step']}{'=' if p['equal'] else '≠'}{'c' if p['how'] == 'checkpoint' else ''}"
+                                         for p in probes[:24]) + "  (= equal, ≠ differs, c: checkpoint)"))
+    n = report.noise
+    if n is not None:
+        if n["above"]:
+            rows.append(("above the noise floor", f"step {n['first_step']}, {n['kind']} {n['field']}: "
+                                                  f"{n['ratio']:.0f}x the floor (distance {n['distance']:.3g}, floor {n['floor']:.3g})"))
+        else:
+            rows.append(("verdict", f"numerical noise only: bits are not expected to match for this pair (another "
+                                    f"backend or device count), and over steps {n['steps'][0]}..{n['steps'][1] - 1} no "
+                                    f"recorded quantity exceeds {n['factor']:.0f}x the noise floor (largest "
+                                    f"{n['max_ratio_below']:.2g}x)"))
     console.print_table(rows, title=f"bisect {report.run_a} vs {report.run_b}")
-    console.print_table(
-        [(d.kind, d.name, "" if d.a is None else f"{d.a:.6g}" if isinstance(d.a, float) else str(d.a),
-          "" if d.b is None else f"{d.b:.6g}" if isinstance(d.b, float) else str(d.b),
-          "" if not d.distance or d.distance.get("nan") else f"abs {d.distance['abs']:.3g} ulp {d.distance['ulp']}")
-         for d in c.diffs[:15]],
-        columns=("kind", "field", "A", "B", "distance"), title=f"fields that differ at step {c.first_step}, causal order",
-    )
-    if report.refinement:
-        r = report.refinement
-        console.print_table([(k, str(v)) for k, v in r.items() if not isinstance(v, (list, dict))], title="inside the layer")
-    for note in report.notes:
+    if c.diffs:
+        console.print_table(
+            [(d.kind, d.name, _num(d.a), _num(d.b),
+              "" if not d.distance or d.distance.get("nan") else f"abs {d.distance['abs']:.3g} ulp {d.distance['ulp']}")
+             for d in c.diffs[:15]],
+            columns=("kind", "field", "A", "B", "distance"),
+            title=f"recorded fields that differ at step {c.first_step}, causal order",
+        )
+    if r.get("compared"):
+        _render_refinement(r)
+    for note in report.notes + r.get("notes", []):
         console.status(note)
+
+
+def _render_refinement(r: dict) -> None:
+    d = r.get("distances") or {}
+    rows = [("layer", str(r.get("layer"))), ("first that differs", str(r.get("first_intermediate")))]
+    if d:
+        rows += [("max abs", _num(d.get("max_abs"))), ("max relative", _num(d.get("max_rel"))),
+                 ("max ULP", _num(d.get("max_ulp"))),
+                 ("elements that differ", f"{r.get('differing')} of {r.get('elements')} "
+                                          f"({100 * r.get('share_differing', 0):.4g}%)")]
+        if r.get("at") is not None:
+            rows.append(("largest at", f"{r['at']}: A {_num(r.get('a_value'))}, B {_num(r.get('b_value'))}"))
+        if r.get("dtype_a") != r.get("dtype_b"):
+            rows.append(("dtype", f"A {r.get('dtype_a')}, B {r.get('dtype_b')}"))
+    progs = r.get("programs") or {}
+    if progs.get("A") != progs.get("B"):
+        rows.append(("programs", f"A {progs.get('A')}, B {progs.get('B')}"))
+    console.print_table(rows, title=f"inside the layer: step {r.get('step')} recomputed in both runs")
+    compared = r["compared"]
+    cut = next((i for i, x in enumerate(compared) if not x["equal"]), len(compared))
+    lo, hi = max(0, cut - 3), min(len(compared), cut + 4)
+    table = [(f"({lo} before: all equal)", "", "", "")] if lo else []
+    table += [(x["name"], "equal" if x["equal"] else "differs",
+               "" if x["equal"] else f"{100 * x['share_differing']:.4g}%", "" if x["equal"] else _num(x.get("max_ulp")))
+              for x in compared[lo:hi]]
+    rest = compared[hi:]
+    if rest:
+        table.append((f"({len(rest)} after: {sum(not x['equal'] for x in rest)} differ)", "", "", ""))
+    console.print_table(table, columns=("compared, in order", "", "elements differing", "max ULP"))
 
 
 def register(app: typer.Typer) -> None:

@@ -20,8 +20,8 @@ def _fmt_distance(d: dict | None) -> str:
 
 
 def run(
-    path: Annotated[Path, typer.Argument(help="The run directory.")],
-    steps: Annotated[str, typer.Option("--steps", help="A:B (inclusive) or A.")],
+    path: Annotated[Path, typer.Argument(help="The run directory, or a bundle (`replay pack`).")],
+    steps: Annotated[Optional[str], typer.Option("--steps", help="A:B (inclusive) or A; a bundle's own range by default.")] = None,
     data: Annotated[Optional[str], typer.Option("--data", help="Where the run's token file is now.")] = None,
     allow_data_change: Annotated[bool, typer.Option("--allow-data-change",
                                                     help="Replay although the data fingerprint changed.")] = False,
@@ -30,6 +30,7 @@ def run(
     """Replay steps A..B of a run and compare every recorded field with the trace."""
     from replay import contract as contractlib
     from replay.cli.errors import register_user_error
+    from replay.bundle import default_steps, open_run
     from replay.engine import ReplayInputError, check_range, parse_steps, replay
     from traces import Run
     from trainer import replayable as replayables
@@ -39,14 +40,20 @@ def run(
     from trainer.mesh import MeshError
 
     register_user_error(ReplayInputError, ConfigError, DataError, MeshError, CheckpointError)
-    first, last = parse_steps(steps)
-    target = Run.open(path)
+    target = open_run(path, for_replay=True)  # a run folder, or a bundle unpacked to a temporary folder
+    if target.manifest.get("config", {}).get("mesh", {}).get("mesh_invariant"):
+        from trainer import invariant
+
+        invariant.prepare_process()  # its XLA:CPU settings must be in place before anything starts JAX
+    first, last = parse_steps(steps) if steps else default_steps(target) or console.fail("--steps A:B is required")
     if target.status == "running":
         console.warn(f"{path} is still being written; replaying the steps recorded so far")
-    if "replayable" not in target.manifest:  # a trainer run: bad ranges fail fast, before compiling
+    trainer_run = "replayable" not in target.manifest
+    if trainer_run:  # bad ranges fail fast, before compiling
         check_range(target, first, last, _checkpoints(target))
-    replayable = replayables.load(target, data=data, allow_data_change=allow_data_change,
-                                  on_compile=lambda: console.status(f"compiling the train step of {path} ..."))
+    compiling = (lambda: console.status(f"compiling the train step of {path} ...")) if trainer_run else None
+    replayable = replayables.load(target, data=data, allow_data_change=allow_data_change, on_compile=compiling)
+    check_range(target, first, last, replayable.checkpoint_steps())  # a user loop's own checkpoints
     mesh_invariant = bool(target.manifest.get("config", {}).get("mesh", {}).get("mesh_invariant"))
     contract = contractlib.evaluate(target.manifest.get("environment", {}), replayable.environment(),
                                     target.manifest.get("program_hash"), replayable.program_hash(), mesh_invariant,

@@ -59,7 +59,9 @@ def show(
 
 def summarize(path: str | Path, verify: bool = False) -> dict[str, Any]:
     """Everything `show` reports, as JSON-ready data. Raises traces.TraceError on bad input."""
-    run = traces.Run.open(path)
+    from replay.bundle import open_run
+
+    run = open_run(path)  # a run folder, or a bundle (`replay pack`) unpacked to a temporary folder
     manifest = run.manifest
     schema = run.schema
     reader = run.trace

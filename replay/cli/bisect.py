@@ -18,6 +18,8 @@ def bisect(
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write both loss curves and their difference to this PNG.")] = None,
     no_refine: Annotated[bool, typer.Option("--no-refine", help="Trace scan only: no replays (no layer refinement, "
                                                                 "no binary search over sparse traces).")] = False,
+    allow_incomplete: Annotated[bool, typer.Option("--allow-incomplete", help="Compare a crashed run's readable "
+                                                                              "steps anyway.")] = False,
 ) -> None:
     """Name the first step, field and cause where two runs differ.
 
@@ -32,6 +34,7 @@ def bisect(
         console.fail(f"{run_a} and {run_b} are the same run; bisect compares two different runs "
                      "(to check one run against itself, replay it: replay run RUN)")
     a, b = open_run(run_a), open_run(run_b)  # run folders, or bundles (`replay pack`)
+    _check_comparable(a, b, allow_incomplete)
     report = run_bisect(a, b, refine=not no_refine)
     if plot is not None:
         from replay.plot import plot_divergence
@@ -48,6 +51,23 @@ def bisect(
         render(report)
     if not report.identical and not report.noise_only:  # noise the contract allows is not a divergence
         raise typer.Exit(EXIT_DIVERGED)
+
+
+def _check_comparable(a, b, allow_incomplete: bool) -> None:
+    """Bad input for a bisect: one line, exit 2."""
+    for name, run in (("A", a), ("B", b)):
+        if run.status == "crashed" and not allow_incomplete:
+            console.fail(f"run {name} ({run.path}) crashed before finishing; resume it (replay train --resume "
+                         f"{run.path}) or pass --allow-incomplete to compare the steps it recorded")
+    sa, sb = a.schema, b.schema
+    if sa.examples_per_step != sb.examples_per_step:
+        console.fail(f"the runs feed different batch sizes ({sa.examples_per_step} vs {sb.examples_per_step} examples "
+                     "a step): bisect compares two runs of the same training setup")
+    if sa.tensors and sb.tensors and sa.tensor_names != sb.tensor_names:
+        only = [n for n in sa.tensor_names if n not in sb.tensor_names][:1] or \
+               [n for n in sb.tensor_names if n not in sa.tensor_names][:1]
+        console.fail(f"the runs record different models ({len(sa.tensors)} vs {len(sb.tensors)} fingerprinted tensors, "
+                     f"e.g. {only[0] if only else 'in another order'}): bisect compares two runs of the same model")
 
 
 def _num(x) -> str:

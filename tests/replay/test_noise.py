@@ -57,3 +57,21 @@ def test_a_bf16_block_is_far_above_the_floor_at_its_step_and_layer(runs, floors)
     assert verdict.above and verdict.first_step == 10
     assert verdict.field == "block_01.attn" and verdict.kind == "forward"
     assert verdict.ratio > 2 * DEFAULT_FACTOR
+
+
+def test_bisect_reports_noise_only_and_above_the_floor(runs):
+    import json
+
+    from typer.testing import CliRunner
+
+    from replay.cli.app import app
+
+    one, eight, bf16 = runs
+    noise = CliRunner().invoke(app, ["bisect", str(one.path), str(eight.path), "--json"])
+    assert noise.exit_code == 0, noise.output  # differing bits the contract allows are not a divergence
+    report = json.loads(noise.stdout.strip().splitlines()[-1])
+    assert report["identical"] is False and report["bits_expected"] is False and report["noise_only"] is True
+    real = CliRunner().invoke(app, ["bisect", str(one.path), str(bf16.path), "--json"])
+    assert real.exit_code == 1, real.output
+    verdict = json.loads(real.stdout.strip().splitlines()[-1])["noise"]
+    assert verdict["above"] and (verdict["first_step"], verdict["field"]) == (10, "block_01.attn")

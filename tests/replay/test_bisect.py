@@ -160,6 +160,14 @@ def test_skip_opt_restore_names_the_optimizer_state_leaf(runs):
 
 
 @pytest.mark.slow
+def test_dropout_key_reuse_is_an_rng_cause_at_its_step(runs):
+    code, report = cli_json(str(runs("A")), str(runs("dropout-key-reuse")))
+    assert code == 1
+    assert (report["first_step"], report["cause"], report["layer"]) == (FAULT_STEP, "rng", None)
+    assert report["replays"] == 0  # the trace names an input of the step: nothing to replay
+
+
+@pytest.mark.slow
 def test_data_repeat_flags_examples_already_seen_by_b(runs):
     code, report = cli_json(str(runs("A")), str(runs("data-repeat")))
     assert code == 1

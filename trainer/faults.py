@@ -9,7 +9,7 @@ bisect against a clean run names it. Each fault mimics a bug seen in real traini
                        step S on every batch is fed twice in a row, starting with a repeat of
                        step S-1's batch. Already-seen examples come back while the model still
                        remembers them, and the training loss looks better than it is
-    dropout-key-reuse  from step S the dropout key stops advancing: every step reuses step S's
+    dropout-key-reuse  the dropout key stops advancing: from step S every step reuses step S-1's
     layer-bf16         from step S the middle block computes in bfloat16 (params stay float32)
     skip-opt-restore   at step S the optimizer state is re-initialised, as when a resume
                        restores the parameters but forgets the optimizer state
@@ -144,7 +144,7 @@ class FaultPlan:
             state = state._replace(opt_state=init_opt_state(state.params))
         if self.active("dropout-key-reuse", step):
             # The key of a step is fold_in(base key, state.step): holding the counter reuses it.
-            state = state._replace(step=jnp.asarray(self._at["dropout-key-reuse"], jnp.int32))
+            state = state._replace(step=jnp.asarray(self._at["dropout-key-reuse"] - 1, jnp.int32))
         return state
 
     def after(self, state, step: int):

@@ -1,0 +1,224 @@
+"""`replay spike RUN`: list loss spikes; `--step S`: replay S bit-exactly and show what drives it."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from replay.cli import console
+from replay.cli.errors import EXIT_DIVERGED
+from replay.spike import DEFAULT_THRESHOLD, DEFAULT_TOP, DEFAULT_WINDOW
+
+
+def spike(
+    path: Annotated[Path, typer.Argument(help="The run directory (or a bundle from `replay pack`).")],
+    step: Annotated[Optional[int], typer.Option("--step", help="Replay this step from the nearest checkpoint and "
+                                                "show which examples and layers drive its loss.")] = None,
+    window: Annotated[int, typer.Option("--window", help="Steps before each step that form its baseline.")] = DEFAULT_WINDOW,
+    threshold: Annotated[float, typer.Option("--threshold", help="A spike scores at least this many robust spreads "
+                                             "(1.4826 x MAD) above the window's median loss.")] = DEFAULT_THRESHOLD,
+    top: Annotated[int, typer.Option("--top", help="--step: how many examples to list.")] = DEFAULT_TOP,
+    save_batch: Annotated[Optional[Path], typer.Option("--save-batch", help="--step: write the batch fed at the step "
+                                                       "(int32 [batch, seq_len + 1] tokens) to this .npy file.")] = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG: with --step, loss and grad norm around "
+                                                 "it and the per-layer RMS heat map; without, the loss curve.")] = None,
+    data: Annotated[Optional[str], typer.Option("--data", help="Where the run's token file is now.")] = None,
+    allow_data_change: Annotated[bool, typer.Option("--allow-data-change",
+                                                    help="Replay although the data fingerprint changed.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """Find loss spikes in a run, or replay one (--step) and show its examples and layers."""
+    from replay.cli.errors import register_user_error
+    from replay.spike import SpikeInputError, check_window, plot_scan, scan
+
+    register_user_error(SpikeInputError)
+    check_window(window, threshold)
+    if top < 1:
+        console.fail(f"--top {top} must be at least 1")
+    for opt, value in (("--save-batch", save_batch), ("--plot", plot)):
+        if value is not None and not value.parent.is_dir():
+            console.fail(f"{opt} {value}: the folder {value.parent} does not exist")
+    if save_batch is not None and save_batch.suffix != ".npy":
+        console.fail(f"--save-batch {save_batch}: the file name must end in .npy")
+    target = _open(path, for_replay=step is not None)
+    if step is None:
+        if save_batch is not None:
+            console.fail("--save-batch needs --step S: it writes the batch of step S")
+        result = scan(target, window, threshold)
+        if plot is not None:
+            plot_scan(target, result, plot)
+        if json_out:
+            console.print_json(result.to_json())
+        else:
+            _render_scan(result)
+            if plot is not None:
+                console.print_text(f"plot written to {plot}")
+        return
+    _spike_step(target, path, step, window, threshold, top, save_batch, plot, data, allow_data_change, json_out)
+
+
+def _spike_step(target, path: Path, step: int, window: int, threshold: float, top: int, save_batch: Path | None,
+                plot: Path | None, data: str | None, allow_data_change: bool, json_out: bool) -> None:
+    from replay import contract as contractlib
+    from replay.cli.errors import register_user_error
+    from replay.cli.run import _checkpoints
+    from replay.engine import ReplayInputError
+    from replay.spike import analyze, check_step, plot_spike
+    from replay.spike import save_batch as write_batch
+    from trainer import replayable as replayables
+    from trainer.checkpoint import CheckpointError
+    from trainer.config import ConfigError
+    from trainer.data import DataError
+    from trainer.mesh import MeshError
+
+    register_user_error(ReplayInputError, ConfigError, DataError, MeshError, CheckpointError)
+    if target.manifest.get("config", {}).get("mesh", {}).get("mesh_invariant"):
+        from trainer import invariant
+
+        invariant.prepare_process()  # its XLA:CPU settings must be in place before anything starts JAX
+    if target.status == "running":
+        console.warn(f"{path} is still being written; using the steps recorded so far")
+    if "replayable" not in target.manifest:  # a trainer run: bad steps fail fast, before compiling
+        check_step(target, step, window, _checkpoints(target))
+    rep = replayables.load(target, data=data, allow_data_change=allow_data_change,
+                           on_compile=lambda: console.status(f"compiling the train step of {path} ..."))
+    mesh_invariant = bool(target.manifest.get("config", {}).get("mesh", {}).get("mesh_invariant"))
+    contract = contractlib.evaluate(target.manifest.get("environment", {}), rep.environment(),
+                                    target.manifest.get("program_hash"), rep.program_hash(), mesh_invariant,
+                                    tuple(target.manifest.get("invariant_device_counts", ())))
+    if contract.fatal:
+        console.fail(f"cannot replay {path} here: {contract.fatal[0]}")
+    console.status(f"contract: {contract.line}")
+    with console.progress(f"replay {path.name} to step {step}") as bar:
+        task = bar.add_task("replay", total=None, info="restoring")
+
+        def on_step(result) -> None:
+            if bar.tasks[task].total is None:
+                bar.update(task, total=step - result.step + 1, completed=0)
+            bar.update(task, advance=1, info=f"step {result.step} {'exact' if result.exact else 'DIFFERS'}")
+
+        report = analyze(target, rep, step, contract, window, threshold, top, on_step)
+    if getattr(rep, "mesh_note", None):
+        report.notes.append(rep.mesh_note)
+    if getattr(rep, "data_changed", False):
+        report.notes.append("the data source changed since recording (--allow-data-change)")
+    if save_batch is not None:
+        write_batch(rep, target, step, save_batch)
+        report.notes.append(f"batch of step {step} written to {save_batch} (int32 [batch, seq_len + 1]; "
+                            "its rows hash to the recorded example hashes)")
+    if plot is not None:
+        plot_spike(target, report, plot)
+        report.notes.append(f"plot written to {plot}")
+    if json_out:
+        console.print_json(report.to_json())
+    else:
+        _render_step(report)
+    if not report.exact and report.replay.contract.expect_bits:
+        raise typer.Exit(EXIT_DIVERGED)
+
+
+def _open(path: Path, for_replay: bool):
+    """A run folder, or a bundle of `replay pack` (unpacked to a temporary folder), as `replay run` opens it."""
+    try:
+        from replay.bundle import open_run
+    except ImportError:  # replay/bundle.py (the pack issue) not there: run folders only
+        from traces import Run
+
+        return Run.open(path)
+    return open_run(path, for_replay=for_replay)
+
+
+def _f(x: float | None, digits: int = 4) -> str:
+    if x is None:
+        return ""
+    return f"{x:.{digits}g}" if math.isfinite(x) else str(x)
+
+
+def _render_scan(result) -> None:
+    title = (f"spikes in {result.run} (steps {result.scanned[0]}..{result.scanned[1]} against the previous "
+             f"{result.window}; threshold {result.threshold:g})")
+    best = result.max_score
+    if not result.spikes:
+        console.print_text(f"no spikes in {result.run}: steps {result.scanned[0]}..{result.scanned[1]} scanned against "
+                           f"the median and MAD of the previous {result.window} steps", style="green")
+        if best is not None:
+            console.print_text(f"highest score {_f(best.score, 3)} at step {best.step} (threshold {result.threshold:g})")
+        return
+    console.print_table(
+        [(s.step, _f(s.loss), _f(s.baseline), _f(s.spread, 3), _f(s.score, 3), f"{s.rise:+.1%}" if math.isfinite(s.rise) else "")
+         for s in result.spikes],
+        columns=("step", "loss", "baseline (median)", "spread", "score", "rise"), title=title,
+        justify=("right",) * 6,
+    )
+    console.print_text(f"{len(result.spikes)} spike(s); replay one with: replay spike {result.run} --step "
+                       f"{max(result.spikes, key=lambda s: s.score).step}")
+
+
+def _render_step(report) -> None:
+    r = report.replay
+    j = r.to_json()
+    exact_word = "bit-exact" if r.contract.expect_bits else "bit-identical (not promised here)"
+    loss, grad = report.loss, report.grad_norm
+    rows = [
+        ("step", str(report.step)),
+        ("loss", f"{_f(loss.loss)}  baseline {_f(loss.baseline)} (median of steps {report.window[0]}..{report.window[1]})"
+                 f"  score {_f(loss.score, 3)}  rise {loss.rise:+.1%}"),
+    ]
+    if grad is not None:
+        rows.append(("grad norm", f"{_f(grad.loss)}  baseline {_f(grad.baseline)}  x{_f(grad.loss / grad.baseline, 3)}"
+                                  f"  score {_f(grad.score, 3)}"))
+    rows.append(("typical example loss", f"{_f(report.typical_example_loss)} (spread {_f(report.example_spread, 3)})"))
+    first = report.first_jump
+    if report.layers:
+        rows.append(("first layer to jump", f"{first.name} ({first.kind}) x{_f(first.ratio, 3)}, score {_f(first.score, 3)}"
+                     if first else f"none above {report.threshold:g} spreads"))
+    rows += [
+        ("replayed", f"steps {r.checkpoint}..{report.step} from checkpoint {r.checkpoint}"),
+        (exact_word, f"{len(r.steps) - len(j['mismatched_steps'])} of {len(r.steps)} steps"),
+        ("contract", r.contract.line),
+    ]
+    if report.injected:
+        rows.append(("injected fault", f"bad-batch@{report.step} replaced positions {', '.join(map(str, report.injected))}"))
+    console.print_table(rows, title=f"spike at step {report.step} of {report.run}")
+    if report.examples:
+        console.print_table(
+            [(e.position, _f(e.loss), _f(e.score, 3), f"{e.share:.0%}" if math.isfinite(e.share) and abs(e.share) >= 0.005 else ("0%" if math.isfinite(e.share) else ""),
+              f"{e.hash:016x}",
+              (f"step {e.seen_before}" if e.seen_before is not None else "no")
+              + (f"; same as {', '.join(map(str, e.duplicates))}" if e.duplicates else ""),
+              _clip(e.text if e.text is not None else (" ".join(map(str, e.tokens)) if e.tokens else "")))
+             for e in report.examples],
+            columns=("position", "loss", "score", "share of rise", "hash", "seen before", "first tokens"),
+            title=f"examples with the largest loss (typical {_f(report.typical_example_loss)} over the window)",
+        )
+    jumped = [l for l in report.layers if l.jumped]
+    if jumped:
+        console.print_table(
+            [(l.kind, l.name, _f(l.rms), _f(l.baseline), f"x{_f(l.ratio, 3)}", _f(l.score, 3)) for l in jumped[:15]],
+            columns=("kind", "layer", "RMS", "baseline", "ratio", "score"),
+            title=f"layers whose RMS jumped ({report.layer_source}), causal order: forward, then backprop",
+        )
+        if len(jumped) > 15:
+            console.print_text(f"... and {len(jumped) - 15} more (see --json)")
+    for note in report.notes:
+        console.print_text(f"note: {note}")
+    if not report.exact:
+        first_bad = r.first_mismatch
+        verdict = ("the contract promised bits here: this is a real divergence" if r.contract.expect_bits
+                   else "the contract does not promise bits on this machine; the recorded values are reported")
+        console.print_text(f"the replay differs from the trace from step {first_bad.step} "
+                           f"({', '.join(d.name for d in first_bad.diffs[:4])}); {verdict}",
+                           style="red" if r.contract.expect_bits else "yellow")
+    else:
+        console.print_text(f"all {len(r.steps)} replayed steps are bit-identical to the trace", style="green")
+
+
+def _clip(text: str, width: int = 32) -> str:
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def register(app: typer.Typer) -> None:
+    app.command("spike")(spike)

@@ -1,0 +1,243 @@
+"""`replay spike`: the robust detector, the bad-batch fault, and the replayed analysis of one step.
+
+The end-to-end tests train `tiny` (the demo preset takes minutes on CPU; the same claims were
+checked by hand on demo, see the module docstring of replay/spike.py). tiny's loss still falls
+steeply at step 65, so the bad-batch run is scanned with --window 10; the clean run shows no
+spike at the default window and threshold, nor at --window 10.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from replay.cli.app import app
+from replay.spike import DEFAULT_THRESHOLD, DEFAULT_WINDOW, rolling_scores
+from traces import Run
+from trainer import faults
+from trainer.config import apply_overrides, get_preset
+from trainer.data import Batch, example_hashes
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS, BAD = 80, 65
+OVERRIDES = [f"steps={STEPS}", "checkpoint.every_steps=20"]
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def last_json(result) -> dict:
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def assert_one_line_error(result, *needles: str) -> None:
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.output
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+# ----------------------------------------------------------------------------------- fast: detector
+
+def test_noise_has_no_spike_and_a_jump_is_one():
+    rng = np.random.default_rng(0)
+    loss = 2.0 + 0.05 * rng.standard_normal(400)
+    _, _, score = rolling_scores(loss, DEFAULT_WINDOW)
+    assert np.nanmax(score) < DEFAULT_THRESHOLD
+    loss[300] += 1.0
+    _, _, score = rolling_scores(loss, DEFAULT_WINDOW)
+    assert [int(i) for i in np.nonzero(score >= DEFAULT_THRESHOLD)[0]] == [300]
+    assert np.isnan(score[:DEFAULT_WINDOW]).all()
+
+
+def test_falling_loss_is_not_a_spike_and_nan_always_is():
+    loss = np.linspace(6.0, 2.0, 200)
+    _, _, score = rolling_scores(loss, 20)
+    assert np.nanmax(score) < 0
+    loss[150] = np.nan
+    _, _, score = rolling_scores(loss, 20)
+    assert score[150] == np.inf and np.nanmax(np.delete(score, 150)) < 0  # the NaN is left out of later windows
+
+
+def test_flat_loss_uses_the_relative_floor():
+    loss = np.full(100, 3.0)
+    loss[80] = 3.0 * (1 + 1e-4)  # a 0.01% wobble on a perfectly flat loss is not a spike
+    _, spread, score = rolling_scores(loss, 20)
+    assert spread[80] == pytest.approx(3e-3) and score[80] < 1
+
+
+# ----------------------------------------------------------------------------------- fast: the fault
+
+def test_bad_batch_parses_and_names_its_positions():
+    assert faults.parse("bad-batch@7") == faults.Fault("bad-batch", 7)
+    assert faults.bad_positions(16) == [3, 7, 11, 15]
+    assert faults.bad_positions(8) == [3, 7] and faults.bad_positions(2) == [1]
+
+
+def test_bad_batch_swaps_rows_only_at_its_step_and_rehashes_them():
+    cfg = get_preset("tiny")
+    plan = faults.FaultPlan([faults.parse("bad-batch@5")], cfg)
+    rows = np.arange(16 * 33, dtype=np.int32).reshape(16, 33) % 250 + 1
+    batch = Batch(rows[:, :-1], rows[:, 1:], example_hashes(rows), np.arange(16))
+    assert plan.alter_batch(batch, 4, slice(0, 16)) is batch and plan.alter_batch(batch, 6, slice(0, 16)) is batch
+    fed = plan.alter_batch(batch, 5, slice(0, 16))
+    full = np.concatenate([fed.inputs_BxL[:, :1], fed.targets_BxL], axis=1)
+    bad = [3, 7, 11, 15]
+    assert (full[bad] == faults.BAD_TOKEN).all()
+    assert np.array_equal(np.delete(full, bad, axis=0), np.delete(rows, bad, axis=0))
+    assert np.array_equal(fed.example_hashes, example_hashes(full))  # hashes of what is really fed
+    # Two hosts with half the batch each swap the same global positions.
+    halves = [plan.alter_batch(Batch(rows[s, :-1], rows[s, 1:], example_hashes(rows[s]), np.arange(16)[s]), 5, s)
+              for s in (slice(0, 8), slice(8, 16))]
+    assert np.array_equal(np.concatenate([h.example_hashes for h in halves]), fed.example_hashes)
+
+
+# ----------------------------------------------------------------------------------- slow: runs
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """tiny, 80 steps, checkpoints every 20: a clean run and one with bad-batch at step 65; and a
+    copy of the clean run whose checkpoints before step 40 are gone (as checkpoint.keep prunes them)."""
+    from trainer.loop import train
+
+    root = tmp_path_factory.mktemp("spike")
+    cfg = apply_overrides(get_preset("tiny"), OVERRIDES)
+    train(cfg, root / "clean", preset="tiny")
+    train(cfg, root / "bad", preset="tiny", faults=faults.FaultPlan([faults.parse(f"bad-batch@{BAD}")], cfg))
+    shutil.copytree(root / "clean", root / "pruned", ignore=lambda d, names: [
+        n for n in names if n == ".lock" or (Path(d).name == "checkpoints" and n in ("0", "20"))])
+    return root / "clean", root / "bad", root / "pruned"
+
+
+@pytest.mark.slow
+def test_scan_lists_the_injected_step_and_nothing_in_the_clean_run(runs):
+    clean, bad, _ = runs
+    assert Run.open(bad).manifest["faults"] == [f"bad-batch@{BAD}"]
+    found = invoke("spike", bad, "--window", "10", "--json")
+    assert found.exit_code == 0, found.output
+    spikes = last_json(found)["spikes"]
+    assert [s["step"] for s in spikes] == [BAD] and spikes[0]["score"] > 3 * DEFAULT_THRESHOLD
+    for args in ((), ("--window", "10")):
+        result = invoke("spike", clean, *args, "--json")
+        assert result.exit_code == 0, result.output
+        report = last_json(result)
+        assert report["spikes"] == [] and report["max_score"]["score"] < DEFAULT_THRESHOLD / 2, (args, report)
+    table = invoke("spike", bad, "--window", "10")
+    assert table.exit_code == 0 and f"--step {BAD}" in table.stdout
+
+
+@pytest.mark.slow
+def test_step_replays_bit_exactly_and_names_the_injected_examples(runs, tmp_path):
+    _, bad, _ = runs
+    batch_file, png = tmp_path / "batch.npy", tmp_path / "spike.png"
+    result = invoke("spike", bad, "--step", BAD, "--window", "10", "--save-batch", batch_file, "--plot", png, "--json")
+    assert result.exit_code == 0, result.output
+    report = last_json(result)
+    replayed = report["replay"]
+    assert replayed["checkpoint"] == 60 and replayed["all_bit_exact"] and replayed["contract"]["expect_bits"]
+    assert replayed["warmup_bit_exact"] == BAD - 60 and replayed["bit_exact"] == 1
+    injected = faults.bad_positions(16)
+    assert report["injected_positions"] == injected
+    top = report["examples"]
+    assert sorted(e["position"] for e in top[:4]) == injected
+    assert all(e["score"] > DEFAULT_THRESHOLD and e["seen_before"] is None for e in top[:4])
+    assert sorted(top[0]["duplicates_in_batch"] + [top[0]["position"]]) == injected
+    assert top[0]["first_tokens"][:4] == [faults.BAD_TOKEN] * 4 and top[0]["text"].startswith("\\x00×")
+    assert sum(e["share_of_rise"] for e in top[:4]) > 0.8
+    assert report["loss"]["score"] > DEFAULT_THRESHOLD and report["grad_norm"]["score"] > DEFAULT_THRESHOLD
+    first = report["first_jump"]
+    assert first is not None and first["kind"] == "backward" and first["score"] >= DEFAULT_THRESHOLD  # the
+    # degenerate rows change the gradients; the forward RMS of a 16-example batch barely moves
+    assert report["layer_source"] == "recorded" and any(l["kind"] == "forward" for l in report["layers"])
+    # The saved batch is what step 65 fed: its rows hash to the recorded example hashes.
+    tokens = np.load(batch_file)
+    recorded = Run.open(bad).trace.read(BAD)
+    assert tokens.shape == (16, 33) and tokens.dtype == np.int32
+    assert np.array_equal(example_hashes(tokens), recorded.example_hashes)
+    assert (tokens[injected] == faults.BAD_TOKEN).all()
+    assert png.stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_spike_replay_of_a_run_recorded_on_four_devices(tmp_path):
+    """Trained on 4 virtual CPU devices in a subprocess; replayed on this process's 1 device. Layers
+    are recorded every 4th step only, so step 25's layer RMS come from replaying it at the layer level."""
+    path = tmp_path / "four"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    proc = subprocess.run([sys.executable, "-m", "replay.cli.app", "train", "--preset", "tiny", "--steps", "30",
+                           "--set", "checkpoint.every_steps=10", "--set", "trace.layer_every=4", "--inject", "bad-batch@25", "--out", str(path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert Run.open(path).manifest["environment"]["device_count"] == 4
+    result = invoke("spike", path, "--step", "25", "--window", "10", "--json")
+    assert result.exit_code == 0, result.output
+    report = last_json(result)
+    replayed = report["replay"]
+    assert replayed["checkpoint"] == 20 and replayed["replayed"] == 1
+    assert not replayed["contract"]["expect_bits"]  # 4 devices recorded, 1 here: bits measured, not promised
+    assert "device_count" in [d["key"] for d in replayed["contract"]["differences"]]
+    first = replayed["first_mismatch"]
+    if first is not None:  # inputs are bit-identical on any device count; only arithmetic may differ
+        assert all(f["kind"] not in ("data", "rng") for f in first["fields"])
+    assert sorted(e["position"] for e in report["examples"][:4]) == faults.bad_positions(16)
+    assert report["layer_source"] == "replayed" and report["layers"] and report["first_jump"] is not None
+    print("4 devices -> 1:", "bit-identical" if replayed["all_bit_exact"] else
+          f"{len(replayed['mismatched_steps'])} steps differ, first {first['step']}: "
+          f"{[f['name'] for f in first['fields'][:3]]}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, needles", [
+    (("--step", "80"), ("outside", "0..79")),
+    (("--step", "-1"), ("outside",)),
+    (("--step", "32", "--window", "10", "--pruned"), ("no checkpoint at or before step 32", "40, 60, 80")),
+    (("--step", "8", "--window", "10"), ("8 recorded steps before it", "--window 8")),
+    (("--window", "80"), ("80 steps", "too few for a baseline")),
+    (("--window", "2"), ("--window 2",)),
+    (("--threshold", "0"), ("--threshold",)),
+    (("--save-batch", "x.npy"), ("needs --step",)),
+    (("--step", "65", "--save-batch", "x.txt"), (".npy",)),
+])
+def test_bad_input_is_one_line_and_exit_2(runs, args, needles):
+    path = runs[2] if "--pruned" in args else runs[0]
+    assert_one_line_error(invoke("spike", path, *[a for a in args if a != "--pruned"]), *needles)
+
+
+def test_a_missing_run_is_one_line_and_exit_2(tmp_path):
+    assert_one_line_error(invoke("spike", tmp_path / "nope"))
+
+
+@pytest.mark.slow
+def test_mesh_invariant_run_from_four_devices_replays_bit_exactly_on_one(tmp_path):
+    """In mesh-invariant mode (trainer/invariant.py) the contract promises bits across device
+    counts: the spike replay on 1 device matches the 4-device recording bit for bit. Both run in
+    subprocesses: the mode pins XLA:CPU settings before JAX starts."""
+    path = tmp_path / "inv"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC")}
+    env["JAX_PLATFORMS"] = "cpu"
+    cmd = [sys.executable, "-m", "replay.cli.app"]
+    train = subprocess.run([*cmd, "train", "--preset", "tiny", "--steps", "28", "--set", "checkpoint.every_steps=10",
+                            "--set", "mesh.mesh_invariant=true", "--set", "mesh.n_microbatches=8",
+                            "--inject", "bad-batch@25", "--out", str(path)], cwd=ROOT, capture_output=True, text=True,
+                           env={**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+    assert train.returncode == 0, train.stderr
+    spiked = subprocess.run([*cmd, "spike", str(path), "--step", "25", "--window", "10", "--json"], cwd=ROOT,
+                            capture_output=True, text=True, env=env)
+    assert spiked.returncode == 0, spiked.stderr
+    report = json.loads(spiked.stdout.strip().splitlines()[-1])
+    replayed = report["replay"]
+    assert replayed["contract"]["expect_bits"] and replayed["all_bit_exact"], replayed
+    assert replayed["checkpoint"] == 20 and replayed["warmup_bit_exact"] == 5
+    assert sorted(e["position"] for e in report["examples"][:4]) == faults.bad_positions(16)

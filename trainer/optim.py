@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import optax
 
 from trainer.config import OptimizerConfig
@@ -25,8 +26,6 @@ def lr_schedule(cfg: OptimizerConfig) -> optax.Schedule:
 def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
     # Weight decay skips 1-D parameters (norm scales), as OLMo and most LM trainers do.
     def decay_mask(params):
-        import jax
-
         return jax.tree.map(lambda p: p.ndim > 1, params)
 
     # inject_hyperparams keeps the learning rate each update used in the optimizer state, so
@@ -38,8 +37,6 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw) if cfg.grad_clip > 0 else adamw
 
 
-def applied_lr(opt_state) -> "jax.Array":
+def applied_lr(opt_state) -> jax.Array:
     """The learning rate the last update used (kept in the state by inject_hyperparams)."""
-    import jax
-
     return optax.tree_utils.tree_get(opt_state, "learning_rate", filtering=lambda _, v: isinstance(v, jax.Array))

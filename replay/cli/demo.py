@@ -49,7 +49,6 @@ def demo(
         console.print_json(result.to_json())
         return
     j = result.to_json()
-    b = result.bisect
     rows = [
         ("run A (clean)", str(result.run_a)),
         ("run B (data-repeat fault)", f"{result.run_b}  (the sampler re-feeds old batches from step {result.fault_step})"),

@@ -32,7 +32,6 @@ def run(
     from replay.cli.errors import register_user_error
     from replay.bundle import default_steps, open_run
     from replay.engine import ReplayInputError, check_range, parse_steps, replay
-    from traces import Run
     from trainer import replayable as replayables
     from trainer.checkpoint import CheckpointError
     from trainer.config import ConfigError
@@ -41,7 +40,7 @@ def run(
 
     register_user_error(ReplayInputError, ConfigError, DataError, MeshError, CheckpointError)
     target = open_run(path, for_replay=True)  # a run folder, or a bundle unpacked to a temporary folder
-    if target.manifest.get("config", {}).get("mesh", {}).get("mesh_invariant"):
+    if target.manifest.get("config", {}).get("mesh", {}).get("mesh_invariant"):  # e.g. from a bundle
         from trainer import invariant
 
         invariant.prepare_process()  # its XLA:CPU settings must be in place before anything starts JAX

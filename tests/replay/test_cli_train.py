@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -14,28 +13,11 @@ from traces import Run
 from trainer.config import get_preset, to_dict
 from trainer.data import write_token_file
 from trainer.recorder import make_schema
+from tests.cli_util import assert_one_line_error, dir_digest
 
 
 def invoke(*args: str):
     return CliRunner().invoke(app, list(args))
-
-
-def dir_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    for p in sorted(path.rglob("*")):
-        h.update(str(p.relative_to(path)).encode())
-        if p.is_file():
-            h.update(p.read_bytes())
-    return h.hexdigest()
-
-
-def assert_one_line_error(result, *needles: str) -> None:
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert "Traceback" not in result.output
-    for needle in needles:
-        assert needle in lines[0], lines[0]
 
 
 @pytest.fixture

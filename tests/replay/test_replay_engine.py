@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -22,18 +20,10 @@ from trainer.config import apply_overrides, get_preset
 from trainer.data import Batcher, open_source, write_token_file
 from trainer.loop import train
 from trainer.replayable import TrainerReplay
+from tests.cli_util import dir_digest
 
 pytestmark = pytest.mark.slow
 STEPS = 40
-
-
-def dir_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    for p in sorted(path.rglob("*")):
-        h.update(str(p.relative_to(path)).encode())
-        if p.is_file():
-            h.update(p.read_bytes())
-    return h.hexdigest()
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ from traces import Run
 from trainer import faults
 from trainer.config import apply_overrides, get_preset
 from trainer.data import Batch, example_hashes
+from tests.cli_util import assert_one_line_error
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, BAD = 80, 65
@@ -37,15 +38,6 @@ def invoke(*args: str):
 
 def last_json(result) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
-
-
-def assert_one_line_error(result, *needles: str) -> None:
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert "Traceback" not in result.output
-    for needle in needles:
-        assert needle in lines[0], lines[0]
 
 
 # ----------------------------------------------------------------------------------- fast: detector

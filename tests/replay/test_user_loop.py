@@ -6,7 +6,6 @@ copy of it with one bit of one checkpointed parameter flipped.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import subprocess
@@ -25,21 +24,13 @@ from trainer.recorder import to_record
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 import optax_loop  # noqa: E402
+from tests.cli_util import dir_digest
 
 STEPS = 30
 
 
 def invoke(*args: str):
     return CliRunner().invoke(app, list(args))
-
-
-def dir_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    for p in sorted(path.rglob("*")):
-        h.update(str(p.relative_to(path)).encode())
-        if p.is_file():
-            h.update(p.read_bytes())
-    return h.hexdigest()
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from traces import (
-    Run, RunLockedError, Schema, SchemaError, StepOrderError, StepRecord, TraceReader, TraceWriter,
+    Run, RunLockedError, Schema, SchemaError, StepOrderError, TraceReader, TraceWriter,
     decode_record, encode_record, same_bits,
 )
 from tests.traces.helpers import make_record, make_schema

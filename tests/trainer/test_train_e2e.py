@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from traces import Run, TraceReader, compare
+from traces import Run, compare
 from trainer.config import apply_overrides, get_preset
 from trainer.loop import train
 

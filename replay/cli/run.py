@@ -28,63 +28,25 @@ def run(
     json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
     """Replay steps A..B of a run and compare every recorded field with the trace."""
-    from replay import contract as contractlib
-    from replay.cli.errors import register_user_error
     from replay.bundle import default_steps, open_run
-    from replay.engine import ReplayInputError, check_range, parse_steps, replay
-    from trainer import replayable as replayables
-    from trainer.checkpoint import CheckpointError
-    from trainer.config import ConfigError
-    from trainer.data import DataError
-    from trainer.mesh import MeshError
+    from replay.cli.replaying import load_replayable, prepare_process, register_replay_errors, replay_notes, replay_progress
+    from replay.engine import check_range, parse_steps, replay
 
-    register_user_error(ReplayInputError, ConfigError, DataError, MeshError, CheckpointError)
+    register_replay_errors()
     target = open_run(path, for_replay=True)  # a run folder, or a bundle unpacked to a temporary folder
-    if target.manifest.get("config", {}).get("mesh", {}).get("mesh_invariant"):  # e.g. from a bundle
-        from trainer import invariant
-
-        invariant.prepare_process()  # its XLA:CPU settings must be in place before anything starts JAX
+    prepare_process(target)
     first, last = parse_steps(steps) if steps else default_steps(target) or console.fail("--steps A:B is required")
-    if target.status == "running":
-        console.warn(f"{path} is still being written; replaying the steps recorded so far")
-    trainer_run = "replayable" not in target.manifest
-    if trainer_run:  # bad ranges fail fast, before compiling
-        check_range(target, first, last, _checkpoints(target))
-    compiling = (lambda: console.status(f"compiling the train step of {path} ...")) if trainer_run else None
-    replayable = replayables.load(target, data=data, allow_data_change=allow_data_change, on_compile=compiling)
-    check_range(target, first, last, replayable.checkpoint_steps())  # a user loop's own checkpoints
-    mesh_invariant = bool(target.manifest.get("config", {}).get("mesh", {}).get("mesh_invariant"))
-    contract = contractlib.evaluate(target.manifest.get("environment", {}), replayable.environment(),
-                                    target.manifest.get("program_hash"), replayable.program_hash(), mesh_invariant,
-                                    tuple(target.manifest.get("invariant_device_counts", ())))
-    if contract.fatal:
-        console.fail(f"cannot replay {path} here: {contract.fatal[0]}")
-    console.status(f"contract: {contract.line}")
-    with console.progress(f"replay {path.name}") as bar:
-        task = bar.add_task("replay", total=None, info="restoring")
-
-        def on_step(result) -> None:
-            if bar.tasks[task].total is None:
-                bar.update(task, total=last - result.step + 1, completed=0)
-            bar.update(task, advance=1, info=f"step {result.step} {'exact' if result.exact else 'DIFFERS'}")
-
+    replayable, contract = load_replayable(target, path, data, allow_data_change,
+                                           lambda checkpoints: check_range(target, first, last, checkpoints))
+    with replay_progress(f"replay {path.name}", last) as on_step:
         report = replay(target, replayable, first, last, contract, on_step)
-    if getattr(replayable, "mesh_note", None):
-        report.notes.append(replayable.mesh_note)
-    if getattr(replayable, "data_changed", False):
-        report.notes.append("the data source changed since recording (--allow-data-change)")
+    report.notes.extend(replay_notes(replayable))
     if json_out:
         console.print_json(report.to_json())
     else:
         _render(report)
     if not report.exact:
         raise typer.Exit(EXIT_DIVERGED)
-
-
-def _checkpoints(run) -> list[int]:
-    from trainer.checkpoint import Checkpointer
-
-    return Checkpointer(run.checkpoint_dir, create=False).steps() if run.checkpoint_dir.is_dir() else []
 
 
 def _render(report) -> None:

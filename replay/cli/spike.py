@@ -62,49 +62,17 @@ def spike(
 
 def _spike_step(target, path: Path, step: int, window: int, threshold: float, top: int, save_batch: Path | None,
                 plot: Path | None, data: str | None, allow_data_change: bool, json_out: bool) -> None:
-    from replay import contract as contractlib
-    from replay.cli.errors import register_user_error
-    from replay.cli.run import _checkpoints
-    from replay.engine import ReplayInputError
+    from replay.cli.replaying import load_replayable, prepare_process, register_replay_errors, replay_notes, replay_progress
     from replay.spike import analyze, check_step, plot_spike
     from replay.spike import save_batch as write_batch
-    from trainer import replayable as replayables
-    from trainer.checkpoint import CheckpointError
-    from trainer.config import ConfigError
-    from trainer.data import DataError
-    from trainer.mesh import MeshError
 
-    register_user_error(ReplayInputError, ConfigError, DataError, MeshError, CheckpointError)
-    if target.manifest.get("config", {}).get("mesh", {}).get("mesh_invariant"):
-        from trainer import invariant
-
-        invariant.prepare_process()  # its XLA:CPU settings must be in place before anything starts JAX
-    if target.status == "running":
-        console.warn(f"{path} is still being written; using the steps recorded so far")
-    if "replayable" not in target.manifest:  # a trainer run: bad steps fail fast, before compiling
-        check_step(target, step, window, _checkpoints(target))
-    rep = replayables.load(target, data=data, allow_data_change=allow_data_change,
-                           on_compile=lambda: console.status(f"compiling the train step of {path} ..."))
-    mesh_invariant = bool(target.manifest.get("config", {}).get("mesh", {}).get("mesh_invariant"))
-    contract = contractlib.evaluate(target.manifest.get("environment", {}), rep.environment(),
-                                    target.manifest.get("program_hash"), rep.program_hash(), mesh_invariant,
-                                    tuple(target.manifest.get("invariant_device_counts", ())))
-    if contract.fatal:
-        console.fail(f"cannot replay {path} here: {contract.fatal[0]}")
-    console.status(f"contract: {contract.line}")
-    with console.progress(f"replay {path.name} to step {step}") as bar:
-        task = bar.add_task("replay", total=None, info="restoring")
-
-        def on_step(result) -> None:
-            if bar.tasks[task].total is None:
-                bar.update(task, total=step - result.step + 1, completed=0)
-            bar.update(task, advance=1, info=f"step {result.step} {'exact' if result.exact else 'DIFFERS'}")
-
+    register_replay_errors()
+    prepare_process(target)
+    rep, contract = load_replayable(target, path, data, allow_data_change,
+                                    lambda checkpoints: check_step(target, step, window, checkpoints))
+    with replay_progress(f"replay {path.name} to step {step}", step) as on_step:
         report = analyze(target, rep, step, contract, window, threshold, top, on_step)
-    if getattr(rep, "mesh_note", None):
-        report.notes.append(rep.mesh_note)
-    if getattr(rep, "data_changed", False):
-        report.notes.append("the data source changed since recording (--allow-data-change)")
+    report.notes.extend(replay_notes(rep))
     if save_batch is not None:
         write_batch(rep, target, step, save_batch)
         report.notes.append(f"batch of step {step} written to {save_batch} (int32 [batch, seq_len + 1]; "

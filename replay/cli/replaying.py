@@ -1,0 +1,86 @@
+"""What every command that replays a run does first: load its replayable and judge the contract.
+
+Shared by `replay run` and `replay spike --step`, so both refuse bad input before compiling,
+say which line of the determinism contract applies, and show the same progress bar.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable
+
+from replay.cli import console
+
+
+def register_replay_errors() -> None:
+    from replay.cli.errors import register_user_error
+    from replay.engine import ReplayInputError
+    from trainer.checkpoint import CheckpointError
+    from trainer.config import ConfigError
+    from trainer.data import DataError
+    from trainer.mesh import MeshError
+
+    register_user_error(ReplayInputError, ConfigError, DataError, MeshError, CheckpointError)
+
+
+def prepare_process(target) -> None:
+    """Mesh-invariant runs need their XLA:CPU settings in place before anything starts JAX."""
+    if target.manifest.get("config", {}).get("mesh", {}).get("mesh_invariant"):
+        from trainer import invariant
+
+        invariant.prepare_process()
+
+
+def checkpoint_steps(run) -> list[int]:
+    from trainer.checkpoint import Checkpointer
+
+    return Checkpointer(run.checkpoint_dir, create=False).steps() if run.checkpoint_dir.is_dir() else []
+
+
+def load_replayable(target, path: Path, data: str | None, allow_data_change: bool,
+                    check: Callable[[list[int]], object]):
+    """(replayable, contract) for `target`; `check(checkpoint_steps)` refuses bad ranges, first
+    from the checkpoint folder (before compiling, for trainer runs), then from the replayable."""
+    from replay import contract as contractlib
+    from trainer import replayable as replayables
+
+    if target.status == "running":
+        console.warn(f"{path} is still being written; using the steps recorded so far")
+    trainer_run = "replayable" not in target.manifest
+    if trainer_run:
+        check(checkpoint_steps(target))
+    compiling = (lambda: console.status(f"compiling the train step of {path} ...")) if trainer_run else None
+    replayable = replayables.load(target, data=data, allow_data_change=allow_data_change, on_compile=compiling)
+    check(replayable.checkpoint_steps())  # a user loop's own checkpoints
+    mesh_invariant = bool(target.manifest.get("config", {}).get("mesh", {}).get("mesh_invariant"))
+    contract = contractlib.evaluate(target.manifest.get("environment", {}), replayable.environment(),
+                                    target.manifest.get("program_hash"), replayable.program_hash(), mesh_invariant,
+                                    tuple(target.manifest.get("invariant_device_counts", ())))
+    if contract.fatal:
+        console.fail(f"cannot replay {path} here: {contract.fatal[0]}")
+    console.status(f"contract: {contract.line}")
+    return replayable, contract
+
+
+def replay_notes(replayable) -> list[str]:
+    notes = []
+    if getattr(replayable, "mesh_note", None):
+        notes.append(replayable.mesh_note)
+    if getattr(replayable, "data_changed", False):
+        notes.append("the data source changed since recording (--allow-data-change)")
+    return notes
+
+
+@contextmanager
+def replay_progress(title: str, last: int):
+    """A progress bar over the replayed steps; yields the per-step callback for the engine."""
+    with console.progress(title) as bar:
+        task = bar.add_task("replay", total=None, info="restoring")
+
+        def on_step(result) -> None:
+            if bar.tasks[task].total is None:
+                bar.update(task, total=last - result.step + 1, completed=0)
+            bar.update(task, advance=1, info=f"step {result.step} {'exact' if result.exact else 'DIFFERS'}")
+
+        yield on_step

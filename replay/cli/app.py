@@ -14,8 +14,10 @@ and in-process tests (typer's CliRunner) behave the same:
 
 from __future__ import annotations
 
+import json
 import sys
 import traceback
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -32,11 +34,37 @@ def _is_framework_exception(exc: BaseException) -> bool:
     return type(exc).__module__.split(".")[0] in ("typer", "click")
 
 
+_NO_STEPS = ("show", "audit", "plan", "unpack")  # commands that never run a train step
+
+
+def _prepare_mesh_invariant(args: list[str]) -> None:
+    """A mesh-invariant run (trainer/invariant.py) needs XLA:CPU settings in place before anything
+    starts JAX, and commands start it early (orbax opening a checkpoint directory): so when any
+    argument is such a run, apply them before the command runs (one-line error if too late)."""
+    if not args or args[0] in _NO_STEPS:
+        return
+    for arg in args[1:]:
+        manifest = Path(arg.split("=", 1)[-1]) / "run.json"
+        try:
+            mesh = json.loads(manifest.read_text()).get("config", {}).get("mesh", {})
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(mesh, dict) and mesh.get("mesh_invariant"):
+            from replay.cli.errors import register_user_error
+            from trainer import invariant
+            from trainer.config import ConfigError
+
+            register_user_error(ConfigError)
+            invariant.prepare_process()
+            return
+
+
 class ReplayGroup(TyperGroup):
     """The root command group: converts exceptions into one line and an exit code."""
 
     def invoke(self, ctx: Any) -> Any:
         try:
+            _prepare_mesh_invariant([*getattr(ctx, "_protected_args", ()), *ctx.args])
             return super().invoke(ctx)
         except Exception as exc:
             if _is_framework_exception(exc):
@@ -83,15 +111,10 @@ def _root(
 
 
 def _register_commands() -> None:
-    from replay.cli import bisect, demo, run, show, train
+    from replay.cli import audit, bisect, demo, pack, plan, run, show, spike, train, unpack
 
-    for module in (show, train, run, bisect, demo):
+    for module in (show, train, run, bisect, audit, spike, pack, unpack, plan, demo):
         module.register(app)
-    __import__("replay.cli.plan", fromlist=["register"]).register(app)  # replay plan (trainer/plan.py)
-    __import__("replay.cli.audit", fromlist=["register"]).register(app)  # replay audit (replay/audit.py)
-    __import__("replay.cli.spike", fromlist=["register"]).register(app)  # replay spike (replay/spike.py)
-    __import__("replay.cli.pack", fromlist=["register"]).register(app)  # replay pack (replay/bundle.py)
-    __import__("replay.cli.unpack", fromlist=["register"]).register(app)  # replay unpack (replay/bundle.py)
 
 
 _register_commands()

@@ -4,11 +4,11 @@
 it in the manifest ("faults"), so a replay of the faulty run reproduces it bit for bit and a
 bisect against a clean run names it. Each fault mimics a bug seen in real training stacks:
 
-    data-repeat        after a resume onto twice the hosts, each host's sampler counter counts
-                       half-batches, so the global position advances every other step: from
-                       step S on every batch is fed twice in a row, starting with a repeat of
-                       step S-1's batch. Already-seen examples come back while the model still
-                       remembers them, and the training loss looks better than it is
+    data-repeat        after a resume onto another host count, the sampler computes its
+                       position modulo a per-host window that no longer matches the data: from
+                       step S on it cycles over the REPEAT_WINDOW batches fed just before S.
+                       Already-seen examples come back while the model still remembers them,
+                       and the training loss looks better than it is
     dropout-key-reuse  the dropout key stops advancing: from step S every step reuses step S-1's
     layer-bf16         from step S the middle block computes in bfloat16 (params stay float32)
     skip-opt-restore   at step S the optimizer state is re-initialised, as when a resume
@@ -36,6 +36,7 @@ from trainer.config import Config
 
 FAULTS = ("data-repeat", "dropout-key-reuse", "layer-bf16", "skip-opt-restore", "bitflip", "bad-batch")
 BITFLIP_BIT = 20
+REPEAT_WINDOW = 8  # data-repeat: how many recent batches the broken sampler cycles over
 BAD_TOKEN = 0  # bad-batch: the token a degenerate example repeats (a NUL byte with the byte tokenizer)
 
 
@@ -62,6 +63,9 @@ def parse(spec: str) -> Fault:
         raise FaultError(f"--inject {spec!r}: STEP must be an integer") from None
     if at < 1:
         raise FaultError(f"--inject {spec!r}: STEP must be >= 1 (a fault needs a clean step before it)")
+    if name == "data-repeat" and at < REPEAT_WINDOW:
+        raise FaultError(f"--inject {spec!r}: data-repeat cycles over the {REPEAT_WINDOW} batches before STEP, "
+                         f"so STEP must be >= {REPEAT_WINDOW}")
     return Fault(name, at)
 
 
@@ -109,7 +113,7 @@ class FaultPlan:
         """The step whose batch the (faulty) sampler feeds at `step`."""
         if self.active("data-repeat", step):
             s = self._at["data-repeat"]
-            return s - 1 + (step - s + 1) // 2
+            return s - REPEAT_WINDOW + (step - s) % REPEAT_WINDOW
         return step
 
     def alter_batch(self, batch: data.Batch, step: int, local: slice) -> data.Batch:

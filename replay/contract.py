@@ -14,12 +14,21 @@ the report gives the distances and says why bits were not expected.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 # Environment keys whose difference can change the bits a step computes.
 BIT_KEYS = ("backend", "device_kind", "device_count", "process_count", "cpu_count", "xla_flags")
 VERSION_KEYS = ("jax", "jaxlib", "flax", "optax", "numpy")
 RANDOM_KEYS = ("jax_threefry_partitionable", "jax_default_prng_impl", "key_impl")
+
+
+_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
+
+
+def _flags_except_count(flags: str | None) -> str:
+    """XLA_FLAGS without the virtual-device-count flag, normalised (flag order kept)."""
+    return " ".join(_COUNT_FLAG.sub("", flags or "").split())
 
 
 @dataclass
@@ -60,10 +69,15 @@ def evaluate(recorded_env: dict, here_env: dict, recorded_program: str | None, h
         return Contract(False, line, diffs, fatal)
     if not diffs:
         return Contract(True, "bit-exact expected: same backend, devices, software and program", diffs, fatal)
-    layout_only = keys <= {"device_count", "process_count", "xla_flags", "program_hash"}
-    count = here_env.get("device_count")
-    if mesh_invariant and layout_only and count in invariant_counts:
-        return Contract(True, f"bit-exact expected: mesh-invariant mode, {count} devices is a measured-invariant count",
-                        diffs, fatal)
+    # Mesh-invariant mode (trainer/invariant.py): a different device count keeps the bits when both
+    # counts are in the run's measured set and nothing else differs but the device-count flag.
+    layout = {"device_count", "process_count", "program_hash"}
+    if _flags_except_count(recorded_env.get("xla_flags")) == _flags_except_count(here_env.get("xla_flags")):
+        layout.add("xla_flags")
+    count, recorded_count = here_env.get("device_count"), recorded_env.get("device_count")
+    if mesh_invariant and keys <= layout and count in invariant_counts and recorded_count in invariant_counts:
+        counts = ", ".join(map(str, invariant_counts))
+        return Contract(True, f"bit-exact expected: mesh-invariant mode, recorded on {recorded_count} and replayed on "
+                              f"{count} devices, both measured to agree ({counts})", diffs, fatal)
     what = ", ".join(sorted(keys))
     return Contract(False, f"measured only: {what} differ from the recording; distances are reported", diffs, fatal)

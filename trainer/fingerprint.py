@@ -23,7 +23,7 @@ from jax import lax
 
 from traces.fingerprint import GOLDEN, SUB_BYTE_RE, lane_seeds
 
-__all__ = ["fingerprint_lanes", "fingerprint_tree", "lanes_to_int", "tree_to_ints"]
+__all__ = ["fingerprint_lanes", "fingerprints_and_sums_of_squares", "fingerprint_tree", "lanes_to_int", "tree_to_ints"]
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
@@ -66,11 +66,13 @@ def _words(x):
     return jnp.stack([lo, hi], axis=-1)
 
 
-def _global_index(shape: tuple[int, ...]):
-    """Row-major flat index mod 2**32 as a sum of per-axis iotas.
+def _global_index(shape: tuple[int, ...], scale: int = 1):
+    """(row-major flat index * scale) mod 2**32, as a sum of per-axis iotas.
 
     Built from small broadcastable iotas (one non-1 axis each) rather than a reshape
     of a flat iota, so nothing forces a relayout of a sharded operand; XLA fuses it.
+    Wrapping uint32 arithmetic is a ring, so `scale` folds into the per-axis constants
+    (index * GOLDEN costs no extra multiply per element).
     """
     idx = jnp.uint32(0)
     stride = 1
@@ -78,20 +80,64 @@ def _global_index(shape: tuple[int, ...]):
         shp = [1] * len(shape)
         shp[ax] = shape[ax]
         iota = lax.broadcasted_iota(jnp.uint32, tuple(shp), ax)
-        idx = idx + iota * jnp.uint32(stride % (1 << 32))
+        idx = idx + iota * jnp.uint32((stride * scale) % (1 << 32))
         stride *= shape[ax]
     return idx
+
+
+def _lane_terms(x: jax.Array, dtype: np.dtype) -> list[jax.Array]:
+    """The per-word terms fmix32(bits + index * GOLDEN + seed_k) whose sums are the two lanes."""
+    s0, s1 = lane_seeds(dtype.name, x.shape)
+    w = _words(x)
+    base = w + _global_index(w.shape, GOLDEN)
+    return [_fmix32(base + jnp.uint32(s)) for s in (s0, s1)]
+
+
+def _add(a: tuple, b: tuple) -> tuple:
+    return tuple(p + q for p, q in zip(a, b))
+
+
+def _reduce_all(terms: list[jax.Array], inits: list[jax.Array]) -> tuple[jax.Array, ...]:
+    # One variadic reduce: both lanes (and any extra sum) in a single pass over the tensor.
+    # On XLA:CPU this is several times faster than one reduce per lane (measured on the demo
+    # preset's layer record: ~2.5 ms instead of ~38 ms for 9M elements), and under sharding
+    # each device still reduces its own elements first. Integer lane sums are exact in any order.
+    return lax.reduce(tuple(terms), tuple(inits), _add, tuple(range(terms[0].ndim)))
 
 
 def fingerprint_lanes(x) -> jax.Array:
     """uint32[2] (lane_0, lane_1) of `x` viewed as the global (unsharded) tensor."""
     dtype = _check_dtype(x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype)
     x = jnp.asarray(x)
-    s0, s1 = lane_seeds(dtype.name, x.shape)
-    w = _words(x)
-    base = w + _global_index(w.shape) * jnp.uint32(GOLDEN)
-    lanes = [jnp.sum(_fmix32(base + jnp.uint32(s)), dtype=jnp.uint32) for s in (s0, s1)]
-    return jnp.stack(lanes)
+    return jnp.stack(_reduce_all(_lane_terms(x, dtype), [jnp.uint32(0)] * 2))
+
+
+def fingerprints_and_sums_of_squares(xs) -> tuple[jax.Array, jax.Array]:
+    """uint32[T, 2] fingerprint lanes and float32[T] sums of squares of T tensors.
+
+    Row t of the lanes is exactly `fingerprint_lanes(xs[t])`; both come from one fused pass over
+    each tensor, and the T results are gathered by one concatenation per output rather than one
+    per tensor (on XLA:CPU every small op is a separate kernel, which adds up over hundreds of
+    tensors). The sums of squares are accumulated in float32 in whatever order XLA's reduce
+    picks (deterministic for a given program): they feed the RMS a record shows for reports,
+    not a bit-exact quantity.
+    """
+    l0s, l1s, sss = [], [], []
+    for x in xs:
+        dtype = _check_dtype(x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype)
+        x = jnp.asarray(x)
+        terms = _lane_terms(x, dtype)
+        xf = x.astype(jnp.float32)
+        if xf.shape == terms[0].shape:
+            l0, l1, ss = _reduce_all(terms + [xf * xf], [jnp.uint32(0), jnp.uint32(0), jnp.float32(0)])
+        else:  # 8-byte dtypes: two words per element
+            (l0, l1), ss = _reduce_all(terms, [jnp.uint32(0)] * 2), jnp.sum(jnp.square(xf))
+        l0s.append(l0)
+        l1s.append(l1)
+        sss.append(ss)
+    if not xs:
+        return jnp.zeros((0, 2), jnp.uint32), jnp.zeros((0,), jnp.float32)
+    return jnp.stack([jnp.stack(l0s), jnp.stack(l1s)], axis=-1), jnp.stack(sss)
 
 
 def fingerprint_tree(tree):

@@ -107,8 +107,8 @@ def build(cfg: Config, source: data.TokenSource | None = None, mesh_cfg: MeshCon
     """Validates the config against the data and devices, then lowers and compiles the step."""
     if source is None:
         source = data.open_source(cfg.data.source, cfg.data.token_dtype, cfg.model.vocab_size)
-    if cfg.mesh.mesh_invariant:  # pins the XLA:CPU thread pool: must come before anything starts JAX
-        invariant.pin_thread_pool()
+    if cfg.mesh.mesh_invariant:  # its XLA:CPU settings (no FMA, pinned pool) go in before anything starts JAX
+        invariant.prepare_process()
     mesh = meshlib.make_mesh(mesh_cfg or cfg.mesh)
     meshlib.check_batch(cfg.data.global_batch_size, mesh)
     if cfg.mesh.mesh_invariant:
@@ -181,9 +181,10 @@ def prepare(cfg: Config, out: str | Path, *, resume: bool = False, preset: str |
         "faults": faults.to_manifest() if faults else [],
     }
     if cfg.mesh.mesh_invariant:  # read by replay/contract.py: the counts measured to give the same bits
-        manifest["invariant_device_counts"] = invariant.invariant_counts(
-            cfg, jax.default_backend(), jax.local_device_count(), invariant.pool_threads())
-        manifest["invariant"] = {"pool_threads": invariant.pool_threads(), "n_microbatches": cfg.mesh.n_microbatches}
+        manifest["invariant_device_counts"] = invariant.invariant_counts(cfg, jax.default_backend(),
+                                                                         jax.local_device_count())
+        manifest["invariant"] = {"n_microbatches": cfg.mesh.n_microbatches, "pool_threads": invariant.pool_threads(),
+                                 "settings_problem": invariant.settings_problem()}
     return Prepared(out, resume, built, manifest)
 
 

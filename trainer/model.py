@@ -26,6 +26,7 @@ so asking for block_03's internals does not keep every block's attention matrix 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Mapping
@@ -96,10 +97,83 @@ def tree_sum(x: jax.Array) -> jax.Array:
 
 def softmax(logits: jax.Array) -> jax.Array:
     """Softmax over the last axis with a shape-independent sum (see tree_sum)."""
+    if _FIXED_BACKWARD[-1]:
+        return _softmax_fixed(logits)
+    return _softmax(logits)
+
+
+def _softmax(logits: jax.Array) -> jax.Array:
     # max is exact in any order; softmax does not depend on it, so no gradient through it.
     m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
     e = jnp.exp(logits - m)
     return e / tree_sum(e)
+
+
+# ------------------------------------------------- fixed-order backward (mesh-invariant mode)
+# Autodiff turns every broadcast of a [..., 1] statistic (softmax's sum, RMSNorm's rms) or of a
+# norm's [D] scale into a plain XLA reduce in the backward pass, and XLA:CPU emits the same
+# reduce with a different summation order depending on the surrounding program (measured: the
+# softmax backward of one microbatch differed between a 1-device and a 4-device program).
+# Under `fixed_order_backward()` (trainer/invariant.py traces the step inside it) softmax and
+# RMSNorm use hand-written backward passes whose only sums are tree_sum. The forward bits are
+# the same either way; outside the context nothing changes.
+_FIXED_BACKWARD = [False]
+
+
+@contextlib.contextmanager
+def fixed_order_backward():
+    _FIXED_BACKWARD.append(True)
+    try:
+        yield
+    finally:
+        _FIXED_BACKWARD.pop()
+
+
+@jax.custom_vjp
+def _softmax_fixed(logits: jax.Array) -> jax.Array:
+    return _softmax(logits)
+
+
+def _softmax_fixed_fwd(logits: jax.Array):
+    p = _softmax(logits)
+    return p, p
+
+
+def _softmax_fixed_bwd(p: jax.Array, g: jax.Array):
+    return ((g - tree_sum(g * p)) * p,)
+
+
+_softmax_fixed.defvjp(_softmax_fixed_fwd, _softmax_fixed_bwd)
+
+
+def _rms_norm(x32: jax.Array, scale32: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
+    """(x * rms * scale, rms) with rms = 1/sqrt(mean(x^2) + eps) over the last axis; float32."""
+    rms = jax.lax.rsqrt(tree_sum(jnp.square(x32)) / x32.shape[-1] + eps)
+    return x32 * rms * scale32, rms
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _rms_norm_fixed(x32: jax.Array, scale32: jax.Array, eps: float) -> jax.Array:
+    return _rms_norm(x32, scale32, eps)[0]
+
+
+def _rms_norm_fixed_fwd(x32: jax.Array, scale32: jax.Array, eps: float):
+    y, rms = _rms_norm(x32, scale32, eps)
+    return y, (x32, scale32, rms)
+
+
+def _rms_norm_fixed_bwd(eps: float, res, g: jax.Array):
+    x32, scale32, rms = res
+    gs = g * scale32
+    # d/dx of x * rms(x): gs * rms - x * rms^3 * sum(gs * x) / D, the sum in fixed order.
+    dx = gs * rms - x32 * (rms * rms * rms) * (tree_sum(gs * x32) / x32.shape[-1])
+    # d/dscale: sum over every leading axis, as a fixed-order sum over the rows.
+    rows = (g * x32 * rms).reshape(-1, x32.shape[-1])
+    dscale = tree_sum(rows.T)[:, 0]
+    return dx, dscale
+
+
+_rms_norm_fixed.defvjp(_rms_norm_fixed_fwd, _rms_norm_fixed_bwd)
 
 
 def logsumexp(logits: jax.Array) -> jax.Array:
@@ -119,9 +193,11 @@ class RMSNorm(nn.Module):
         # Statistics in float32 whatever the activation dtype: bf16 mean-of-squares loses
         # ~3 significant digits over d_model=4096 elements.
         x32 = x.astype(jnp.float32)
-        mean_sq = tree_sum(jnp.square(x32)) / x.shape[-1]
-        rms = jax.lax.rsqrt(mean_sq + self.cfg.norm_eps)
-        return (x32 * rms * scale.astype(jnp.float32)).astype(_dtype(self.cfg.dtype))
+        if _FIXED_BACKWARD[-1]:
+            y32 = _rms_norm_fixed(x32, scale.astype(jnp.float32), self.cfg.norm_eps)
+        else:
+            y32 = _rms_norm(x32, scale.astype(jnp.float32), self.cfg.norm_eps)[0]
+        return y32.astype(_dtype(self.cfg.dtype))
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:

@@ -24,7 +24,7 @@ import optax
 
 from trainer import model, rng
 from trainer.config import Config
-from trainer.fingerprint import fingerprint_lanes
+from trainer.fingerprint import fingerprint_lanes, fingerprints_and_sums_of_squares
 from trainer.optim import applied_lr, make_optimizer
 
 LEVELS = ("off", "step", "layer")
@@ -67,19 +67,20 @@ def tensor_schema(cfg: Config) -> tuple[tuple[str, str], ...]:
     )
 
 
-def _tree_lanes(leaves: list[jax.Array]) -> jax.Array:
-    # A pytree's fingerprint is the fingerprint of its leaves' lanes stacked in order, so the
-    # numpy reference can recompute it from per-leaf fingerprints.
-    return fingerprint_lanes(jnp.stack([fingerprint_lanes(x) for x in leaves]))
+def _summaries(xs: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """uint32[T, 2] fingerprint lanes and float32[T] RMS of T tensors, one pass over each."""
+    lanes, sum_sq = fingerprints_and_sums_of_squares(xs)
+    return lanes, jnp.sqrt(sum_sq / jnp.asarray([x.size for x in xs], jnp.float32))
 
 
-def _rms(x: jax.Array) -> jax.Array:
-    return jnp.sqrt(jnp.mean(jnp.square(x.astype(jnp.float32))))
+def _tree_summary(leaves: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """uint32[1, 2] fingerprint lanes and float32[1] RMS of a pytree's leaves taken together.
 
-
-def _tree_rms(leaves: list[jax.Array]) -> jax.Array:
-    total = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves)
-    return jnp.sqrt(total / sum(x.size for x in leaves))
+    The pytree's fingerprint is the fingerprint of its leaves' lanes stacked in order, so the
+    numpy reference can recompute it from per-leaf fingerprints; its RMS is over all elements.
+    """
+    lanes, sum_sq = fingerprints_and_sums_of_squares(leaves)
+    return fingerprint_lanes(lanes)[None], jnp.sqrt(jnp.sum(sum_sq) / sum(x.size for x in leaves))[None]
 
 
 def loss_fn(params: Any, cfg: Config, inputs_BxL: jax.Array, targets_BxL: jax.Array, key: jax.Array | None,
@@ -98,13 +99,37 @@ def loss_fn(params: Any, cfg: Config, inputs_BxL: jax.Array, targets_BxL: jax.Ar
     return loss + z_loss, {"loss": loss, "z_loss": z_loss, "example_loss": ce_B, "layers": layers}
 
 
-def train_step(state: TrainState, batch: dict, *, cfg: Config, level: str = "step") -> tuple[TrainState, dict]:
-    """One optimizer step on `batch` ({"inputs": int32[B, L], "targets": int32[B, L]})."""
+def train_step(state: TrainState, batch: dict, *, cfg: Config, level: str = "step",
+               mesh: Any = None) -> tuple[TrainState, dict]:
+    """One optimizer step on `batch` ({"inputs": int32[B, L], "targets": int32[B, L]}).
+    `mesh`: the batch's mesh; only mesh-invariant mode uses it (trainer/invariant.py)."""
     step_key = rng.step_key(jax.random.wrap_key_data(state.key, impl="threefry2x32"), state.step)
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    (_, aux), grads = grad_fn(state.params, cfg, batch["inputs"], batch["targets"], step_key, level == "layer")
+    if cfg.mesh.mesh_invariant:  # --- mesh-invariant mode: fixed-order microbatched gradients
+        from trainer import invariant
+
+        (_, aux), grads = invariant.value_and_grad(state.params, cfg, batch, step_key, level == "layer", mesh)
+    else:
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        (_, aux), grads = grad_fn(state.params, cfg, batch["inputs"], batch["targets"], step_key, level == "layer")
+    opt_in = state.opt_state
+    if level == "layer":
+        # Summarise the state entering the step before the update overwrites it in place.
+        names = model.param_names(cfg.model)
+        state_summaries = [_tree_summary([get_path(state.params, n) for n in names]),
+                           _tree_summary(jax.tree.leaves(state.opt_state))]
+        # The update must depend on these reductions: otherwise XLA may schedule them after it
+        # and so copies every donated parameter and moment before the step (the whole state,
+        # every step; lax.optimization_barrier does not survive XLA:CPU's pipeline, and
+        # tests/test_bench_overhead.py checks the copies stay gone). Every update kernel (params,
+        # mu, nu) reads a scalar hyperparameter of the optimizer state, so passing those scalars
+        # through a select on `never` orders the reductions first. A sum of squares is never < 0
+        # (NaN compares False), so the selects return their inputs' bits. Only scalars are
+        # touched: a select on an array changes the update kernels' code, and XLA:CPU then
+        # rounds the update differently (measured: params no longer bit-identical to level off).
+        never = (state_summaries[0][1][0] < 0) | (state_summaries[1][1][0] < 0)
+        opt_in = jax.tree.map(lambda x: jnp.where(never, jnp.zeros_like(x), x) if x.ndim == 0 else x, opt_in)
     optimizer = make_optimizer(cfg.optimizer)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    updates, opt_state = optimizer.update(grads, opt_in, state.params)
     params = optax.apply_updates(state.params, updates)
     new_state = TrainState(state.step + 1, params, opt_state, state.key)
     metrics = {"loss": aux["loss"]}
@@ -119,17 +144,13 @@ def train_step(state: TrainState, batch: dict, *, cfg: Config, level: str = "ste
         rng=rng.key_words(step_key),
     )
     if level == "layer":
-        names = model.param_names(cfg.model)
-        before = [get_path(state.params, n) for n in names]
-        opt_leaves = jax.tree.leaves(state.opt_state)
-        tensors = (
-            [(_tree_lanes(before), _tree_rms(before)), (_tree_lanes(opt_leaves), _tree_rms(opt_leaves))]
-            + [(fingerprint_lanes(x), _rms(x)) for x in (aux["layers"][n] for n in model.layer_names(cfg.model))]
-            + [(fingerprint_lanes(x), _rms(x)) for x in (get_path(grads, n) for n in reversed(names))]
-            + [(fingerprint_lanes(x), _rms(x)) for x in (get_path(params, n) for n in names)]
-        )
-        metrics["fingerprints"] = jnp.stack([lanes for lanes, _ in tensors])
-        metrics["rms"] = jnp.stack([r for _, r in tensors])
+        # One fused reduction per tensor yields both its fingerprint and its sum of squares.
+        tensors = ([aux["layers"][n] for n in model.layer_names(cfg.model)]
+                   + [get_path(grads, n) for n in reversed(names)]
+                   + [get_path(params, n) for n in names])
+        parts = state_summaries + [_summaries(tensors)]
+        metrics["fingerprints"] = jnp.concatenate([lanes for lanes, _ in parts])
+        metrics["rms"] = jnp.concatenate([rms for _, rms in parts])
     return new_state, metrics
 
 
@@ -137,7 +158,8 @@ def compile_step(cfg: Config, level: str, state_sharding: Any = None, batch_shar
     """The jitted train step (the one place it is jitted). Shardings None = let jit decide."""
     if level not in LEVELS:
         raise ValueError(f"trace level {level!r} is not one of {LEVELS}")
-    fn = functools.partial(train_step, cfg=cfg, level=level)
+    fn = functools.partial(train_step, cfg=cfg, level=level,
+                           mesh=None if batch_sharding is None else batch_sharding.mesh)
     if state_sharding is None:
         return jax.jit(fn, donate_argnums=0)
     # Metrics come back replicated so that every process can read them whole (multi-host).

@@ -1,0 +1,157 @@
+"""What recording costs a training loop: median step time at trace levels off, step and layer.
+
+Everything runs in one process. Each level gets the program `replay train` would build for it
+(`trainer.loop.build`), its own state (all three start from the same initial state and see the
+same batches, so they train identically, which is checked) and, for step and layer, its own
+`Recorder` writing a real trace into a temporary directory. A step is the body of the loop in
+`trainer/loop.py`, minus checkpoints and the progress display:
+
+    state, metrics, hashes = built.run_step(state, step)  # load + hash the batch, put it on the
+                                                          # mesh, dispatch the step (async)
+    recorder.record(step, metrics, hashes)                # device_get + trace append of step - 1
+
+A round runs `--steps-per-round` steps of one level, then flushes the recorder (so a round
+writes exactly its own records) and waits for the state: the round's wall time / steps is
+one sample of that level's sustained step time. Each round visits every level, in an order
+rotated from round to round, so drift and machine noise hit all levels alike. The first
+`--warmup-rounds` rounds are discarded; the overheads are ratios of medians minus one.
+
+Prints one JSON object on its last line: step_overhead, layer_overhead (budgets from issue 3:
+<= 0.01 and <= 0.03), the median seconds per step of each level, and how they were measured.
+Wall time is what the budgets are about; the same ratios in process CPU time (cpu_*) and the
+load average are printed too, because on a shared machine other processes' load moves wall
+time far more than recording does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+
+from traces import TraceWriter
+from trainer import mesh as meshlib
+from trainer.data import DataError
+from trainer.config import ConfigError, apply_overrides, get_preset
+from trainer.loop import build
+from trainer.mesh import MeshError
+from trainer.recorder import Recorder
+from trainer.step import LEVELS, tensor_schema
+
+BUDGETS = {"step_overhead": 0.01, "layer_overhead": 0.03}
+
+
+class Lane:
+    """One recording level: its compiled step, state, recorder and position in the data."""
+
+    def __init__(self, cfg, level: str, trace_dir: Path):
+        self.level = level
+        cfg = apply_overrides(cfg, [f"trace.level={level}", "trace.layer_every=1"])
+        self.built = build(cfg)  # what `replay train` compiles and runs, step for step
+        self.state = meshlib.init_sharded_state(cfg, self.built.mesh)
+        self.writer = TraceWriter(trace_dir / level, self.built.schema) if level != "off" else None
+        self.recorder = Recorder(self.built.schema, self.writer, level)
+        self.step = 0
+
+    def run_round(self, steps: int) -> tuple[float, float]:
+        """(wall, process CPU) seconds per step over `steps` loop steps, pipeline drained at the end."""
+        t0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(steps):  # the body of trainer/loop.py's loop, minus checkpoints and display
+            self.state, metrics, hashes = self.built.run_step(self.state, self.step)
+            self.recorder.record(self.step, metrics, hashes)
+            self.step += 1
+        self.recorder.flush()
+        jax.block_until_ready(self.state)
+        return (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def measure(preset: str, rounds: int, steps_per_round: int, warmup_rounds: int, overrides: list[str]) -> dict:
+    cfg = apply_overrides(get_preset(preset), overrides)
+    wall: dict[str, list[float]] = {lvl: [] for lvl in LEVELS}
+    cpu: dict[str, list[float]] = {lvl: [] for lvl in LEVELS}
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="replay-bench-overhead-") as tmp:
+        lanes = [Lane(cfg, lvl, Path(tmp)) for lvl in LEVELS]
+        try:
+            for r in range(warmup_rounds + rounds):
+                order = lanes[r % len(lanes):] + lanes[:r % len(lanes)]
+                for lane in order:
+                    seconds, cpu_seconds = lane.run_round(steps_per_round)
+                    if r >= warmup_rounds:
+                        wall[lane.level].append(seconds)
+                        cpu[lane.level].append(cpu_seconds)
+        finally:
+            for lane in lanes:
+                lane.close()
+        # Same data, same programs up to recording: the levels must have trained identically.
+        finals = [jax.device_get(lane.state.params) for lane in lanes]
+        identical = all(
+            all((a == b).all() for a, b in zip(jax.tree.leaves(finals[0]), jax.tree.leaves(f))) for f in finals[1:]
+        )
+    med = {lvl: statistics.median(s) for lvl, s in wall.items()}
+    cpu_med = {lvl: statistics.median(s) for lvl, s in cpu.items()}
+    # Per-round paired ratios: a second estimate, robust to slow drift within the run.
+    paired = {lvl: statistics.median(s / o for s, o in zip(wall[lvl], wall["off"])) - 1 for lvl in ("step", "layer")}
+    result = {
+        "bench": "overhead",
+        "preset": preset,
+        "step_overhead": round(med["step"] / med["off"] - 1, 5),
+        "layer_overhead": round(med["layer"] / med["off"] - 1, 5),
+        "median_off_s": round(med["off"], 6),
+        "median_step_s": round(med["step"], 6),
+        "median_layer_s": round(med["layer"], 6),
+        "paired_step_overhead": round(paired["step"], 5),
+        "paired_layer_overhead": round(paired["layer"], 5),
+        # The same medians in process CPU time (all threads): what recording costs in work done,
+        # much less disturbed than wall time when other processes share the cores.
+        "cpu_step_overhead": round(cpu_med["step"] / cpu_med["off"] - 1, 5),
+        "cpu_layer_overhead": round(cpu_med["layer"] / cpu_med["off"] - 1, 5),
+        "median_cpu_off_s": round(cpu_med["off"], 6),
+        "rounds": rounds,
+        "warmup_rounds": warmup_rounds,
+        "steps_per_round": steps_per_round,
+        "tensors_per_layer_record": len(tensor_schema(cfg)),
+        "devices": int(lanes[0].built.mesh.devices.size),
+        "cpus": os.cpu_count(),
+        "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],  # 1-min, before and after
+        "identical_training": bool(identical),
+        "budget_step_overhead": BUDGETS["step_overhead"],
+        "budget_layer_overhead": BUDGETS["layer_overhead"],
+    }
+    result["within_budget"] = (result["step_overhead"] <= BUDGETS["step_overhead"]
+                               and result["layer_overhead"] <= BUDGETS["layer_overhead"])
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="demo")
+    parser.add_argument("--rounds", type=int, default=30, help="measured rounds (each visits every level)")
+    parser.add_argument("--steps-per-round", type=int, default=5, help="loop steps per level per round")
+    parser.add_argument("--warmup-rounds", type=int, default=1, help="rounds run first and discarded")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override, as for `replay train` (repeatable)")
+    args = parser.parse_args(argv)
+    if args.rounds < 1 or args.steps_per_round < 1 or args.warmup_rounds < 0:
+        parser.error("--rounds and --steps-per-round must be >= 1, --warmup-rounds >= 0")
+    try:
+        result = measure(args.preset, args.rounds, args.steps_per_round, args.warmup_rounds, args.overrides)
+    except (ConfigError, DataError, MeshError) as e:  # bad input: one line, exit 2, as `replay train`
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,304 @@
+"""Mesh-invariant mode: the same bits from a train step on any device count.
+
+Enabled with `--set mesh.mesh_invariant=true mesh.n_microbatches=M`. The scheme:
+
+    1. The global batch is cut into M microbatches of global_batch / M examples, in global
+       example order. M is fixed by the config, not by the device count; every device holds
+       M / n_devices consecutive microbatches.
+    2. Inside shard_map, each device runs its microbatches one by one (lax.scan) through
+       `step.loss_fn` with the parameters replicated (FSDP-sharded parameters are all-gathered
+       before the shard_map, which only copies bits). Every microbatch therefore has the same
+       shape and the same program on any device count. Dropout uses
+       fold_in(step key, global microbatch index), so its bits do not depend on the layout.
+    3. The per-microbatch gradients are summed with one fixed pairwise tree over the M
+       microbatches (`pair_tree`: adjacent pairs, an odd last element carried up unpaired),
+       then divided by M. Each device first reduces the complete subtrees it holds (its
+       microbatches are consecutive, so they align with the tree), then the partial sums
+       are all_gather'ed (tiled, global order) and the tree is finished on every device.
+       All collectives are all_gathers: copies, never floating-point sums in an unknown order.
+    4. Per-microbatch losses, z-losses, per-example losses and (for layer-level records) the
+       captured forward activations are all_gather'ed in global order; losses are combined
+       with the same tree. Everything leaves the shard_map replicated, so the optimizer
+       update, norms and fingerprints that follow are the same full-size computation on
+       every device count.
+
+The scheme alone is not enough on XLA:CPU. Three more things were needed, each found by
+measurement (jax/jaxlib 0.10.2, x86-64 with AVX-512, 2 cores, virtual CPU devices):
+
+    a. Fixed-order backward passes for softmax and RMSNorm (`model.fixed_order_backward()`,
+       entered around each microbatch's value_and_grad). Autodiff turns the broadcast of a
+       [..., 1] statistic into a plain XLA reduce, and XLA:CPU emitted the same reduce with a
+       different summation order in the 1-device program than in the sharded ones.
+    b. No FMA: XLA:CPU lets LLVM contract a multiply and an add into one FMA wherever both land
+       in one fused kernel, and fusion depends on the whole program, i.e. on the device count
+       (the AdamW update and reductions differed). `--xla_cpu_max_isa=AVX` (no FMA in AVX) in
+       XLA_FLAGS. XLA reads it when the backend starts; the same option given per jit
+       (compiler_options) is recorded but does not reach code generation (measured).
+    c. A pinned intra-op pool: Eigen splits a matmul's work by the size of the XLA:CPU
+       "XLAEigen" pool, which is max(PJRT_NPROC or the schedulable CPUs, local devices), so
+       2/2/4/8 threads for 1/2/4/8 devices here. PJRT_NPROC=8 makes it 8 for up to 8 devices.
+       (tiny's matmuls are too small to be split; demo's attention output gradient differed
+       at 8 devices without it.)
+
+`prepare_process()` applies b and c before the backend starts (`build`, and the CLI when its
+argument is a mesh-invariant run) and refuses in one line when the backend already runs
+without them. The manifest records XLA_FLAGS, the pool size and `invariant_device_counts`.
+
+Measured (bench/invariance.py; 10 steps of tiny, 4 of demo, n_microbatches=8, trace level
+layer): which device counts give the same bits as 4 devices in every field `replay run`
+verifies (loss, z-loss, grad norm, lr, param norm, per-example losses, RNG words, every
+layer fingerprint: state, forward, gradients, updated parameters):
+
+    | configuration                                  | 1 dev | 2 dev | 8 dev |
+    | ---------------------------------------------- | ----- | ----- | ----- |
+    | plain data parallel (tiny and demo)            |  no   |  no   |  no   |
+    | scheme only (bare), tiny                       |  no   |  yes  |  yes  |
+    | + a (fixed-order backward), tiny               |  no   |  yes  |  yes  |
+    | + a + c (pool, FMA allowed), tiny              |  no   |  yes  |  yes  |
+    | + a + b (no FMA, pool unpinned), tiny          |  yes  |  yes  |  yes  |
+    | + a + b (no FMA, pool unpinned), demo          |  yes  |  yes  |  no   |
+    | mesh-invariant mode (a + b + c), tiny and demo |  yes  |  yes  |  yes  |
+
+Also identical in mesh-invariant mode (tiny): 2 processes x 2 devices (12 steps, a whole
+trace); FSDP layouts data=-1 fsdp=2 and data=1 fsdp=-1 on 2, 4 and 8 devices (3 steps).
+16 devices (n_microbatches=16; the pool then grows to 16): the verified fields were identical
+on tiny, but that is not the pinned setting, so 16 is not in the promised set.
+The RMS values a record shows beside each fingerprint are for people, not verified by replay:
+they agreed on 1/2/4/8 data-parallel devices but not under FSDP or at 16 devices, where the
+recording reduces sums of squares over shards (trainer/step.py).
+
+INVARIANT_COUNTS is what a run's manifest promises (less counts its microbatches do not fit):
+CPU 1, 2, 4, 8. Never promised: more than POOL_THREADS devices per process, GPUs and TPUs
+(not measured), other CPU models or jaxlib versions (the contract already reports those).
+
+Cost (bench/invariance.py --overhead, trace level step, M=8, 2 busy cores, so +-15% noise):
+mesh-invariant step time / plain data parallel in the same process (same settings):
+
+    | preset | 1 dev | 2 dev | 4 dev | 8 dev |
+    | ------ | ----- | ----- | ----- | ----- |
+    | demo   | 0.69  | 0.78  | 0.67  | 1.55  |
+    | tiny   | 1.40  | 1.18  | 1.03  | 1.41  |
+
+demo's 2-example microbatches run faster than whole per-device batches up to 4 devices;
+tiny's steps (5-18 ms) are dominated by per-op overhead, which the scan and the gathers add
+to. The process settings also slow plain code in that process (AVX without FMA, 8 threads on
+2 cores): tiny 1.2-1.7x, demo ~1.1x. Memory: each device holds M / n_devices stacked
+microbatch gradients before the tree, and layer-level records all-gather every captured
+activation (the global batch's, on every device).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from trainer.config import Config, ConfigError
+
+POOL_THREADS = 8  # the XLA:CPU intra-op pool size mesh-invariant mode pins (PJRT_NPROC)
+POOL_ENV = "PJRT_NPROC"  # read by XLA's DefaultThreadPoolSize() when the CPU client is created
+POOL_THREAD_NAME = "tf_XLAEigen"  # how the intra-op pool's threads are named (Linux comm)
+# XLA:CPU lets LLVM fuse a multiply and an add into one FMA wherever both land in one fused
+# kernel, and which ops share a kernel depends on the whole program, which changes with the
+# device count. Capping the instruction set at AVX (no FMA) makes every op round on its own.
+# XLA:CPU reads it from XLA_FLAGS when the backend starts (a per-jit compiler_options entry is
+# recorded but not used for code generation: measured), so it is a process setting.
+ISA_FLAG = "--xla_cpu_max_isa=AVX"
+# Device counts measured to give bit-identical steps with these settings, per backend. Only
+# verified counts go here (bench/invariance.py, tests/trainer/test_invariant.py).
+INVARIANT_COUNTS: dict[str, tuple[int, ...]] = {"cpu": (1, 2, 4, 8)}
+BATCH_AXES = ("data", "fsdp")  # as trainer.mesh.BATCH_AXES (not imported: mesh imports step)
+
+
+# ------------------------------------------------------------------ process settings (XLA:CPU)
+
+def pool_threads() -> int | None:
+    """Threads in this process's XLA:CPU intra-op pool, or None when it cannot be known
+    (no backend started yet, or no /proc to count threads in)."""
+    from jax._src import xla_bridge
+
+    if not xla_bridge.backends_are_initialized():
+        return None
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    n = 0
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                n += f.read().strip() == POOL_THREAD_NAME
+        except OSError:
+            continue
+    return n or None
+
+
+def _flag_values(flags: str, name: str) -> list[str]:
+    return re.findall(rf"(?:^|\s)--{name}=(\S*)", flags)
+
+
+def settings_problem() -> str | None:
+    """Why this process, as started, cannot give mesh-invariant bits on XLA:CPU; None if it can."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    isa = _flag_values(flags, "xla_cpu_max_isa")
+    if isa[-1:] != [ISA_FLAG.split("=", 1)[1]]:
+        return f"XLA_FLAGS lacks {ISA_FLAG}" if not isa else f"XLA_FLAGS sets --xla_cpu_max_isa={isa[-1]}"
+    have = pool_threads()
+    # XLA sizes the pool max(PJRT_NPROC, local devices): past POOL_THREADS devices it grows anyway
+    # (allowed, but those counts were not measured: invariant_counts leaves them out).
+    want = max(POOL_THREADS, jax.local_device_count())
+    if have is not None and have != want:
+        return f"the XLA:CPU thread pool has {have} threads, not {want}"
+    return None
+
+
+def prepare_process() -> None:
+    """Put this process in the state mesh-invariant mode needs, or refuse (ConfigError, one line).
+
+    Before JAX's backend starts: adds ISA_FLAG to XLA_FLAGS (kept, so the manifest records the
+    flags the run had) and sets PJRT_NPROC=POOL_THREADS while the backend starts (then restored,
+    so child processes are unaffected). After it started: checks that both hold.
+    """
+    from jax._src import xla_bridge
+
+    if not xla_bridge.backends_are_initialized():
+        before = os.environ.get(POOL_ENV)
+        if before is not None and before != str(POOL_THREADS):
+            raise ConfigError(f"mesh-invariant mode pins the XLA:CPU thread pool with {POOL_ENV}={POOL_THREADS}, "
+                              f"but {POOL_ENV}={before} is set; unset it or set {POOL_ENV}={POOL_THREADS}")
+        flags = os.environ.get("XLA_FLAGS", "")
+        isa = _flag_values(flags, "xla_cpu_max_isa")
+        if isa and isa[-1] != ISA_FLAG.split("=", 1)[1]:
+            raise ConfigError(f"mesh-invariant mode needs {ISA_FLAG} (no FMA), but XLA_FLAGS sets "
+                              f"--xla_cpu_max_isa={isa[-1]}; remove it from XLA_FLAGS")
+        if not isa:
+            os.environ["XLA_FLAGS"] = f"{flags} {ISA_FLAG}".strip()
+        os.environ[POOL_ENV] = str(POOL_THREADS)
+        try:
+            jax.devices()  # starts the backend: it reads PJRT_NPROC and XLA_FLAGS now
+        finally:
+            if before is None:
+                os.environ.pop(POOL_ENV, None)
+    if jax.default_backend() != "cpu":
+        return  # neither setting is what decides the numerics there
+    problem = settings_problem()
+    if problem:
+        raise ConfigError(
+            f"mesh-invariant mode needs XLA_FLAGS={ISA_FLAG} and {POOL_ENV}={POOL_THREADS} set before JAX starts, "
+            f"but in this process {problem}; run it through `replay train` / `replay run`, or set both first")
+
+
+def invariant_counts(cfg: Config, backend: str, local_devices: int) -> list[int]:
+    """The device counts this run's steps are measured to agree on, for the manifest: the
+    backend's measured set, less counts the microbatches do not fit; empty where the set was
+    not measured or this process lacks the settings (or holds more devices than the pool)."""
+    counts = INVARIANT_COUNTS.get(backend, ())
+    if backend == "cpu" and (settings_problem() is not None or local_devices > POOL_THREADS):
+        return []
+    return [n for n in counts if cfg.mesh.n_microbatches % n == 0]
+
+
+# ------------------------------------------------------------------------------- checks
+
+def check(cfg: Config, n_devices: int) -> None:
+    """One-line MeshError unless the microbatches fit the batch and the devices."""
+    from trainer.mesh import MeshError
+
+    m, b = cfg.mesh.n_microbatches, cfg.data.global_batch_size
+    if b % m:
+        raise MeshError(f"mesh.n_microbatches={m} does not divide data.global_batch_size={b}; "
+                        f"use a divisor of {b}")
+    if m % n_devices:
+        raise MeshError(f"mesh.n_microbatches={m} is not a multiple of the {n_devices} devices; mesh-invariant mode "
+                        f"gives every device whole microbatches: use a multiple of {n_devices} (e.g. {n_devices * m})")
+
+
+# --------------------------------------------------------------------- fixed-order sums
+
+def pair_tree(x_Kx: jax.Array, levels: int | None = None) -> jax.Array:
+    """Sum over axis 0 by a fixed pairwise tree: each level adds adjacent pairs (0+1, 2+3, ...),
+    an odd last element is carried up unpaired. `levels` stops early (the result keeps axis 0).
+
+    Consecutive blocks of 2^k elements are complete subtrees, so devices holding such blocks
+    can reduce them locally and finish the tree on the gathered partial sums: the same adds,
+    in the same order, as one device doing all of it.
+    """
+    done = 0
+    while x_Kx.shape[0] > 1 and (levels is None or done < levels):
+        k = x_Kx.shape[0]
+        pairs = x_Kx[0:k - 1:2] + x_Kx[1:k:2]
+        x_Kx = jnp.concatenate([pairs, x_Kx[k - 1:]], axis=0) if k % 2 else pairs
+        done += 1
+    return x_Kx if levels is not None else x_Kx[0]
+
+
+def _aligned_levels(local: int) -> int:
+    """How many tree levels a device can do alone: log2 of the largest power of two dividing
+    its (consecutive, aligned) count of microbatches."""
+    k = 0
+    while local % (2 << k) == 0:
+        k += 1
+    return k
+
+
+# ------------------------------------------------------------------------ the gradients
+
+def value_and_grad(params: Any, cfg: Config, batch: dict, step_key: jax.Array, capture: bool,
+                   mesh: Mesh | None) -> tuple[tuple[jax.Array, dict], Any]:
+    """((loss + z_loss, aux), grads) of the mean loss over the global batch, like
+    jax.value_and_grad(step.loss_fn, has_aux=True), but computed microbatch by microbatch and
+    reduced in one fixed order; every output is replicated. aux: loss, z_loss, example_loss
+    (global order) and, with `capture`, layers (each the global-batch activation).
+
+    `mesh`: the ("data", "fsdp") mesh the batch is sharded over; None = the first device.
+    """
+    from trainer import model, step as steplib
+
+    if mesh is None:
+        import numpy as np
+
+        mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), BATCH_AXES)
+    n = int(mesh.devices.size)
+    check(cfg, n)
+    m_total = cfg.mesh.n_microbatches
+    local = m_total // n
+    levels = _aligned_levels(local)
+    inputs, targets = batch["inputs"], batch["targets"]
+    mb = inputs.shape[0] // m_total  # examples per microbatch
+    key_data = jax.random.key_data(step_key)
+
+    def gather(x: jax.Array) -> jax.Array:  # local leading axis -> global, in global order
+        return lax.all_gather(x, BATCH_AXES, axis=0, tiled=True)
+
+    def per_device(params, key_data, inputs_bxL, targets_bxL):
+        first = lax.axis_index(BATCH_AXES) * local  # global index of this device's first microbatch
+        base = jax.random.wrap_key_data(key_data, impl="threefry2x32")
+        xs = (inputs_bxL.reshape(local, mb, -1), targets_bxL.reshape(local, mb, -1),
+              first + jnp.arange(local, dtype=jnp.int32))
+
+        def body(carry, x):
+            inputs_mb, targets_mb, index = x
+            key = jax.random.fold_in(base, index.astype(jnp.uint32))
+            with model.fixed_order_backward():  # no plain reduces in softmax/RMSNorm backward
+                (_, aux), grads = jax.value_and_grad(steplib.loss_fn, has_aux=True)(
+                    params, cfg, inputs_mb, targets_mb, key, capture)
+            return carry, (grads, aux)
+
+        _, (grads_K, aux_K) = lax.scan(body, None, xs)
+        # Local complete subtrees first, then the gathered partial sums in global order.
+        grads = jax.tree.map(lambda g: pair_tree(gather(pair_tree(g, levels))) / m_total, grads_K)
+        loss = pair_tree(gather(aux_K["loss"])) / m_total
+        z_loss = pair_tree(gather(aux_K["z_loss"])) / m_total
+        out = {"loss": loss, "z_loss": z_loss,
+               "example_loss": gather(aux_K["example_loss"].reshape(local * mb)),
+               "layers": {name: gather(x.reshape((local * mb,) + x.shape[2:])) for name, x in aux_K["layers"].items()}}
+        return (loss + z_loss, out), grads
+
+    fn = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(), P(BATCH_AXES), P(BATCH_AXES)),
+                       out_specs=P(), check_vma=False)
+    return fn(params, key_data, inputs, targets)

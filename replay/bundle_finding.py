@@ -1,0 +1,104 @@
+"""The finding a bundle carries (`replay pack --from-bisect/--spike`): a JSON summary of
+`replay bisect` or `replay spike` on the run being packed, shown in its REPORT.md."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from replay.bundle_format import PackError, PackNotBuilt, open_run
+from replay.bundle_report import _short, _value
+from traces import Run
+
+
+def _bisect_finding(run: Run, run_path, other) -> dict:
+    from replay.bisect import bisect
+
+    report = bisect(run, open_run(other))
+    c = report.comparison
+    out: dict[str, Any] = {"kind": "bisect", "run_a": str(run_path), "run_b": str(other), "identical": report.identical,
+                           "step": c.first_step, "cause": report.cause, "layer": report.layer,
+                           "compared": list(c.compared), "manifest_diff": [[m.key, m.a, m.b] for m in report.manifest[:20]],
+                           "fields": [{"kind": d.kind, "name": d.name, "a": d.a, "b": d.b, "distance": d.distance,
+                                       "positions": d.positions} for d in c.diffs[:20]],
+                           "more_fields": max(0, len(c.diffs) - 20),
+                           "repeated_in_b": [{"position": e.position, "hash": e.example_hash, "seen": e.seen[:3]}
+                                             for e in report.repeated("B")],
+                           "repeated_in_a": [{"position": e.position, "hash": e.example_hash, "seen": e.seen[:3]}
+                                             for e in report.repeated("A")],
+                           "refinement": report.refinement, "notes": list(report.notes)}
+    if report.identical:
+        out["headline"] = f"identical over steps {c.compared[0]}..{c.compared[1] - 1}"
+    else:
+        where = f" in {report.layer}" if report.layer else ""
+        out["headline"] = f"first divergence at step {c.first_step}: {report.cause}{where}"
+        if out["repeated_in_b"]:
+            out["headline"] += f"; {len(out['repeated_in_b'])} example(s) of B's batch were already seen by B"
+    return out
+
+
+def _spike_finding(run: Run, run_path, step: int, data: str | None, status) -> dict:
+    """`replay spike RUN --step S` on the run being packed: detection from the trace, then the
+    analysis, which replays the window from a checkpoint (verifying every step)."""
+    try:
+        import replay.spike as spikelib  # replay/spike.py (the loss-spike issue)
+    except ImportError:
+        raise PackNotBuilt("--spike needs `replay spike` (replay/spike.py), which is not built yet; pack the window "
+                           f"with --steps A:B and describe the spike at step {step} yourself") from None
+    trace = run.trace
+    if not trace.start <= step < trace.end:
+        raise PackError(f"--spike {step} is outside the recorded steps {trace.start}..{trace.end - 1} of {run_path}")
+    window = min(spikelib.DEFAULT_WINDOW, step - trace.start)
+    if window < spikelib.MIN_WINDOW:
+        raise PackError(f"--spike {step}: only {step - trace.start} recorded steps before it; a spike's baseline needs "
+                        f"at least {spikelib.MIN_WINDOW}")
+    out: dict[str, Any] = {"kind": "spike", "step": step, "window": window, "run": str(run_path), "notes": []}
+    try:
+        found = spikelib.scan(run, window)
+        out["threshold"] = found.threshold
+        out["detected"] = any(sp.step == step for sp in found.spikes)
+        out["spikes"] = [sp.step for sp in found.spikes][:20]
+    except spikelib.SpikeInputError as e:
+        out["notes"].append(f"detection did not run: {e}")
+    from replay import contract as contractlib
+    from trainer import replayable as replayables
+
+    status(f"replaying the window of step {step} to analyse it (replay spike {run_path} --step {step} --window {window})")
+    rep = replayables.load(run, data=data)
+    env = run.manifest.get("environment", {})
+    contract = contractlib.evaluate(env, rep.environment(), run.manifest.get("program_hash"), rep.program_hash(),
+                                    bool(run.manifest.get("config", {}).get("mesh", {}).get("mesh_invariant")),
+                                    tuple(run.manifest.get("invariant_device_counts", ())))
+    report = spikelib.analyze(run, rep, step, contract, window)
+    j = report.to_json()
+    replayed = j["replay"] or {}
+    out.update({"loss": j["loss"], "grad_norm": j["grad_norm"], "typical_example_loss": j["typical_example_loss"],
+                "examples": j["examples"], "first_jump": j["first_jump"], "layer_source": j["layer_source"],
+                "injected_positions": j["injected_positions"],
+                "replay": {k: replayed.get(k) for k in ("checkpoint", "replayed", "bit_exact", "warmup_replayed",
+                                                         "warmup_bit_exact", "all_bit_exact")}
+                          | {"contract": contract.line}})
+    out["notes"] += j["notes"]
+    loss = j["loss"] or {}
+    verdict = "a spike" if out.get("detected") else "not flagged as a spike"
+    out["headline"] = (f"loss {_value(loss.get('loss'))} at step {step} against a baseline of "
+                       f"{_short(loss.get('baseline'))} (score {_short(loss.get('score'))}, {verdict} at threshold "
+                       f"{out.get('threshold', '?')})")
+    if j["first_jump"]:
+        out["headline"] += f"; first layer to jump: {j['first_jump']['name']}"
+    return out
+
+
+def _json_safe(obj: Any) -> Any:
+    """NaN and infinities as strings, numpy scalars as Python values: strict JSON."""
+    if isinstance(obj, dict):
+        return {str(k): _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    if isinstance(obj, np.generic):
+        obj = obj.item()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    return obj

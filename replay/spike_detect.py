@@ -1,0 +1,165 @@
+"""Loss-spike detection (`replay spike RUN`): reads only the trace, never imports JAX.
+
+A step's loss is compared with the steps before it:
+
+    baseline  = median of the finite losses of the previous `window` steps
+    spread    = 1.4826 * MAD of those losses (the MAD scaled to a normal's sigma), at least
+                REL_FLOOR * |baseline| so a flat loss cannot make any wobble a spike
+    score     = (loss - baseline) / spread        a spike when score >= threshold
+
+The median and MAD are robust: a spike inside the window barely moves them, and a falling
+loss (early training) only lowers scores. A non-finite loss is always a spike.
+See replay/spike.py for the whole feature and its measured numbers.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from traces import Run
+
+DEFAULT_WINDOW = 50
+DEFAULT_THRESHOLD = 6.0
+MIN_WINDOW = 5
+MAD_SCALE = 1.4826  # MAD -> sigma of a normal distribution
+REL_FLOOR = 1e-3  # the loss spread never counts as less than 0.1% of the baseline
+LOG_FLOOR = 0.01  # a layer's RMS spread never counts as less than 1% (on the log scale)
+DEFAULT_TOP = 8
+DECODE_TOKENS = 48
+
+
+class SpikeInputError(ValueError):
+    """A step, window or run that spike analysis cannot use; one line, exit 2."""
+
+
+# ------------------------------------------------------------------------------- robust statistics
+
+def robust(values: np.ndarray, floor: float = 0.0) -> tuple[float, float]:
+    """(median, spread) of the finite values; spread = 1.4826 * MAD, at least `floor`."""
+    v = np.asarray(values, np.float64)
+    v = v[np.isfinite(v)]
+    if v.size == 0:
+        return math.nan, math.nan
+    med = float(np.median(v))
+    return med, max(MAD_SCALE * float(np.median(np.abs(v - med))), floor, 1e-12)
+
+
+def rolling_scores(values_N: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(baseline, spread, score) of each value against the `window` values before it (NaN for
+    the first `window`, and where fewer than MIN_WINDOW of them are finite)."""
+    v = np.asarray(values_N, np.float64)
+    n = v.size
+    base, spread, score = (np.full(n, np.nan) for _ in range(3))
+    if n <= window:
+        return base, spread, score
+    finite = np.where(np.isfinite(v), v, np.nan)
+    win = np.lib.stride_tricks.sliding_window_view(finite, window)[:-1]  # win[i] = v[i : i+window], before i+window
+    enough = np.sum(np.isfinite(win), axis=1) >= MIN_WINDOW
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN windows: masked out below
+        med = np.nanmedian(win, axis=1)
+        mad = np.nanmedian(np.abs(win - med[:, None]), axis=1)
+    sp = np.maximum(np.maximum(MAD_SCALE * mad, REL_FLOOR * np.abs(med)), 1e-12)
+    med[~enough], sp[~enough] = np.nan, np.nan
+    base[window:], spread[window:] = med, sp
+    with np.errstate(all="ignore"):
+        s = (v[window:] - med) / sp
+    s[~np.isfinite(v[window:]) & enough] = np.inf  # a NaN or inf loss is always a spike
+    score[window:] = s
+    return base, spread, score
+
+
+def _json_safe(obj: Any) -> Any:
+    """`obj` with every non-finite float replaced by its string (JSON has no NaN or inf)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else str(obj)
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+def _num(x: float | None) -> float | str | None:
+    """A JSON-safe number: non-finite values become strings ("nan", "inf", "-inf")."""
+    if x is None:
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else str(x)
+
+
+# ------------------------------------------------------------------------------- detection
+
+@dataclass
+class Spike:
+    step: int
+    loss: float
+    baseline: float  # median loss of the previous window
+    spread: float  # 1.4826 * MAD of the previous window (floored)
+    score: float  # (loss - baseline) / spread
+
+    @property
+    def rise(self) -> float:
+        return self.loss / self.baseline - 1.0 if self.baseline else math.inf
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "loss": _num(self.loss), "baseline": _num(self.baseline),
+                "spread": _num(self.spread), "score": _num(self.score), "rise": _num(self.rise)}
+
+
+@dataclass
+class Scan:
+    run: str
+    window: int
+    threshold: float
+    scanned: tuple[int, int]  # [first, last] steps with a full baseline window
+    spikes: list[Spike] = field(default_factory=list)
+    max_score: Spike | None = None  # the highest-scoring step, spike or not: the margin of a clean run
+
+    def to_json(self) -> dict:
+        return {"run": self.run, "window": self.window, "threshold": self.threshold,
+                "scanned": list(self.scanned), "spikes": [s.to_json() for s in self.spikes],
+                "max_score": self.max_score.to_json() if self.max_score else None}
+
+
+def check_window(window: int, threshold: float) -> None:
+    if window < MIN_WINDOW:
+        raise SpikeInputError(f"--window {window} is too small for a median and MAD: use at least {MIN_WINDOW}")
+    if not threshold > 0:
+        raise SpikeInputError(f"--threshold {threshold} must be > 0 (a robust score: spreads above the baseline)")
+
+
+def _loss_curve(run: Run, name: str = "loss") -> tuple[np.ndarray, np.ndarray]:
+    trace = run.trace
+    if len(trace) == 0:
+        raise SpikeInputError(f"{run.path}: the trace holds no steps (was it recorded with trace.level=off?)")
+    index = run.schema.metric_index(name)
+    steps = np.arange(trace.start, trace.end)
+    return steps, np.array([rec.metrics[index] for rec in trace.records()], np.float64)
+
+
+def scan(run: Run, window: int = DEFAULT_WINDOW, threshold: float = DEFAULT_THRESHOLD) -> Scan:
+    """Every recorded step whose loss scores at least `threshold` against the previous window."""
+    check_window(window, threshold)
+    steps, loss = _loss_curve(run)
+    if steps.size <= window:
+        raise SpikeInputError(f"{run.path} records {steps.size} steps ({steps[0]}..{steps[-1]}), too few for a baseline "
+                              f"of --window {window} previous steps: pass a smaller --window (at least {MIN_WINDOW})")
+    base, spread, score = rolling_scores(loss, window)
+    result = Scan(str(run.path), window, threshold, (int(steps[window]), int(steps[-1])))
+    best = None
+    for i in range(window, steps.size):
+        if np.isnan(score[i]):
+            continue
+        spike = Spike(int(steps[i]), float(loss[i]), float(base[i]), float(spread[i]), float(score[i]))
+        if best is None or spike.score > best.score:
+            best = spike
+        if spike.score >= threshold:
+            result.spikes.append(spike)
+    result.max_score = best
+    return result

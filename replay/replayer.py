@@ -1,0 +1,266 @@
+"""Replaying a run on this machine from its own checkpoints, comparing the two runs' states,
+and the binary search by replay for the first step whose output state differs (bisect step 5,
+sparse traces; see replay/refine.py).
+
+Replays are counted as *probes*: one probe replays both runs to one step and compares them.
+`Replayer.replayed_steps` counts the single steps actually re-run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from traces import Run
+
+
+class ReplayUnavailable(Exception):
+    """A run that cannot be replayed here (missing checkpoint, data, code): bisect notes it."""
+
+
+# ------------------------------------------------------------------------ opening runs for replay
+
+_CACHE: "OrderedDict[tuple, Any]" = OrderedDict()
+_CACHE_SIZE = 6
+
+
+def open_replayable(run: Run) -> Any:
+    """The run's replayable (trainer.replayable.load), reused while the run is unchanged: a
+    process that bisects several pairs against one run compiles its step once."""
+    manifest = json.dumps(run.manifest, sort_keys=True, default=str).encode()
+    key = (str(Path(run.path).resolve()), hashlib.sha256(manifest).hexdigest())
+    if key in _CACHE:
+        _CACHE.move_to_end(key)
+        return _CACHE[key]
+    from trainer.replayable import load
+
+    try:
+        rep = load(run)
+    except Exception as e:  # noqa: BLE001 - any reason a run cannot be replayed here becomes a note
+        raise ReplayUnavailable(f"{run.path} cannot be replayed here ({type(e).__name__}: {_one_line(e)})") from e
+    _CACHE[key] = rep
+    while len(_CACHE) > _CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return rep
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:300]
+
+
+def _copy(tree: Any) -> Any:
+    """A copy with fresh buffers: the compiled step donates its input state."""
+    return jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, tree)
+
+
+class Replayer:
+    """One run, replayed on this machine from its own checkpoints."""
+
+    def __init__(self, label: str, run: Run):
+        self.label = label
+        self.run = run
+        self._rep = None
+        self._ckpts: list[int] | None = None
+        self.replayed_steps = 0  # single steps re-run
+        self.restores = 0
+
+    @property
+    def rep(self) -> Any:
+        if self._rep is None:
+            self._rep = open_replayable(self.run)
+        return self._rep
+
+    @property
+    def built(self) -> Any:
+        """trainer.loop.Built for runs of trainer/, None for other training loops."""
+        return getattr(self.rep, "built", None)
+
+    def checkpoints(self) -> list[int]:
+        if self._ckpts is None:
+            try:
+                steps = list(self.rep.checkpoint_steps())
+            except ReplayUnavailable:
+                raise
+            except Exception as e:  # noqa: BLE001
+                raise ReplayUnavailable(f"{self.run.path}: its checkpoints cannot be read ({_one_line(e)})") from e
+            self._ckpts = sorted(steps) + ([0] if self.built is not None and 0 not in steps else [])
+            self._ckpts.sort()
+        return self._ckpts
+
+    def restore(self, k: int) -> Any:
+        """The state entering step k from checkpoint k (or, at 0, the run's initial state)."""
+        self.restores += 1
+        try:
+            if k in self.rep.checkpoint_steps():
+                return self.rep.restore(k)
+            if k == 0 and self.built is not None:
+                from trainer import mesh as meshlib
+
+                return meshlib.init_sharded_state(self.built.cfg, self.built.mesh)
+        except Exception as e:  # noqa: BLE001
+            raise ReplayUnavailable(f"{self.run.path}: checkpoint {k} cannot be restored ({_one_line(e)})") from e
+        raise ReplayUnavailable(f"{self.run.path} has no checkpoint {k}")
+
+    def advance(self, state: Any, start: int, stop: int, keep_input: bool = True) -> Any:
+        """The state entering step `stop`, replayed from `state` entering `start`."""
+        if stop > start and keep_input:
+            state = _copy(state)
+        for step in range(start, stop):
+            state, _, _ = self.rep.step(state, step)
+            self.replayed_steps += 1
+        return state
+
+    def state_at(self, k: int) -> tuple[int, Any]:
+        """(checkpoint used, state entering step k): the newest checkpoint at or before k, replayed."""
+        before = [c for c in self.checkpoints() if c <= k]
+        if not before:
+            have = ", ".join(map(str, self.checkpoints())) or "none"
+            raise ReplayUnavailable(f"{self.run.path} has no checkpoint at or before step {k} (checkpoints: {have})")
+        start = max(before)
+        return start, self.advance(self.restore(start), start, k, keep_input=False)
+
+
+# ------------------------------------------------------------------------ comparing states
+
+class _ParamsAndOpt(NamedTuple):
+    params: Any
+    opt_state: Any
+
+
+def _comparable(state: Any) -> Any:
+    """What "the state" means for the search: parameters, then optimizer state, when the state
+    has them (trainer/ and optax-style loops), else the whole state."""
+    if hasattr(state, "params") and hasattr(state, "opt_state"):
+        return _ParamsAndOpt(state.params, state.opt_state)
+    return state
+
+
+@jax.jit
+def _device_fingerprints(tree: Any) -> Any:
+    from trainer.fingerprint import fingerprint_lanes
+
+    return jax.tree.map(fingerprint_lanes, tree)
+
+
+def state_fingerprints(state: Any) -> list[tuple[str, int]]:
+    """(leaf path, 64-bit fingerprint) of every leaf of the state's parameters and optimizer
+    state, in tree order; computed on the device, so only 8 bytes per leaf come back."""
+    tree = _comparable(state)
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    paths = [jax.tree_util.keystr(p, simple=True, separator=".") for p, _ in leaves]
+    try:
+        lanes = jax.device_get(_device_fingerprints(tree))
+        values = [(int(l[0]) << 32) | int(l[1]) for l in jax.tree.leaves(lanes)]
+    except TypeError:  # a dtype the device fingerprint does not take (8-byte without x64): host
+        from traces.fingerprint import fingerprint
+
+        values = [fingerprint(np.asarray(jax.device_get(x))) for _, x in leaves]
+    return list(zip(paths, values))
+
+
+def first_state_difference(sa: Any, sb: Any) -> str | None:
+    """The first leaf (tree order) whose fingerprint differs, else None."""
+    fa, fb = state_fingerprints(sa), state_fingerprints(sb)
+    if [p for p, _ in fa] != [p for p, _ in fb]:
+        raise ReplayUnavailable("the runs' states have different structures (different models or optimizers); "
+                                "there is no step at which they were the same")
+    return next((p for (p, x), (_, y) in zip(fa, fb) if x != y), None)
+
+
+# ------------------------------------------------------------------------ binary search by replay
+
+@dataclass
+class Search:
+    """Where the runs' states first part, found from checkpoints and replays."""
+
+    first_step: int | None  # the first step whose output state differs; None: states equal throughout
+    states: tuple[Any, Any] | None = None  # both runs' states entering first_step
+    probes: list[dict] = field(default_factory=list)  # [{step, how: checkpoint|replay, equal, leaf}]
+    replays: int = 0  # replay probes (both runs replayed to one step and compared)
+    checkpoint_probes: int = 0  # checkpoint comparisons (restores, no step run)
+    bounds: tuple[int, int] | None = None  # (last equal, first differing) checkpoint before replaying
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"first_step": self.first_step, "probes": self.probes, "replays": self.replays,
+                "checkpoint_probes": self.checkpoint_probes, "checkpoint_bounds": list(self.bounds) if self.bounds else None,
+                "notes": self.notes}
+
+
+def search_first_divergence(ra: Replayer, rb: Replayer, upper: int | None = None, end: int | None = None) -> Search:
+    """Binary search for the first step whose output state differs between the two runs.
+
+    upper: a step whose input states are already known to differ (e.g. replayed there); None
+      to start from the newest common checkpoint (at or before `end`, if given), which is
+      compared first: equal there means the states never part (Search.first_step None).
+    Assumes that once the states differ they stay different (a run does not un-diverge).
+    """
+    search = Search(None)
+    common = sorted(set(ra.checkpoints()) & set(rb.checkpoints()))
+    if end is not None:
+        common = [c for c in common if c <= end]
+    if upper is not None:
+        common = [c for c in common if c < upper]
+
+    def checkpoint_probe(k: int) -> tuple[bool, tuple[Any, Any]]:
+        sa, sb = ra.restore(k), rb.restore(k)
+        leaf = first_state_difference(sa, sb)
+        search.checkpoint_probes += 1
+        search.probes.append({"step": k, "how": "checkpoint", "equal": leaf is None, "leaf": leaf})
+        return leaf is None, (sa, sb)
+
+    held: dict[int, tuple[Any, Any]] = {}
+    if upper is None:
+        if not common:
+            raise ReplayUnavailable("the runs have no checkpoint in common to compare their states at")
+        upper = common.pop()
+        equal, states = checkpoint_probe(upper)
+        if equal:
+            search.notes.append(f"states equal at step {upper}, the newest checkpoint both runs have")
+            return search
+    # Last equal checkpoint below `upper`, by binary search over the common checkpoints.
+    lo_i, hi_i = -1, len(common)
+    while hi_i - lo_i > 1:
+        mid = (lo_i + hi_i) // 2
+        equal, states = checkpoint_probe(common[mid])
+        if equal:
+            lo_i = mid
+            held = {common[mid]: states}
+        else:
+            hi_i = mid
+    hi = common[hi_i] if hi_i < len(common) else upper
+    if lo_i < 0:
+        if hi == 0 or (common and common[0] == 0):
+            # The states differ before any step ran: step 0 is the first whose output differs.
+            search.first_step = 0
+            search.states = (ra.restore(0), rb.restore(0))
+            search.notes.append("the states differ before step 0 (initial state)")
+            return search
+        search.notes.append(f"the states already differ at step {hi}, the earliest state both runs can restore")
+        search.first_step = None
+        search.bounds = (None, hi)
+        return search
+    lo = common[lo_i]
+    search.bounds = (lo, hi)
+    base_a, base_b = held[lo]
+    # Replay both runs from the lower bound to the midpoint; keep the bound's states.
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        ma, mb = ra.advance(base_a, lo, mid), rb.advance(base_b, lo, mid)
+        leaf = first_state_difference(ma, mb)
+        search.replays += 1
+        search.probes.append({"step": mid, "how": "replay", "equal": leaf is None, "leaf": leaf})
+        if leaf is None:
+            lo, base_a, base_b = mid, ma, mb
+        else:
+            hi = mid
+    search.first_step = lo
+    search.states = (base_a, base_b)
+    return search

@@ -145,15 +145,15 @@ def _checkpoint_for(run: Run, run_path, first: int) -> int:
     if "replayable" in run.manifest:
         raise PackError(f"{run_path} was recorded by its own training loop ({run.manifest['replayable']}): a full "
                         "bundle needs trainer/ batches; pack it with --lite (trace and report)")
-    from trainer.checkpoint import Checkpointer
+    from replay.engine import checkpoint_steps, latest_checkpoint
 
-    have = Checkpointer(run.checkpoint_dir, create=False).steps() if run.checkpoint_dir.is_dir() else []
-    before = [c for c in have if c <= first]
-    if not before:
+    have = checkpoint_steps(run)
+    start = latest_checkpoint(have, first)
+    if start is None:
         listed = ", ".join(map(str, have)) or "none"
         raise PackError(f"{run_path} has no checkpoint at or before step {first} (checkpoints: {listed}); pack a range "
                         "that starts at or after a checkpoint, or use --lite (no replay)")
-    return max(before)
+    return start
 
 
 def _open_data(run: Run, run_path, data: str | None):

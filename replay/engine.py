@@ -83,6 +83,18 @@ def parse_steps(text: str) -> tuple[int, int]:
     return first, last
 
 
+def checkpoint_steps(run: Run) -> list[int]:
+    """The steps with a checkpoint in a trainer run's folder, read-only ([] when it has none)."""
+    from trainer.checkpoint import Checkpointer
+
+    return Checkpointer(run.checkpoint_dir, create=False).steps() if run.checkpoint_dir.is_dir() else []
+
+
+def latest_checkpoint(checkpoints: list[int], step: int) -> int | None:
+    """The newest checkpoint at or before `step`: where a replay of `step` starts."""
+    return max((c for c in checkpoints if c <= step), default=None)
+
+
 def check_range(run: Run, first: int, last: int, checkpoints: list[int]) -> int:
     """The checkpoint to start from; raises ReplayInputError for a range the run cannot replay."""
     trace = run.trace
@@ -91,12 +103,12 @@ def check_range(run: Run, first: int, last: int, checkpoints: list[int]) -> int:
     if first < trace.start or last >= trace.end:
         raise ReplayInputError(f"--steps {first}:{last} is outside the recorded steps {trace.start}..{trace.end - 1} "
                                f"of {run.path}")
-    before = [c for c in checkpoints if c <= first]
-    if not before:
+    start = latest_checkpoint(checkpoints, first)
+    if start is None:
         have = ", ".join(map(str, checkpoints)) or "none"
         raise ReplayInputError(f"{run.path} has no checkpoint at or before step {first} (checkpoints: {have}); "
                                "replay a range that starts at or after a checkpoint")
-    return max(before)
+    return start
 
 
 def replay(run: Run, replayable: Any, first: int, last: int, contract: Contract,

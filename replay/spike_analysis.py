@@ -105,12 +105,14 @@ def check_step(run: Run, step: int, window: int, checkpoints: list[int]) -> int:
                 else f"a baseline needs at least {MIN_WINDOW} recorded steps before it")
         raise SpikeInputError(f"step {step} has {before} recorded steps before it, too few for a baseline of "
                               f"--window {window}: {hint}")
-    usable = [c for c in checkpoints if c <= step]
-    if not usable:
+    from replay.engine import latest_checkpoint
+
+    start = latest_checkpoint(checkpoints, step)
+    if start is None:
         have = ", ".join(map(str, checkpoints)) or "none"
         raise SpikeInputError(f"{run.path} has no checkpoint at or before step {step} (checkpoints: {have}); "
                               "spike replay starts from a checkpoint: pick a spike after one")
-    return max(usable)
+    return start
 
 
 def injected_positions(run: Run, step: int) -> list[int]:

@@ -32,17 +32,12 @@ def prepare_process(target) -> None:
         invariant.prepare_process()
 
 
-def checkpoint_steps(run) -> list[int]:
-    from trainer.checkpoint import Checkpointer
-
-    return Checkpointer(run.checkpoint_dir, create=False).steps() if run.checkpoint_dir.is_dir() else []
-
-
 def load_replayable(target, path: Path, data: str | None, allow_data_change: bool,
                     check: Callable[[list[int]], object]):
     """(replayable, contract) for `target`; `check(checkpoint_steps)` refuses bad ranges, first
     from the checkpoint folder (before compiling, for trainer runs), then from the replayable."""
     from replay import contract as contractlib
+    from replay.engine import checkpoint_steps
     from trainer import replayable as replayables
 
     if target.status == "running":

@@ -160,14 +160,11 @@ def audit(run: traces.Run | str | os.PathLike, steps: tuple[int | None, int | No
     if run.schema.examples_per_step == 0:
         raise traces.SchemaError(f"{run.path}: the trace records no per-example hashes, so there is nothing to audit")
     reader = run.trace
-    start = reader.start if steps[0] is None else max(steps[0], reader.start)
-    stop = reader.end if steps[1] is None else min(steps[1], reader.end)
-    if start >= stop:
-        have = f"it holds steps {reader.start}..{reader.end - 1}" if len(reader) else "its trace holds no step yet"
-        asked = "" if steps == (None, None) else " in steps " + ":".join("" if x is None else str(x) for x in steps)
-        raise NothingToAudit(f"{run.path}: no recorded step to audit{asked}: {have}")
+    start, stop = audited_steps(run, steps)
     hashes = read_example_hashes(run, start, stop)
-    notes = [f"the trace is damaged, only steps up to {reader.end - 1} were audited: {d}" for d in reader.damage]
+    # one note however many segments the damage made unreachable
+    notes = ([f"the trace is damaged, only steps up to {reader.end - 1} were audited: {_describe_damage(reader.damage)}"]
+             if reader.damage else [])
     copies, why = (None, None) if source is False else source_copies(run.manifest, force=bool(source))
     report = audit_hashes(hashes, start, dataset_size(run.manifest), copies)
     report.notes[:0] = notes + ([why] if why else [])
@@ -175,6 +172,32 @@ def audit(run: traces.Run | str | os.PathLike, steps: tuple[int | None, int | No
         report.notes.append("without the data source, an example seen twice may also be a window the corpus holds "
                             "twice; `--source` on a machine that has the data tells them apart")
     return report
+
+
+def audited_steps(run: traces.Run, steps: tuple[int | None, int | None]) -> tuple[int, int]:
+    """[start, stop) of the asked range; a side left out is the trace's. A range reaching past what
+    the trace holds is refused, not clipped: an audit of 0..19 reported as one of 0:500 would
+    vouch for steps nobody looked at."""
+    reader = run.trace
+    start = reader.start if steps[0] is None else steps[0]
+    stop = reader.end if steps[1] is None else steps[1]
+    if reader.start <= start < stop <= reader.end:
+        return start, stop
+    if not len(reader):
+        raise NothingToAudit(f"{run.path}: no recorded step to audit: its trace holds no step yet")
+    asked = ":".join("" if x is None else str(x) for x in steps)
+    held = f"{reader.start}..{reader.end - 1}"
+    held = f"readable steps {held} (the rest is damaged: {_describe_damage(reader.damage)})" if reader.damage \
+        else f"recorded steps {held}"
+    raise NothingToAudit(f"{run.path}: steps {asked} are outside the {held}; give a range within "
+                         f"{reader.start}:{reader.end}")
+
+
+def _describe_damage(damage: list) -> str:
+    describe = getattr(traces, "describe_damage", None)
+    if describe is not None:
+        return describe(damage)
+    return str(damage[0]) + (f" (and {len(damage) - 1} more)" if len(damage) > 1 else "")
 
 
 def audit_hashes(hashes_SxB: np.ndarray, start_step: int = 0, dataset_size: int | None = None,

@@ -10,9 +10,11 @@ from typer.testing import CliRunner
 
 
 def invoke(*args: str):
+    """`replay ARGS` in this process, as the console script runs it; REPLAY_DEBUG unset so a
+    developer's environment cannot add tracebacks to what the tests read."""
     from replay.cli.app import app
 
-    return CliRunner().invoke(app, list(args))
+    return CliRunner().invoke(app, list(args), env={"REPLAY_DEBUG": None})
 
 
 def dir_digest(path: Path) -> str:
@@ -29,11 +31,18 @@ def last_json(result) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def assert_one_line_error(result, *needles: str) -> None:
-    """Exit 2, one `error: ...` line on stderr holding every needle, no traceback."""
-    assert result.exit_code == 2, result.output
+def assert_error_line(result, code: int, *needles: str) -> str:
+    """Exit `code`, exactly one `error: ...` line on stderr holding every needle, no traceback;
+    returns the line."""
+    assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     assert "Traceback" not in result.output
     for needle in needles:
         assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def assert_one_line_error(result, *needles: str) -> str:
+    """Exit 2 (bad input), one `error: ...` line on stderr holding every needle, no traceback."""
+    return assert_error_line(result, 2, *needles)

@@ -5,10 +5,13 @@ wrapper that parses options, calls library code and prints through `replay.cli.c
 Heavy imports (JAX, the trainer) go inside the command function, so `replay show` and
 `replay --help` start fast.
 
-Errors are turned into exit codes in one place, `ReplayGroup.invoke`, so the console script
-and in-process tests (typer's CliRunner) behave the same:
-  * a user error (see replay/cli/errors.py): `error: <message>` on stderr, its exit code (2);
-  * any other exception is a bug in replay: one line saying so, exit 1;
+Errors are turned into exit codes in one place, `ReplayGroup`, so the console script and
+in-process tests (typer's CliRunner) behave the same:
+  * a user error (the table in replay/cli/errors.py): `error: <message>` on stderr, its code
+    (1 when the runs differ, 2 for bad input or a damaged run);
+  * a usage error (an unknown option or command, a missing argument, a value click cannot
+    parse): one `error:` line that names the command's --help, exit 2;
+  * any other exception is a bug in replay: one line saying so, exit 3;
   * the traceback is printed (to stderr) only with `replay --debug ...` or REPLAY_DEBUG=1.
 """
 
@@ -24,14 +27,28 @@ import typer
 from typer.core import TyperGroup
 
 from replay.cli import console
-from replay.cli.errors import EXIT_BUG, user_error_code
+from replay.cli.errors import EXIT_BAD_INPUT, exit_code_of, message, user_error_code
+
+try:  # recent typer carries its own copy of click
+    from typer._click import exceptions as _click_exceptions
+except ImportError:  # pragma: no cover - older typer uses click itself
+    from click import exceptions as _click_exceptions
 
 _DEBUG_KEY = "replay.debug"
+EXIT_CODES_LINE = "Exit codes: 0 ok, 1 the runs differ, 2 bad input or a damaged run, 3 a bug in replay."
+_CONTROL_FLOW = (typer.Exit, typer.Abort, *(getattr(_click_exceptions, n) for n in ("Exit", "Abort")
+                                            if hasattr(_click_exceptions, n)))
+_HELP_SHOWN = getattr(_click_exceptions, "NoArgsIsHelpError", ())  # `replay` alone: the help, as click prints it
 
 
-def _is_framework_exception(exc: BaseException) -> bool:
-    """typer's own control flow (Exit, Abort, usage errors): handled by typer itself."""
-    return type(exc).__module__.split(".")[0] in ("typer", "click")
+def _raise_usage_exit(exc: Exception, command_path: str):
+    """click's three lines (usage, hint, error) as one: what is wrong and where the help is.
+    `command_path` names the command when click's error carries no context (bad option usage)."""
+    text = " ".join(exc.format_message().split()).rstrip(".")
+    text = text[:1].lower() + text[1:]
+    ctx = getattr(exc, "ctx", None)
+    console.error(f"{text}; see `{ctx.command_path if ctx is not None else command_path} --help`")
+    raise typer.Exit(EXIT_BAD_INPUT) from None
 
 
 _NO_STEPS = ("show", "audit", "plan", "unpack")  # commands that never run a train step
@@ -50,11 +67,8 @@ def _prepare_mesh_invariant(args: list[str]) -> None:
         except (OSError, ValueError, AttributeError):
             continue
         if isinstance(mesh, dict) and mesh.get("mesh_invariant"):
-            from replay.cli.errors import register_user_error
             from trainer import invariant
-            from trainer.config import ConfigError
 
-            register_user_error(ConfigError)
             invariant.prepare_process()
             return
 
@@ -62,32 +76,42 @@ def _prepare_mesh_invariant(args: list[str]) -> None:
 class ReplayGroup(TyperGroup):
     """The root command group: converts exceptions into one line and an exit code."""
 
+    def make_context(self, info_name: Any, args: Any, parent: Any = None, **extra: Any) -> Any:
+        try:  # the root's own options: `replay --bogus`
+            return super().make_context(info_name, args, parent, **extra)
+        except _HELP_SHOWN:
+            raise
+        except _click_exceptions.ClickException as exc:
+            _raise_usage_exit(exc, str(info_name or self.name))
+
     def invoke(self, ctx: Any) -> Any:
+        args = [*getattr(ctx, "_protected_args", ()), *ctx.args]
+        command_path = ctx.command_path + (f" {args[0]}" if args and args[0] in self.commands else "")
         try:
-            _prepare_mesh_invariant([*getattr(ctx, "_protected_args", ()), *ctx.args])
+            _prepare_mesh_invariant(args)
             return super().invoke(ctx)
+        except _CONTROL_FLOW:
+            raise
+        except _HELP_SHOWN:
+            raise
+        except _click_exceptions.ClickException as exc:  # the command's options and arguments
+            _raise_usage_exit(exc, command_path)
         except Exception as exc:
-            if _is_framework_exception(exc):
-                raise
             debug = bool(ctx.meta.get(_DEBUG_KEY))
-            code = user_error_code(exc)
             if debug:
                 traceback.print_exception(exc, file=sys.stderr)
-            if code is not None:
-                console.error(str(exc) or type(exc).__name__)
-            else:
-                hint = "" if debug else "; rerun with `replay --debug ...` for the traceback"
-                console.error(
-                    f"internal error, this is a bug in replay: {type(exc).__name__}: {exc}{hint}; please report it"
-                )
-                code = EXIT_BUG
-            raise typer.Exit(code) from None
+            line = message(exc)
+            if user_error_code(exc) is None:
+                line += ("" if debug else "; rerun with `replay --debug ...` for the traceback") + "; please report it"
+            console.error(line)
+            raise typer.Exit(exit_code_of(exc)) from None
 
 
 app = typer.Typer(
     name="replay",
     cls=ReplayGroup,
     help="Deterministic record/replay and bisection debugger for JAX training.",
+    epilog=EXIT_CODES_LINE,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -103,10 +127,7 @@ def _root(
         bool, typer.Option("--debug", envvar="REPLAY_DEBUG", help="Print full tracebacks on errors.")
     ] = False,
 ) -> None:
-    """Deterministic record/replay and bisection debugger for JAX training.
-
-    Exit codes: 0 ok, 1 runs differ (or a bug in replay), 2 bad input, 3 not built yet.
-    """
+    """Deterministic record/replay and bisection debugger for JAX training."""
     ctx.meta[_DEBUG_KEY] = debug
 
 

@@ -3,7 +3,8 @@
 A thin wrapper over replay/audit.py. Read-only. Exit codes:
   0  no example came back early
   1  the data order is violated (examples came back within the epoch that already had them)
-  2  bad input: no such run, not a run, no recorded step, a bad --steps
+  2  bad input: no such run, not a run, a damaged run, no recorded step, a bad --steps or one
+     reaching past the recorded steps (refused, never clipped)
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def register(app: typer.Typer) -> None:
 def audit(
     run: Annotated[Path, typer.Argument(metavar="RUN", help="The run directory (what `replay train --out` wrote).", show_default=False)],
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of tables.")] = False,
-    steps: Annotated[Optional[str], typer.Option("--steps", metavar="A:B", help="Audit only steps A..B-1 (either side may be left out).")] = None,
+    steps: Annotated[Optional[str], typer.Option("--steps", metavar="A:B", help="Audit only steps A..B-1, within the recorded steps (either side may be left out).")] = None,
     source: Annotated[
         Optional[bool],
         typer.Option("--source/--no-source", help="Hash the run's data source to tell duplicate windows from sampler bugs "

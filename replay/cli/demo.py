@@ -18,14 +18,11 @@ def demo(
     json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
     """Train two runs, one fed repeated data from the middle on, and let bisect and audit find it."""
-    from replay.cli.errors import register_user_error
     from replay.demo import run_demo
-    from trainer.config import ConfigError
-
-    register_user_error(ConfigError)
 
     if steps < 32:
         console.fail(f"--steps {steps}: the demo needs at least 32 steps (the fault starts half way)")
+    _check_out(out)
     if out.exists() and any(out.iterdir()):
         earlier = {p.name for p in out.iterdir()} <= {"run-A", "run-B", "divergence.png"}
         if not (force and earlier):
@@ -68,6 +65,15 @@ def demo(
     console.print_table(rows, title="replay demo: the data-loader bug that made a loss look better than it was")
     console.print_text(f"next: replay bisect {result.run_a} {result.run_b}   |   replay audit {result.run_b}   |   "
                        f"replay run {result.run_b} --steps {result.fault_step}:{result.fault_step + 4}")
+
+
+def _check_out(out: Path) -> None:
+    """--out must be a folder, or a path one can be made at: refused before minutes of training."""
+    if out.exists() and not out.is_dir():
+        console.fail(f"--out {out} is a file, not a folder; give a folder for the two runs (it is made if missing)")
+    parent = next(p for p in (out, *out.parents) if p.exists())
+    if not parent.is_dir():
+        console.fail(f"--out {out}: {parent} is a file, so no folder can be made there; give another --out")
 
 
 def register(app: typer.Typer) -> None:

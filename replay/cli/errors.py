@@ -1,28 +1,63 @@
-"""Exit codes and the exceptions the CLI reports as one line instead of a traceback.
+"""Exit codes, and the one table that says which exceptions are the user's problem.
 
 Exit codes (every command follows them):
     0  ok
-    1  the answer is "they differ" (divergence found), or a bug in replay (internal error)
-    2  bad input: a missing or damaged run, a bad option value, a crashed run
-    3  the command exists but is not built yet
+    1  the runs differ: a divergence found, or a resume that did not reproduce a recorded step
+    2  bad input or a damaged run: a missing or damaged run, bundle or checkpoint, a bad option
+    3  a bug in replay (an internal error)
 
-A *user error* is a mistake or a problem in the input, not in replay: `main` prints its
-`str()` as one line on stderr and exits with its code; the traceback only with `--debug`.
-`UserError` (and subclasses) carry their exit code; exception types from other packages are
-made user errors with `register_user_error` (`traces.TraceError` is registered here; the
-trainer's command registers `ConfigError` and `DataError`). Their messages must be one line
-that says what is wrong and what to do.
+`EXIT_CODES` maps exception classes, named "module.QualName", to the code they exit with;
+the most specific class in the exception's MRO that the table names wins, and an exception
+it does not name is a bug (3). Classes are named by string so the table needs no import
+(opening a run must not start JAX) and is the same in every process, whatever ran before:
+a registry filled in by commands as they ran made `ConfigError` a bug or not depending on
+which command the process had run first. `UserError` carries its own code.
+
+A user error's message is the whole report (`main` prints it as one `error:` line; the
+traceback only with `--debug`), so it must say what is wrong and what to do.
 """
 
 from __future__ import annotations
 
-import traces
+from types import MappingProxyType
 
 EXIT_OK = 0
 EXIT_DIVERGED = 1
-EXIT_BUG = 1
 EXIT_BAD_INPUT = 2
-EXIT_NOT_IMPLEMENTED = 3
+EXIT_BUG = 3
+
+EXIT_CODES = MappingProxyType({
+    # the runs differ
+    "traces.errors.ResumeDivergedError": EXIT_DIVERGED,
+    # the run format: a missing, foreign, newer, locked or damaged run; a full disk
+    "traces.errors.TraceError": EXIT_BAD_INPUT,
+    "traces.errors.DiskFullError": EXIT_BAD_INPUT,
+    "replay.audit.NothingToAudit": EXIT_BAD_INPUT,
+    # bundles (replay pack / unpack)
+    "replay.bundle_format.PackError": EXIT_BAD_INPUT,
+    "replay.bundle_format.NotABundleError": EXIT_BAD_INPUT,
+    "replay.bundle_format.BundleCorruptError": EXIT_BAD_INPUT,
+    "replay.bundle_format.NewerBundleError": EXIT_BAD_INPUT,
+    # the trainer's inputs: config, data, mesh, checkpoints, planted faults
+    "trainer.checkpoint.CheckpointError": EXIT_BAD_INPUT,
+    "trainer.checkpoint.CheckpointDamagedError": EXIT_BAD_INPUT,
+    "trainer.config.ConfigError": EXIT_BAD_INPUT,
+    "trainer.data.DataError": EXIT_BAD_INPUT,
+    "trainer.mesh.MeshError": EXIT_BAD_INPUT,
+    "trainer.faults.FaultError": EXIT_BAD_INPUT,
+    # replaying: what cannot be replayed here, or a bad range
+    "replay.engine.ReplayInputError": EXIT_BAD_INPUT,
+    "replay.replayer.ReplayUnavailable": EXIT_BAD_INPUT,
+    "replay.spike_detect.SpikeInputError": EXIT_BAD_INPUT,
+    # the CLI's own one-line errors (console.fail); the instance's exit_code wins
+    "replay.cli.errors.UserError": EXIT_BAD_INPUT,
+    # a path the user gave that cannot be read or written as asked
+    "builtins.PermissionError": EXIT_BAD_INPUT,
+    "builtins.IsADirectoryError": EXIT_BAD_INPUT,
+    "builtins.NotADirectoryError": EXIT_BAD_INPUT,
+})
+
+INTERNAL_ERROR_CHARS = 400  # of the exception's text on the internal-error line; --debug shows it all
 
 
 class UserError(Exception):
@@ -33,23 +68,49 @@ class UserError(Exception):
         self.exit_code = exit_code
 
 
-_USER_ERRORS: dict[type[BaseException], int] = {}
+def class_name(cls: type) -> str:
+    """The key of `cls` in EXIT_CODES."""
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def register_user_error(*types: type[BaseException], code: int = EXIT_BAD_INPUT) -> None:
-    """Makes instances of `types` (and subclasses) user errors that exit with `code`."""
-    for t in types:
-        _USER_ERRORS[t] = code
+def code_of_type(cls: type[BaseException]) -> int | None:
+    """The exit code of exceptions of class `cls`, or None when it is a bug."""
+    for t in cls.__mro__:  # the most specific class the table names wins
+        code = EXIT_CODES.get(class_name(t))
+        if code is not None:
+            return code
+    return None
 
 
 def user_error_code(exc: BaseException) -> int | None:
     """The exit code when `exc` is a user error, else None (it is a bug)."""
     if isinstance(exc, UserError):
         return exc.exit_code
-    for t in type(exc).__mro__:  # the most specific registered class wins
-        if t in _USER_ERRORS:
-            return _USER_ERRORS[t]
-    return None
+    return code_of_type(type(exc))
 
 
-register_user_error(traces.TraceError, PermissionError)
+def exit_code_of(exc: BaseException) -> int:
+    """The exit code `exc` ends a command with."""
+    code = user_error_code(exc)
+    return EXIT_BUG if code is None else code
+
+
+def message(exc: BaseException) -> str:
+    """The one line printed after `error: ` for `exc`."""
+    if user_error_code(exc) is None:
+        text = f"{type(exc).__name__}: {exc}"
+        if len(text) > INTERNAL_ERROR_CHARS:
+            text = text[:INTERNAL_ERROR_CHARS] + " ..."
+        return f"internal error, this is a bug in replay: {text}"
+    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+        return f"{exc.filename}: {exc.strerror[0].lower()}{exc.strerror[1:]}; check the path and its permissions"
+    return str(exc) or type(exc).__name__
+
+
+# TEMPORARY, goes away once no command calls it (the lead removes it at the end of issue 10):
+# the table above replaced the registry; the shim keeps commands that still call it working.
+EXIT_NOT_IMPLEMENTED = EXIT_BAD_INPUT
+
+
+def register_user_error(*types: type[BaseException], code: int = EXIT_BAD_INPUT) -> None:
+    """Does nothing: exit codes come from EXIT_CODES only. Delete the call."""

@@ -14,7 +14,7 @@ Example (the 7B on 256 devices: about 35 s on 2 CPU cores, of which 27 s is XLA'
     replay plan --preset tiny --devices 4 --json
 
 Exit codes: 0 ok; 2 bad input (unknown preset or override, a device count the mesh or the
-batch cannot use); 1 if the child process failed otherwise.
+batch cannot use); 3 if the child process failed otherwise (a bug in replay).
 """
 
 from __future__ import annotations
@@ -44,11 +44,9 @@ def plan(
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of a table.")] = False,
 ) -> None:
     """Compile the train step for N devices from abstract shapes and print per-device memory (nothing is allocated)."""
-    from replay.cli.errors import register_user_error
-    from trainer.config import ConfigError, apply_overrides, get_preset
+    from trainer.config import apply_overrides, get_preset
     from trainer.plan import plan_env
 
-    register_user_error(ConfigError)
     apply_overrides(get_preset(preset), list(overrides or []))  # bad preset or key: exit 2 before starting JAX
     if devices < 1:
         console.fail(f"--devices {devices}: the mesh needs at least 1 device")

@@ -31,10 +31,8 @@ def spike(
     json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
     """Find loss spikes in a run, or replay one (--step) and show its examples and layers."""
-    from replay.cli.errors import register_user_error
-    from replay.spike import SpikeInputError, check_window, plot_scan, scan
+    from replay.spike import check_window, plot_scan, scan
 
-    register_user_error(SpikeInputError)
     check_window(window, threshold)
     if top < 1:
         console.fail(f"--top {top} must be at least 1")
@@ -62,11 +60,10 @@ def spike(
 
 def _spike_step(target, path: Path, step: int, window: int, threshold: float, top: int, save_batch: Path | None,
                 plot: Path | None, data: str | None, allow_data_change: bool, json_out: bool) -> None:
-    from replay.cli.replaying import load_replayable, prepare_process, register_replay_errors, replay_notes, replay_progress
+    from replay.cli.replaying import load_replayable, prepare_process, replay_notes, replay_progress
     from replay.spike import analyze, check_step, plot_spike
     from replay.spike import save_batch as write_batch
 
-    register_replay_errors()
     prepare_process(target)
     rep, contract = load_replayable(target, path, data, allow_data_change,
                                     lambda checkpoints: check_step(target, step, window, checkpoints))

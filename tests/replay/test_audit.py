@@ -216,7 +216,7 @@ def test_cli_steps_window(tmp_path):
     assert out["steps"] == {"start": 15, "end": 30, "count": 15} and out["first_early_repeat_step"] == 25
 
 
-@pytest.mark.parametrize("steps", ["abc", "5:3", "1:2:3", "-1:4", "4:4", "500:600"])
+@pytest.mark.parametrize("steps", ["abc", "5:3", "1:2:3", "-1:4", "4:4", "500:600", "0:500", "25:31", "30:"])
 def test_cli_bad_steps(tmp_path, steps):
     run = make_run(tmp_path / "run", resume_repeat(), 1000)
     line = assert_one_error_line(invoke("audit", str(run), "--steps", steps))
@@ -245,6 +245,16 @@ def test_cli_crashed_run_audits_what_was_recorded(tmp_path):
     result = invoke("audit", str(run), "--json")
     assert result.exit_code == 1 and json.loads(result.stdout)["first_early_repeat_step"] == 20
     assert "damaged" in result.stderr
+
+
+def test_cli_range_past_a_torn_tail_names_the_damage(tmp_path):
+    """Clipping 0:40 to the 30 readable steps would vouch for steps nobody audited."""
+    run = make_run(tmp_path / "run", resume_repeat(), 1000, finish=False)
+    segment = sorted((run / "trace").glob("*.seg"))[-1]
+    with open(segment, "ab") as f:
+        f.write(b"\x40\x00\x00\x00half-a-record")
+    line = assert_one_error_line(invoke("audit", str(run), "--steps", "0:40"))
+    assert "0..29" in line and "damaged" in line and str(segment) in line and "0:30" in line
 
 
 def test_audit_leaves_the_run_unchanged(tmp_path):

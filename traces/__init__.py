@@ -5,8 +5,11 @@ A trace can therefore be read anywhere, and written by any training loop (see FO
 
 from traces.compare import Comparison, FieldDiff, compare, diff_records, float_distance
 from traces.errors import (
+    DiskFullError,
+    ManifestCorruptError,
     NewerFormatError,
     NotARunError,
+    ResumeDivergedError,
     RunLockedError,
     RunNotFoundError,
     SchemaError,
@@ -14,13 +17,15 @@ from traces.errors import (
     TraceCorruptError,
     TraceError,
 )
-from traces.run import Run, read_manifest
+from traces.run import Run, manifest_checksum, read_manifest, write_manifest
 from traces.schema import CAUSAL_KINDS, Schema, StepRecord, decode_record, encode_record, same_bits
-from traces.trace import FORMAT_VERSION, Damage, TraceReader, TraceWriter
+from traces.trace import FORMAT_VERSION, Damage, TraceReader, describe_damage
+from traces.writer import TraceWriter
 
 __all__ = [
-    "CAUSAL_KINDS", "FORMAT_VERSION", "Comparison", "Damage", "FieldDiff", "NewerFormatError", "NotARunError",
-    "Run", "RunLockedError", "RunNotFoundError", "Schema", "SchemaError", "StepOrderError", "StepRecord",
-    "TraceCorruptError", "TraceError", "TraceReader", "TraceWriter", "compare", "decode_record", "diff_records",
-    "encode_record", "float_distance", "read_manifest", "same_bits",
+    "CAUSAL_KINDS", "FORMAT_VERSION", "Comparison", "Damage", "DiskFullError", "FieldDiff", "ManifestCorruptError",
+    "NewerFormatError", "NotARunError", "ResumeDivergedError", "Run", "RunLockedError", "RunNotFoundError", "Schema",
+    "SchemaError", "StepOrderError", "StepRecord", "TraceCorruptError", "TraceError", "TraceReader", "TraceWriter",
+    "compare", "decode_record", "describe_damage", "diff_records", "encode_record", "float_distance",
+    "manifest_checksum", "read_manifest", "same_bits", "write_manifest",
 ]

@@ -1,6 +1,7 @@
 """A run directory: manifest, trace, checkpoints, completion marker and writer lock.
 
-    RUN/run.json        manifest: format_version, schema, and whatever the trainer records
+    RUN/run.json        manifest: format_version, schema, trace_first_step, whatever the trainer
+                        records, and manifest_sha256 over all of it (written by write_manifest)
     RUN/INCOMPLETE      present while a writer has the run open or after it crashed
     RUN/COMPLETE        present once the last writer finished cleanly: {"end": one past the last step}
     RUN/.lock           flock()ed by the writer; the kernel drops it when the writer dies
@@ -14,13 +15,18 @@ stale lock behind, and `status` can tell a live writer from a crashed one.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 from pathlib import Path
 
-from traces.errors import NewerFormatError, NotARunError, RunLockedError, RunNotFoundError, TraceCorruptError
+from traces.errors import (
+    DISK_FULL_ERRNOS, DiskFullError, ManifestCorruptError, NewerFormatError, NotARunError, RunLockedError,
+    RunNotFoundError, TraceError, disk_full_message,
+)
 from traces.schema import Schema
-from traces.trace import DEFAULT_SEGMENT_RECORDS, FORMAT_VERSION, Damage, TraceReader, TraceWriter
+from traces.trace import DEFAULT_SEGMENT_RECORDS, FORMAT_VERSION, Damage, TraceReader
+from traces.writer import TraceWriter
 
 MANIFEST = "run.json"
 INCOMPLETE = "INCOMPLETE"
@@ -28,21 +34,53 @@ COMPLETE = "COMPLETE"
 LOCK = ".lock"
 TRACE_DIR = "trace"
 CHECKPOINT_DIR = "checkpoints"
+MANIFEST_CHECKSUM = "manifest_sha256"
+TRACE_FIRST_STEP = "trace_first_step"
 
 
-def write_json_atomic(path: Path, obj: dict) -> None:
+def write_json_atomic(path: Path, obj: dict, last_step: int | None = None) -> None:
     """Write-then-rename, so a crash leaves the old file or the new one, never half of one."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2, sort_keys=False)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if e.errno in DISK_FULL_ERRNOS:
+            run = path.parent
+            raise DiskFullError(disk_full_message(path, f"replacing {path.name} (the old one is kept)", last_step, run),
+                                str(path), last_step) from None
+        raise
 
 
-def read_manifest(path: Path) -> dict:
-    """The manifest of the run at `path`; raises one-line errors for every way that can fail."""
+def manifest_checksum(manifest: dict) -> str:
+    """sha256 hex of the manifest's canonical JSON, without the checksum key itself."""
+    body = {k: v for k, v in manifest.items() if k != MANIFEST_CHECKSUM}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def write_manifest(path: Path, manifest: dict, last_step: int | None = None) -> dict:
+    """Writes run.json atomically with its checksum; returns the manifest as a reader will see it.
+
+    The manifest goes through JSON once first, so the checksum is over exactly what a reader
+    parses (tuples become lists, keys strings); a stale checksum in `manifest` is replaced.
+    """
+    body = json.loads(json.dumps({k: v for k, v in manifest.items() if k != MANIFEST_CHECKSUM}))
+    write_json_atomic(Path(path), {**body, MANIFEST_CHECKSUM: manifest_checksum(body)}, last_step)
+    return body
+
+
+def read_manifest(path: Path, notes: list[str] | None = None) -> dict:
+    """The verified manifest of the run at `path`, without its checksum key.
+
+    Raises one-line errors for every way that can fail; a manifest recorded before checksums
+    is returned with a line added to `notes`.
+    """
+    path = Path(path)
     if not path.exists():
         raise RunNotFoundError(f"{path}: no such run; check the path (a run is the folder `replay train --out` wrote)")
     if not path.is_dir():
@@ -50,63 +88,112 @@ def read_manifest(path: Path) -> dict:
     mpath = path / MANIFEST
     if not mpath.exists():
         raise NotARunError(f"{path}: not a run (no {MANIFEST}); pass the folder that `replay train --out` wrote")
+
+    def corrupt(what: str) -> ManifestCorruptError:
+        return ManifestCorruptError(
+            f"{mpath}: {what}: run.json was changed or damaged after recording; restore it from a copy of the run",
+            str(mpath))
+
     try:
-        manifest = json.loads(mpath.read_text())
+        manifest = json.loads(mpath.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TraceCorruptError(f"{mpath}: manifest is unreadable ({e.__class__.__name__}); the run is damaged", str(mpath)) from None
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("format_version"), int):
-        raise TraceCorruptError(f"{mpath}: manifest has no integer format_version; the run is damaged", str(mpath))
-    if manifest["format_version"] > FORMAT_VERSION:
+        raise corrupt(f"unreadable ({e.__class__.__name__})") from None
+    if not isinstance(manifest, dict):
+        raise corrupt("not a JSON object")
+    version = manifest.get("format_version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise corrupt(f"format_version {version!r} is not a positive integer")
+    # Before the checksum: a newer writer may checksum differently, so a mismatch proves nothing there.
+    if version > FORMAT_VERSION:
+        ours = manifest.get(MANIFEST_CHECKSUM) == manifest_checksum(manifest)
         raise NewerFormatError(
-            f"{path}: written by run format_version {manifest['format_version']}, this replay reads up to "
-            f"{FORMAT_VERSION}: upgrade replay (pip install -U replay-jax)"
+            f"{path}: written by run format_version {version}, this replay reads up to {FORMAT_VERSION}: upgrade "
+            f"replay (pip install -U replay-jax)" + ("" if ours else "; if this replay recorded it, run.json was damaged")
         )
+    if MANIFEST_CHECKSUM in manifest:
+        if manifest.pop(MANIFEST_CHECKSUM) != manifest_checksum(manifest):
+            raise corrupt(f"its content does not match its {MANIFEST_CHECKSUM}")
+    elif _damaged_checksum_key(manifest):
+        raise corrupt(f"its {MANIFEST_CHECKSUM} is missing or its key damaged")
+    elif notes is not None:
+        notes.append(f"{mpath} has no checksum (recorded before replay checked manifests); its content is taken as recorded")
     if "schema" not in manifest:
-        raise TraceCorruptError(f"{mpath}: manifest has no schema; the run is damaged", str(mpath))
+        raise corrupt("it has no schema")
+    first = manifest.get(TRACE_FIRST_STEP, 0)
+    if not isinstance(first, int) or isinstance(first, bool) or first < 0:
+        raise corrupt(f"{TRACE_FIRST_STEP} {first!r} is not a step")
     return manifest
 
 
-class Run:
-    """One run directory. `Run.open` reads; `Run.create`/`Run.resume` also hold the writer lock."""
+def _damaged_checksum_key(manifest: dict) -> bool:
+    """Whether a manifest without a checksum lost it to damage rather than being recorded before them.
 
-    def __init__(self, path: Path, manifest: dict, lock_fd: int | None = None):
+    Manifests written since checksums also record trace_first_step; and a damaged key name keeps
+    most of its letters, or at least its value, the checksum of everything else.
+    """
+    if TRACE_FIRST_STEP in manifest:
+        return True
+    for key, value in manifest.items():
+        if len(key) == len(MANIFEST_CHECKSUM) and sum(a != b for a, b in zip(key, MANIFEST_CHECKSUM)) <= 3:
+            return True
+        if isinstance(value, str) and len(value) == 64 and value == manifest_checksum(
+                {k: v for k, v in manifest.items() if k != key}):
+            return True
+    return False
+
+
+class Run:
+    """One run directory. `Run.open` reads; `Run.create`/`Run.resume` also hold the writer lock.
+
+    `notes` holds lines about what could not be checked (a manifest from before checksums).
+    """
+
+    def __init__(self, path: Path, manifest: dict, lock_fd: int | None = None, notes: list[str] | None = None):
         self.path = path
         self.manifest = manifest
-        self.schema = Schema.from_json(manifest["schema"])
+        self.notes: list[str] = list(notes or [])
+        try:
+            self.schema = Schema.from_json(manifest["schema"])
+        except TraceError as e:
+            raise ManifestCorruptError(f"{path / MANIFEST}: {e}", str(path / MANIFEST)) from None
         self._lock_fd = lock_fd
         self._writer: TraceWriter | None = None
         self._reader: TraceReader | None = None
+        if TRACE_FIRST_STEP not in manifest:
+            self.notes.append(f"{path / MANIFEST} does not record where the trace starts (recorded before replay "
+                              "did), so missing leading segment files cannot be detected")
 
     # Opening ----------------------------------------------------------------------------
     @classmethod
     def open(cls, path: str | os.PathLike) -> "Run":
         path = Path(path)
-        return cls(path, read_manifest(path))
+        notes: list[str] = []
+        return cls(path, read_manifest(path, notes), notes=notes)
 
     @classmethod
-    def create(cls, path: str | os.PathLike, schema: Schema, manifest: dict) -> "Run":
-        """Starts a new run. The directory must not exist, or be empty."""
+    def create(cls, path: str | os.PathLike, schema: Schema, manifest: dict, first_step: int = 0) -> "Run":
+        """Starts a new run whose trace starts at `first_step`. The directory must not exist, or be empty."""
         path = Path(path)
         if path.exists() and (not path.is_dir() or any(path.iterdir())):
             raise NotARunError(f"{path}: already exists and is not empty; choose a new --out or resume it with --resume")
         path.mkdir(parents=True, exist_ok=True)
         lock_fd = _take_lock(path)
-        full = {"format_version": FORMAT_VERSION, **manifest, "schema": schema.to_json()}
+        full = {"format_version": FORMAT_VERSION, **manifest, "schema": schema.to_json(), TRACE_FIRST_STEP: int(first_step)}
         (path / CHECKPOINT_DIR).mkdir(exist_ok=True)
         (path / TRACE_DIR).mkdir(exist_ok=True)
         (path / INCOMPLETE).touch()
-        write_json_atomic(path / MANIFEST, full)
-        return cls(path, full, lock_fd)
+        return cls(path, write_manifest(path / MANIFEST, full), lock_fd)
 
     @classmethod
     def resume(cls, path: str | os.PathLike) -> "Run":
         """Reopens a run for appending: takes the lock and marks it incomplete again."""
         path = Path(path)
-        manifest = read_manifest(path)
+        notes: list[str] = []
+        manifest = read_manifest(path, notes)
         lock_fd = _take_lock(path)
         (path / INCOMPLETE).touch()
         (path / COMPLETE).unlink(missing_ok=True)
-        return cls(path, manifest, lock_fd)
+        return cls(path, manifest, lock_fd, notes)
 
     # Contents ---------------------------------------------------------------------------
     @property
@@ -118,10 +205,15 @@ class Run:
         return self.path / CHECKPOINT_DIR
 
     @property
+    def first_step(self) -> int | None:
+        """Where the trace starts, as recorded in run.json (None for runs from before it was)."""
+        return self.manifest.get(TRACE_FIRST_STEP)
+
+    @property
     def trace(self) -> TraceReader:
-        """The trace; for a complete run, a trace shorter than the run's recorded end is damage."""
+        """The trace; its `damage` includes run-level damage (see `Run.damage`)."""
         if self._reader is None:
-            self._reader = TraceReader(self.trace_dir, self.schema)
+            self._reader = TraceReader(self.trace_dir, self.schema, first_step=self.first_step)
             end = self.recorded_end
             if end is not None and self._reader.end < end and not self._reader.damage:
                 last = self._reader.segments[-1].path if self._reader.segments else self.trace_dir
@@ -130,6 +222,17 @@ class Run:
                            f"the run finished at step {end - 1} but the trace ends before step {self._reader.end}")
                 )
         return self._reader
+
+    @property
+    def damage(self) -> list[Damage]:
+        """All damage known without reading every record: segment headers and seals, the unsealed
+        tail, missing leading segments, and a complete run's trace ending before COMPLETE says.
+        Computed once per Run (opening the trace); at most one entry for unreachable later segments."""
+        return list(self.trace.damage)
+
+    def verify(self) -> list[Damage]:
+        """Everything in `damage`, plus every record's checksum (reads the whole trace)."""
+        return self.trace.verify()
 
     @property
     def recorded_end(self) -> int | None:
@@ -153,22 +256,29 @@ class Run:
         if self._lock_fd is None:
             raise RunLockedError(f"{self.path}: opened read-only; use Run.create or Run.resume to write")
         if self._writer is None:
-            self._writer = TraceWriter(self.trace_dir, self.schema, segment_records)
+            self._writer = TraceWriter(self.trace_dir, self.schema, segment_records, first_step=self.first_step)
             self._reader = None
         return self._writer
+
+    def _last_recorded(self) -> int | None:
+        w = self._writer
+        return w.next_step - 1 if w is not None and w.next_step is not None else None
 
     def update_manifest(self, **fields) -> None:
         """Replaces top-level manifest fields atomically (e.g. the list of checkpoint steps)."""
         if self._lock_fd is None:
             raise RunLockedError(f"{self.path}: opened read-only; cannot change its manifest")
-        self.manifest = {**self.manifest, **fields}
-        write_json_atomic(self.path / MANIFEST, self.manifest)
+        self.manifest = write_manifest(self.path / MANIFEST, {**self.manifest, **fields}, self._last_recorded())
 
     def finish(self) -> None:
         """Marks the run complete (the only way to) and releases the lock."""
-        end = self.writer().next_step
-        self._writer.close()
-        write_json_atomic(self.path / COMPLETE, {"end": end})
+        writer = self.writer()
+        if writer.broken:
+            raise TraceError(f"{self.path}: cannot mark the run complete: its trace writer stopped ({writer.broken}); "
+                             f"resume it with `replay train --resume {self.path}`")
+        end = writer.next_step if writer.next_step is not None else (self.first_step or 0)
+        writer.close()
+        write_json_atomic(self.path / COMPLETE, {"end": end}, self._last_recorded())
         (self.path / INCOMPLETE).unlink(missing_ok=True)
         self.close()
 

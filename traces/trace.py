@@ -1,11 +1,12 @@
 """The trace: append-only segment files of checksummed, zstd-compressed step records.
 
-This module is the only code that reads or writes trace bytes; FORMAT.md beside it is the
-spec. A segment holds a contiguous run of steps. Each record is one frame written with a
-single write() call, so a writer killed at any moment leaves at most one partial frame at the
-tail, which the reader reports (file, byte offset, step) and never returns. Full segments are
-sealed with a footer holding their record count and a checksum of all their bytes, so a
-reader can jump to step k by file name and footer without touching the rest of the trace.
+This module defines the byte layouts and reads them; writer.py is the only code that writes
+them; FORMAT.md beside them is the spec. A segment holds a contiguous run of steps. Each
+record is one frame written with a single write() call, so a writer killed at any moment
+leaves at most one partial frame at the tail, which the reader reports (file, byte offset,
+step) and never returns. Full segments are sealed with a footer holding their record count
+and a checksum of all their bytes, so a reader can jump to step k by file name and footer
+without touching the rest of the trace.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from typing import Iterator
 
 import zstandard
 
-from traces.errors import NewerFormatError, SchemaError, StepOrderError, TraceCorruptError
-from traces.schema import Schema, StepRecord, decode_record, encode_record, same_bits
+from traces.errors import NewerFormatError, SchemaError, TraceCorruptError
+from traces.schema import Schema, StepRecord, decode_record
 
 FORMAT_VERSION = 1
 SEGMENT_MAGIC = b"RPLYSEG1"
@@ -80,6 +81,14 @@ class Damage:
     def __str__(self) -> str:
         at = f" at step {self.step}" if self.step is not None else ""
         return f"{self.path}: damaged from byte {self.offset}{at}: {self.reason}"
+
+
+def describe_damage(damages: list[Damage]) -> str:
+    """One line: the first damage (file, byte, step, reason) and how many more there are."""
+    if not damages:
+        return "no damage found"
+    more = len(damages) - 1
+    return str(damages[0]) + (f" (and {more} more damage{'s' if more > 1 else ''})" if more else "")
 
 
 @dataclass
@@ -160,11 +169,14 @@ class TraceReader:
 
     Opening reads every segment header and seal (a few dozen bytes each) and scans only the
     last, unsealed segment. `start`..`end` (exclusive) is the contiguous range of steps that
-    can be read; `damage` lists where and why reading stops before the files do.
+    can be read; `damage` lists where and why reading stops before the files do, and, when
+    `first_step` is given, that the readable start is later than it (leading files missing).
     """
 
-    def __init__(self, trace_dir: str | os.PathLike, schema: Schema, cache_segments: int = 2):
+    def __init__(self, trace_dir: str | os.PathLike, schema: Schema, cache_segments: int = 2,
+                 first_step: int | None = None):
         self.dir = Path(trace_dir)
+        self.first_step = first_step  # where the trace must start (run.json), None when not recorded
         self.schema = schema
         self._digest = schema.digest()
         self._dctx = _decompressor()
@@ -177,7 +189,7 @@ class TraceReader:
 
     @property
     def start(self) -> int:
-        return self.segments[0].first_step if self.segments else 0
+        return self.segments[0].first_step if self.segments else (self.first_step or 0)
 
     @property
     def end(self) -> int:
@@ -195,16 +207,48 @@ class TraceReader:
         for i, path in enumerate(paths):
             stop = self._open_segment(path, expected, is_last=i == len(paths) - 1)
             if stop:
-                for later in paths[i + 1 :]:
-                    self.damage.append(Damage(str(later), 0, None, "unreachable: an earlier segment is damaged"))
-                return
+                self._unreachable(paths[i + 1 :])
+                break
             expected = self.segments[-1].first_step + self.segments[-1].count
+        self._check_start(paths)
+
+    def _unreachable(self, later: list[Path]) -> None:
+        """One entry for every segment after the damage, however many: the first damage is the news."""
+        if later:
+            names = later[0].name + (f" .. {later[-1].name}" if len(later) > 1 else "")
+            self.damage.append(Damage(str(later[0]), 0, None,
+                                      f"{len(later)} later segment(s) unreachable: {names} follow the damaged segment"))
+
+    def _check_start(self, paths: list[Path]) -> None:
+        """A trace whose first file starts after the recorded first step has lost its leading files."""
+        if self.first_step is None or not paths:
+            return
+        first = self.segments[0].first_step if self.segments else None
+        if first is None:
+            try:  # the first file is damaged; its header may still say where it starts
+                first = read_header(paths[0], _read_ends(paths[0])[0])[1]
+            except (TraceCorruptError, NewerFormatError):
+                return
+        if first > self.first_step:
+            self.damage.insert(0, Damage(
+                str(self.dir / segment_name(self.first_step)), 0, self.first_step,
+                f"missing: run.json says the trace starts at step {self.first_step} but its first segment file is "
+                f"{paths[0].name}, so steps {self.first_step}..{first - 1} are gone (leading segment files deleted or moved)"))
+            self.tail = None  # a writer must refuse this trace, not cut it
 
     def _open_segment(self, path: Path, expected: int | None, is_last: bool) -> bool:
-        """Adds the segment; returns True when reading must stop after it."""
-        data = path.read_bytes()
+        """Adds the segment; returns True when reading must stop after it.
+
+        A sealed segment before the last is opened by its header and seal alone, so opening a
+        long run reads a few dozen bytes per segment, not the run.
+        """
         try:
-            digest, first = read_header(path, data)
+            head, seal = _read_ends(path)
+        except TraceCorruptError as e:
+            self.damage.append(Damage(str(path), 0, expected, str(e).split(": ", 1)[-1]))
+            return True  # not a tail a writer could cut off: tail stays None
+        try:
+            digest, first = read_header(path, head)
         except TraceCorruptError as e:
             self.damage.append(Damage(str(path), 0, expected, str(e).split(": ", 1)[-1]))
             self.tail = (path, 0)
@@ -214,12 +258,16 @@ class TraceReader:
         if path.name != segment_name(first) or (expected is not None and first != expected):
             self.damage.append(Damage(str(path), 0, expected, f"segment starts at step {first}, expected {expected}"))
             return True
-        seal = data[-_SEAL.size :] if len(data) >= HEADER_SIZE + _SEAL.size else b""
         if seal and not is_last:
             mark, count, _, seal_crc = _SEAL.unpack(seal)
             if mark == SEAL_MARK and seal_crc == zlib.crc32(seal[:16]):
                 self.segments.append(_Segment(path, first, count, True))
                 return False
+        try:
+            data = _read_segment_file(path, first)
+        except TraceCorruptError as e:
+            self.damage.append(Damage(str(path), 0, first, str(e).split(": ", 1)[-1]))
+            return True
         scan = _scan_frames(data, first, self.schema, check_steps=True)
         self.segments.append(_Segment(path, first, len(scan.offsets), scan.sealed))
         self._remember(len(self.segments) - 1, data, scan.offsets)
@@ -252,7 +300,7 @@ class TraceReader:
             self._cache.move_to_end(index)
             data, offsets = self._cache[index]
         else:
-            data, offsets = seg.path.read_bytes(), None
+            data, offsets = _read_segment_file(seg.path, seg.first_step), None
             if seg.sealed and len(data) >= HEADER_SIZE + _SEAL.size:
                 mark, count, content_crc, seal_crc = _SEAL.unpack_from(data, len(data) - _SEAL.size)
                 if (mark, count, seal_crc) != (SEAL_MARK, seg.count, zlib.crc32(data[-_SEAL.size : -4])) or content_crc != zlib.crc32(
@@ -325,112 +373,31 @@ class TraceReader:
         return found
 
 
-class TraceWriter:
-    """Appends records to a trace directory, resuming where a previous writer stopped.
+def _read_segment_file(path: Path, step: int | None = None) -> bytes:
+    """A segment's bytes; a directory or an unreadable file in its place is damage, named."""
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise _unreadable(path, e, step) from None
 
-    A damaged tail left by a killed writer is cut off (and reported in `repaired`). Appending
-    a step that is already recorded succeeds only when it is bit-identical, which is how a
-    resumed run proves it re-computed the same steps; a gap or different content is refused.
-    """
 
-    def __init__(self, trace_dir: str | os.PathLike, schema: Schema, segment_records: int = DEFAULT_SEGMENT_RECORDS):
-        self.dir = Path(trace_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.schema = schema
-        self.segment_records = segment_records
-        self._digest = schema.digest()
-        self._cctx = _compressor()
-        self._fd: int | None = None
-        self._broken: str | None = None
-        self.repaired: list[Damage] = []
-        self._reader = TraceReader(self.dir, schema)
-        self._repair_tail()
-        self.next_step: int | None = self._reader.end if self._reader.segments else None
-        self._count = 0
-        self._crc = 0
-        self._first = 0
-        last = self._reader.segments[-1] if self._reader.segments else None
-        if last is not None and not last.sealed and last.count < segment_records:
-            data = last.path.read_bytes()
-            self._fd = os.open(last.path, os.O_WRONLY | os.O_APPEND)
-            self._count, self._crc, self._first = last.count, zlib.crc32(data), last.first_step
+def _read_ends(path: Path) -> tuple[bytes, bytes]:
+    """A segment's header bytes and its last seal-sized bytes (empty when too short for both)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(HEADER_SIZE)
+            size = os.fstat(f.fileno()).st_size
+            if size < HEADER_SIZE + _SEAL.size:
+                return head, b""
+            f.seek(size - _SEAL.size)
+            return head, f.read(_SEAL.size)
+    except OSError as e:
+        raise _unreadable(path, e) from None
 
-    def _repair_tail(self) -> None:
-        damage = self._reader.damage
-        if not damage:
-            return
-        if len(damage) > 1 or self._reader.tail is None:
-            raise TraceCorruptError(f"cannot append: {damage[0]}; the trace is damaged before its tail", damage[0].path)
-        path, offset = self._reader.tail
-        if offset < HEADER_SIZE:
-            path.unlink()
-        else:
-            os.truncate(path, offset)
-        self.repaired = list(damage)
-        self._reader = TraceReader(self.dir, self.schema)
-        if self._reader.damage:
-            raise TraceCorruptError(f"cannot append: {self._reader.damage[0]}", self._reader.damage[0].path)
 
-    def append(self, rec: StepRecord) -> bool:
-        """Writes the record; returns False when it was already recorded bit-identically."""
-        if self._broken:
-            raise StepOrderError(f"trace writer stopped after an earlier failure ({self._broken}); resume the run")
-        if self.next_step is not None and rec.step < self.next_step:
-            if rec.step < self._reader.start:
-                raise StepOrderError(f"step {rec.step} is before the first recorded step {self._reader.start}")
-            existing = self._existing(rec.step)
-            if same_bits(self.schema, existing, rec):
-                return False
-            raise StepOrderError(
-                f"step {rec.step} is already recorded with different content: this run is not reproducing itself "
-                f"(compare the record with `replay show`), or it was resumed with a different config"
-            )
-        if self.next_step is not None and rec.step > self.next_step:
-            raise StepOrderError(f"step {rec.step} would leave a gap: the trace ends before step {self.next_step}")
-        frame = encode_frame(self._cctx.compress(encode_record(self.schema, rec)))
-        if self._fd is None:
-            self._start_segment(rec.step)
-        self._write(frame)
-        self._count += 1
-        self.next_step = rec.step + 1
-        if self._count >= self.segment_records:
-            self._seal()
-        return True
-
-    def _existing(self, step: int) -> StepRecord:
-        if step >= self._reader.end:  # written by this writer after it opened
-            self._reader = TraceReader(self.dir, self.schema)
-        return self._reader.read(step)
-
-    def _start_segment(self, first_step: int) -> None:
-        path = self.dir / segment_name(first_step)
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
-        self._count, self._crc, self._first = 0, 0, first_step
-        self._write(encode_header(self._digest, first_step))
-
-    def _write(self, data: bytes) -> None:
-        view = memoryview(data)
-        try:
-            while view:
-                view = view[os.write(self._fd, view) :]
-        except OSError as e:
-            self._broken = f"{e.strerror} writing {self.dir}"
-            raise
-        self._crc = zlib.crc32(data, self._crc)
-
-    def _seal(self) -> None:
-        self._write(encode_seal(self._count, self._crc))
-        os.fsync(self._fd)
-        os.close(self._fd)
-        self._fd = None
-
-    def flush(self) -> None:
-        """fsync the open segment: records already survive a kill -9; this covers power loss."""
-        if self._fd is not None:
-            os.fsync(self._fd)
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.fsync(self._fd)
-            os.close(self._fd)
-            self._fd = None
+def _unreadable(path: Path, e: OSError, step: int | None = None) -> TraceCorruptError:
+    if isinstance(e, IsADirectoryError):
+        reason = "is a directory, not a segment file; move it out of the trace folder"
+    else:
+        reason = f"cannot be read ({e.strerror or e.__class__.__name__}); check its permissions and the disk"
+    return TraceCorruptError(f"{path}: {reason}", str(path), step)

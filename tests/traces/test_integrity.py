@@ -1,0 +1,299 @@
+"""run.json's checksum, where the trace starts, and how damage is reported (issue 10: 2, 4, 5, 6)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from traces import (
+    Damage, ManifestCorruptError, NewerFormatError, Run, TraceCorruptError, TraceError, describe_damage,
+    manifest_checksum, same_bits, write_manifest,
+)
+from tests.traces.helpers import make_record, make_schema
+
+MANIFEST = {
+    "config": {"seed": 7, "steps": 30, "model": {"n_layers": 2, "d_model": 16}, "lr": 0.001},
+    "environment": {"backend": "cpu", "device_count": 1, "versions": {"jax": "0.0-test"}},
+    "data": {"source": "embedded", "fingerprint": "0123456789abcdef"},
+    "program_hash": "ab" * 32,
+    "checkpoints": [0, 10, 20],
+}
+
+
+def write_run(path, n=30, segment_records=7, finish=True, manifest=MANIFEST):
+    schema = make_schema()
+    run = Run.create(path, schema, manifest)
+    w = run.writer(segment_records=segment_records)
+    for k in range(n):
+        w.append(make_record(schema, k))
+    run.finish() if finish else run.close()
+    return schema
+
+
+def edit_manifest(path, change):
+    """Edits run.json as a person would: load, change, dump (the stored checksum kept as it was)."""
+    mpath = Path(path) / "run.json"
+    manifest = json.loads(mpath.read_text())
+    change(manifest)
+    mpath.write_text(json.dumps(manifest, indent=2))
+
+
+def assert_refused_naming_run_json(path, error=ManifestCorruptError):
+    with pytest.raises(error) as info:
+        Run.open(path)
+    message = str(info.value)
+    assert "\n" not in message and f"{path}/run.json" in message
+    return message
+
+
+# ------------------------------------------------------------------------------ run.json checksum
+
+
+def test_manifest_carries_a_checksum_of_its_content(tmp_path):
+    write_run(tmp_path / "run")
+    stored = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert stored["manifest_sha256"] == manifest_checksum(stored)
+    run = Run.open(tmp_path / "run")
+    assert "manifest_sha256" not in run.manifest and run.manifest["config"] == MANIFEST["config"]
+    assert run.notes == []
+
+
+@pytest.mark.parametrize("change", [
+    lambda m: m["config"].update(seed=8),
+    lambda m: m["config"]["model"].update(d_model=32),
+    lambda m: m["data"].update(fingerprint="fedcba9876543210"),
+    lambda m: m.update(program_hash="cd" * 32),
+    lambda m: m["checkpoints"].append(30),
+    lambda m: m.update(trace_first_step=7),
+    lambda m: m.update(extra="added later"),
+    lambda m: m.pop("environment"),
+], ids=["config", "nested-config", "data-fingerprint", "program-hash", "checkpoints", "trace-first-step", "added-key",
+        "removed-key"])
+def test_an_edited_manifest_is_refused_naming_run_json(tmp_path, change):
+    write_run(tmp_path / "run", n=3)
+    edit_manifest(tmp_path / "run", change)
+    message = assert_refused_naming_run_json(tmp_path / "run")
+    assert "changed or damaged after recording" in message
+    with pytest.raises(ManifestCorruptError):
+        Run.resume(tmp_path / "run")
+
+
+@pytest.mark.parametrize("version", [-1, 0, "1", 1.5, True, None])
+def test_a_format_version_that_is_not_a_positive_integer_is_refused(tmp_path, version):
+    write_run(tmp_path / "run", n=3)
+    edit_manifest(tmp_path / "run", lambda m: m.update(format_version=version))
+    assert "format_version" in assert_refused_naming_run_json(tmp_path / "run")
+
+
+def test_a_newer_format_version_asks_to_upgrade_before_checking_the_checksum(tmp_path):
+    write_run(tmp_path / "run", n=3)
+    edit_manifest(tmp_path / "run", lambda m: m.update(format_version=2))
+    with pytest.raises(NewerFormatError, match="upgrade replay"):
+        Run.open(tmp_path / "run")
+
+
+def test_missing_schema_is_refused(tmp_path):
+    write_run(tmp_path / "run", n=3)
+    mpath = tmp_path / "run" / "run.json"
+    manifest = json.loads(mpath.read_text())
+    del manifest["schema"]
+    write_manifest(mpath, manifest)  # a valid checksum over a manifest without a schema
+    assert "schema" in assert_refused_naming_run_json(tmp_path / "run")
+
+
+@pytest.mark.parametrize("first_step", [-1, "0", None, 1.0])
+def test_a_trace_first_step_that_is_not_a_step_is_refused(tmp_path, first_step):
+    write_run(tmp_path / "run", n=3)
+    mpath = tmp_path / "run" / "run.json"
+    write_manifest(mpath, {**json.loads(mpath.read_text()), "trace_first_step": first_step})  # checksum valid
+    assert "trace_first_step" in assert_refused_naming_run_json(tmp_path / "run")
+
+
+def test_a_null_checksum_is_refused(tmp_path):
+    write_run(tmp_path / "run", n=3)
+    edit_manifest(tmp_path / "run", lambda m: m.update(manifest_sha256=None))
+    assert "does not match" in assert_refused_naming_run_json(tmp_path / "run")
+
+
+def test_a_manifest_from_before_checksums_is_read_with_a_note(tmp_path):
+    write_run(tmp_path / "run", n=3)
+    edit_manifest(tmp_path / "run", lambda m: (m.pop("manifest_sha256"), m.pop("trace_first_step")))
+    run = Run.open(tmp_path / "run")
+    assert run.manifest["config"] == MANIFEST["config"]
+    assert "has no checksum" in run.notes[0] and "run.json" in run.notes[0]
+    assert "does not record where the trace starts" in run.notes[1] and len(run.notes) == 2
+
+
+@pytest.mark.parametrize("damage", [
+    lambda m: m.pop("manifest_sha256"),  # a checksum removed to get an edit accepted
+    lambda m: m.update(manifest_sha257=m.pop("manifest_sha256"), config={}),  # a damaged key name, and content
+    lambda m: (m.update(manifest_sha257=m.pop("manifest_sha256")), m.pop("trace_first_step")),
+    lambda m: m.update(xyz=m.pop("manifest_sha256")),
+], ids=["removed", "key-and-content", "key-and-first-step-key", "renamed"])
+def test_a_lost_checksum_is_not_mistaken_for_a_manifest_from_before_checksums(tmp_path, damage):
+    write_run(tmp_path / "run", n=3)
+    edit_manifest(tmp_path / "run", damage)
+    assert "manifest_sha256 is missing or its key damaged" in assert_refused_naming_run_json(tmp_path / "run")
+
+
+def test_a_renamed_checksum_key_is_recognised_by_its_value(tmp_path):
+    # An old run resumed by this replay: a checksum, but no trace_first_step to give a lost key away.
+    write_run(tmp_path / "run", n=3)
+    mpath = tmp_path / "run" / "run.json"
+    manifest = json.loads(mpath.read_text())
+    del manifest["trace_first_step"]
+    write_manifest(mpath, manifest)
+    edit_manifest(tmp_path / "run", lambda m: m.update(xyz=m.pop("manifest_sha256")))
+    assert "manifest_sha256 is missing or its key damaged" in assert_refused_naming_run_json(tmp_path / "run")
+
+
+def test_update_manifest_keeps_the_checksum_valid(tmp_path):
+    schema = make_schema()
+    run = Run.create(tmp_path / "run", schema, MANIFEST)
+    run.writer().append(make_record(schema, 0))
+    run.update_manifest(checkpoints=[0, 1], faults=("a", "b"))  # a tuple is stored as what JSON reads back
+    assert run.manifest["faults"] == ["a", "b"]
+    run.finish()
+    assert Run.open(tmp_path / "run").manifest["checkpoints"] == [0, 1]
+
+
+def test_write_manifest_replaces_a_stale_checksum(tmp_path):
+    # A bundle copies a run's manifest, checksum included, then changes it: the copy must verify.
+    write_run(tmp_path / "run", n=3)
+    stale = json.loads((tmp_path / "run" / "run.json").read_text())
+    stale["checkpoints"] = [0]
+    write_manifest(tmp_path / "run" / "run.json", stale)
+    assert Run.open(tmp_path / "run").manifest["checkpoints"] == [0]
+
+
+# ------------------------------------------------------------------------------ where the trace starts
+
+
+def test_deleted_leading_segments_are_damage(tmp_path):
+    write_run(tmp_path / "run", n=30)  # segments at 0, 7, 14, 21, 28
+    for name in ("000000000000.seg", "000000000007.seg"):
+        (tmp_path / "run" / "trace" / name).unlink()
+    run = Run.open(tmp_path / "run")
+    assert run.first_step == 0 and run.trace.start == 14
+    [damage] = run.damage
+    assert damage.path == str(tmp_path / "run" / "trace" / "000000000000.seg") and damage.step == 0
+    assert "steps 0..13" in damage.reason and "000000000014.seg" in damage.reason
+    assert run.verify()[0] == damage
+    with pytest.raises(TraceCorruptError, match="steps 0..13"):
+        Run.resume(tmp_path / "run").writer()
+
+
+def test_deleted_first_segment_of_a_crashed_run_is_damage(tmp_path):
+    write_run(tmp_path / "run", n=10, finish=False)
+    (tmp_path / "run" / "trace" / "000000000000.seg").unlink()
+    [damage] = Run.open(tmp_path / "run").damage
+    assert damage.step == 0 and "steps 0..6" in damage.reason
+
+
+def test_a_run_may_start_its_trace_later_and_the_writer_holds_it_to_that(tmp_path):
+    schema = make_schema()
+    run = Run.create(tmp_path / "run", schema, {}, first_step=5)
+    w = run.writer(segment_records=4)
+    with pytest.raises(TraceError, match="starts at step 5"):
+        w.append(make_record(schema, 0))
+    for k in range(5, 12):
+        w.append(make_record(schema, k))
+    run.finish()
+    run = Run.open(tmp_path / "run")
+    assert (run.trace.start, run.trace.end, run.damage) == (5, 12, [])
+
+
+def test_a_run_without_a_recorded_first_step_is_not_checked_and_says_so(tmp_path):
+    write_run(tmp_path / "run", n=30)
+    mpath = tmp_path / "run" / "run.json"
+    manifest = json.loads(mpath.read_text())
+    del manifest["trace_first_step"]
+    write_manifest(mpath, manifest)
+    (tmp_path / "run" / "trace" / "000000000000.seg").unlink()
+    run = Run.open(tmp_path / "run")
+    assert run.first_step is None and run.trace.start == 7
+    assert run.damage == []  # nothing recorded to check against
+    assert any("does not record where the trace starts" in n for n in run.notes)
+
+
+# ------------------------------------------------------------------------------ damage reports
+
+
+def test_damage_before_many_segments_is_one_entry_for_all_of_them(tmp_path):
+    write_run(tmp_path / "run", n=60)  # 9 segments
+    seg = tmp_path / "run" / "trace" / "000000000007.seg"
+    seg.write_bytes(seg.read_bytes()[: seg.stat().st_size // 2])  # loses its seal: scanned, torn
+    damage = Run.open(tmp_path / "run").damage
+    assert len(damage) == 2, damage
+    assert damage[0].path == str(seg) and damage[0].step is not None
+    assert damage[1].path.endswith("000000000014.seg")
+    assert "7 later segment(s) unreachable: 000000000014.seg .. 000000000056.seg" in damage[1].reason
+    line = describe_damage(damage)
+    assert "\n" not in line and str(seg) in line and "(and 1 more damage)" in line
+
+
+def test_describe_damage_names_file_byte_and_step():
+    d = Damage("RUN/trace/000000000000.seg", 123, 4, "record checksum mismatch")
+    assert describe_damage([d]) == "RUN/trace/000000000000.seg: damaged from byte 123 at step 4: record checksum mismatch"
+    assert describe_damage([d, d, d]).endswith("(and 2 more damages)")
+
+
+def test_damage_is_computed_once_per_run(tmp_path, monkeypatch):
+    write_run(tmp_path / "run", n=30)
+    run = Run.open(tmp_path / "run")
+    run.damage
+    opened = []
+    real = type(tmp_path).read_bytes
+    monkeypatch.setattr(type(tmp_path), "read_bytes", lambda p: opened.append(p.name) or real(p))
+    assert run.damage == [] and opened == []
+
+
+def test_a_segment_path_that_is_a_directory_is_damage_not_a_crash(tmp_path):
+    schema = write_run(tmp_path / "run", n=14, finish=False)  # two sealed segments; the next is 000000000014.seg
+    (tmp_path / "run" / "trace" / "000000000014.seg").mkdir()
+    run = Run.open(tmp_path / "run")
+    [damage] = run.damage
+    assert damage.path.endswith("000000000014.seg") and "is a directory" in damage.reason
+    assert run.verify() == [damage]
+    assert same_bits(schema, run.trace.read(13), make_record(schema, 13))
+    with pytest.raises(TraceCorruptError, match="is a directory"):
+        Run.resume(tmp_path / "run").writer()
+
+
+def test_a_directory_in_place_of_a_middle_segment_is_damage(tmp_path):
+    write_run(tmp_path / "run", n=30)
+    seg = tmp_path / "run" / "trace" / "000000000007.seg"
+    seg.unlink()
+    seg.mkdir()
+    damage = Run.open(tmp_path / "run").damage
+    assert damage[0].path == str(seg) and damage[0].step == 7 and "is a directory" in damage[0].reason
+    assert len(damage) == 2 and "3 later segment(s) unreachable" in damage[1].reason
+
+
+def test_an_unreadable_segment_is_damage_naming_it(tmp_path, monkeypatch):
+    write_run(tmp_path / "run", n=30)
+    run = Run.open(tmp_path / "run")
+    assert run.damage == []  # opened while readable
+    real = type(tmp_path).read_bytes
+
+    def read_bytes(p):
+        if p.name == "000000000014.seg":
+            raise PermissionError(13, "Permission denied", str(p))
+        return real(p)
+
+    monkeypatch.setattr(type(tmp_path), "read_bytes", read_bytes)
+    with pytest.raises(TraceCorruptError, match=r"000000000014.seg: cannot be read \(Permission denied\)"):
+        run.trace.read(15)  # a sealed segment, first read after opening
+    assert "cannot be read" in run.verify()[0].reason
+
+
+def test_opening_a_run_reads_headers_and_seals_not_whole_segments(tmp_path, monkeypatch):
+    write_run(tmp_path / "run", n=30)  # four sealed segments and an open one
+    read = []
+    real = type(tmp_path).read_bytes
+    monkeypatch.setattr(type(tmp_path), "read_bytes", lambda p: read.append(p.name) or real(p))
+    run = Run.open(tmp_path / "run")
+    assert run.damage == [] and run.trace.end == 30
+    assert read == ["000000000028.seg"]  # only the unsealed last segment is scanned

@@ -17,13 +17,26 @@ Read-only use (create=False) never writes, creates or deletes anything in the di
 no root directory, no metadata, no cleanup of temporary or old checkpoints.
 In a multi-process run every process must call save() and restore() (orbax coordinates the
 processes and writes each array shard once).
+
+Integrity: the trainer records `state_fingerprint(state)` (trainer/fingerprint.py) of every state it
+saves in the run manifest ("checkpoint_fingerprints"); restore(..., fingerprint=) recomputes it on
+device and raises CheckpointDamagedError on a mismatch. Orbax stores array chunks with no checksum
+(zstd without frame checksums), so a flipped bit in a chunk restores silently; only this catches it.
+Unreadable chunk files (truncated, zeroed, missing) are CheckpointDamagedError too.
+Orbax reports through absl logging, asyncio and unraisable-exception hooks from its threads;
+all of that is kept off the terminal here (see _quiet_orbax): failures become one-line errors.
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
+import errno
 import logging
+import os
+import re
+import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +47,24 @@ import orbax.checkpoint as ocp
 
 class CheckpointError(ValueError):
     """A missing or unusable checkpoint; the message is one line for users."""
+
+
+class CheckpointDamagedError(CheckpointError):
+    """A checkpoint whose files cannot be read, or whose state differs from the one saved."""
+
+
+class CheckpointDiskFullError(CheckpointError):
+    """The disk filled up while a checkpoint was being saved; the checkpoint was not completed."""
+
+
+FINGERPRINTS_KEY = "checkpoint_fingerprints"  # run manifest: {"<step>": "<16 hex>"}
+
+
+def recorded_fingerprint(manifest: dict, step: int) -> str | None:
+    """The state fingerprint recorded when checkpoint `step` was saved; None for runs (or
+    checkpoints) from before fingerprints were recorded."""
+    value = (manifest.get(FINGERPRINTS_KEY) or {}).get(str(step))
+    return value if isinstance(value, str) else None
 
 
 class Checkpointer:
@@ -62,7 +93,7 @@ class Checkpointer:
             save_root_metadata=not self.read_only,
             enable_async_checkpointing=True,
         )
-        with _quiet_absl(self.read_only):  # orbax warns that read-only is read-only
+        with _quiet_orbax():  # orbax warns that read-only is read-only
             self._manager = ocp.CheckpointManager(self.path, options=options,
                                                   item_handlers=ocp.StandardCheckpointHandler())
 
@@ -78,16 +109,24 @@ class Checkpointer:
         k = _step_of(state)
         if k in self.steps():
             return False
-        self._manager.save(k, args=ocp.args.StandardSave(state), force=True)
-        self._manager.wait_until_finished()
+        try:
+            with _quiet_orbax():
+                self._manager.save(k, args=ocp.args.StandardSave(state), force=True)
+                self._manager.wait_until_finished()
+        except Exception as e:
+            if _is_disk_full(e):
+                raise CheckpointDiskFullError(f"{disk_of(self.path)} is full: checkpoint {k} could not be "
+                                              f"saved in {self.path}") from None
+            raise
         return True
 
     # ------------------------------------------------------------------------ reading
 
     def steps(self) -> list[int]:
         """Steps with a finished checkpoint, ascending."""
-        self._manager.reload()  # another process (the trainer) may have saved since we opened
-        return sorted(int(s) for s in self._manager.all_steps())
+        with _quiet_orbax():
+            self._manager.reload()  # another process (the trainer) may have saved since we opened
+            return sorted(int(s) for s in self._manager.all_steps())
 
     def latest_at_or_before(self, step: int) -> int | None:
         """The largest checkpointed step <= `step`, or None if there is none."""
@@ -95,33 +134,48 @@ class Checkpointer:
         i = bisect.bisect_right(steps, step)
         return steps[i - 1] if i else None
 
-    def restore(self, step: int, abstract_state: Any) -> Any:
+    def restore(self, step: int, abstract_state: Any, fingerprint: str | None = None) -> Any:
         """The TrainState saved at `step`, laid out as `abstract_state` says: a tree of
         jax.ShapeDtypeStruct with `sharding=` (trainer.mesh.sharded_abstract_state), so any
-        device count or mesh works. Raises CheckpointError for a step that was not saved."""
+        device count or mesh works. Raises CheckpointError for a step that was not saved.
+
+        fingerprint: the state_fingerprint recorded when it was saved; the restored state's is
+        computed on device and must equal it (CheckpointDamagedError otherwise). None skips
+        the check (the caller says the restore is unverified). All processes must call it."""
         steps = self.steps()
         if step not in steps:
             have = _list(steps) if steps else "none"
             raise CheckpointError(f"{self.path}: no checkpoint at step {step} (saved steps: {have}); "
                                   f"pick a saved step or use latest_at_or_before({step})")
         self._check_target(step, abstract_state)  # before orbax starts reading arrays
+        where = self.path / str(step)
         try:
-            state = self._manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
-        except (ValueError, KeyError, TypeError) as e:
-            msg = " ".join(str(e).split())[:300]
-            raise CheckpointError(f"{self.path}: checkpoint {step} does not match the target state "
-                                  f"({type(e).__name__}: {msg}); was it saved with a different config?") from None
+            with _quiet_orbax():
+                state = self._manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
+        except Exception as e:  # noqa: BLE001 - the target matched (checked above): the files are bad
+            # Orbax raises bare Exceptions wrapping TensorStore's ValueErrors (2 KB of spec).
+            raise CheckpointDamagedError(f"{where}: checkpoint {step} is damaged ({_read_failure(e)}); "
+                                         f"{_WHAT_TO_DO}") from None
         got = _step_of(state)
         if got != step:
-            raise CheckpointError(f"{self.path}: checkpoint {step} holds a state at step {got}; "
-                                  f"the checkpoint directory is damaged")
+            raise CheckpointDamagedError(f"{where}: checkpoint {step} is damaged (it holds the state after "
+                                         f"step {got}); {_WHAT_TO_DO}")
+        if fingerprint is not None:
+            from trainer.fingerprint import state_fingerprint
+
+            actual = state_fingerprint(state)
+            if actual != fingerprint:
+                raise CheckpointDamagedError(
+                    f"{where}: checkpoint {step} is damaged (its state's fingerprint {actual} differs from "
+                    f"{fingerprint} recorded when it was saved); {_WHAT_TO_DO}")
         return state
 
     def _check_target(self, step: int, abstract_state: Any) -> None:
         """CheckpointError naming the first leaf whose presence, shape or dtype differs
         between checkpoint `step` and the target."""
         try:
-            stored = _shapes(self._manager.item_metadata(step))
+            with _quiet_orbax():
+                stored = _shapes(self._manager.item_metadata(step))
         except Exception:  # no readable metadata: let restore itself report what is wrong
             return
         if not stored:
@@ -144,8 +198,9 @@ class Checkpointer:
     # ------------------------------------------------------------------------ lifetime
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        with _quiet_orbax():
+            self._manager.wait_until_finished()
+            self._manager.close()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -154,16 +209,107 @@ class Checkpointer:
         self.close()
 
 
+_WHAT_TO_DO = "restore from another checkpoint or re-create the run"
+
+
+def _read_failure(exc: BaseException) -> str:
+    """A short reason from orbax's exception chain: TensorStore's status and the leaf it read."""
+    texts = []
+    while exc is not None:
+        texts.append(" ".join(str(exc).split()))
+        exc = exc.__cause__ or exc.__context__
+    for text in reversed(texts):  # the innermost error says what TensorStore found
+        m = re.search(r'\b([A-Z_]{5,}): (.*)', text)
+        if m:
+            status, detail = m.groups()
+            leaf = re.search(r'Error reading "([^"/]+)', detail)
+            detail = re.sub(r"\[tensorstore_spec=.*", "", detail)
+            detail = detail.rsplit('": ', 1)[-1] if leaf else re.sub(r'"[^"]*"', "", detail)
+            where = f"cannot read {leaf.group(1)}" if leaf else "cannot read it"
+            return f"{where}: {status} {detail[:120].rstrip(' ;:')}"
+    return f"cannot read it: {texts[-1][:160]}" if texts else "cannot read it"
+
+
+def _is_disk_full(exc: BaseException) -> bool:
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            return True
+        text = str(exc)
+        if "No space left on device" in text or "os_error_code='28'" in text:  # TensorStore's ValueError
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def disk_of(path: str | os.PathLike) -> str:
+    """'the disk holding PATH (DEVICE mounted at MOUNT)', from /proc/self/mounts where there is one."""
+    path = os.path.realpath(path)
+    best = ("", "")
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                device, mount = line.split()[:2]
+                inside = path == mount or path.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) >= len(best[1]):
+                    best = (device, mount)
+    except OSError:
+        pass
+    where = f" ({best[0]} mounted at {best[1]})" if best[1] else ""
+    return f"the disk holding {path}{where}"
+
+
 @contextlib.contextmanager
-def _quiet_absl(quiet: bool):
-    logger = logging.getLogger("absl")
-    level = logger.level
-    if quiet:
-        logger.setLevel(logging.ERROR)
+def _quiet_orbax():
+    """Keeps orbax's chatter off the terminal while it works: absl logs from its threads, and the
+    unraisable errors a failed read or write leaves behind (see _drop_orbax_leftovers). The
+    failure itself still propagates as an exception, which callers turn into one line."""
+    _drop_orbax_leftovers()
+    loggers = [logging.getLogger(name) for name in ("absl", "asyncio")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL + 1)
     try:
         yield
+    except BaseException:
+        import gc
+
+        # Orbax's un-awaited coroutines warn when collected, as late as interpreter exit.
+        warnings.filterwarnings("ignore", message="coroutine '.*' was never awaited", category=RuntimeWarning)
+        gc.collect()
+        raise
     finally:
-        logger.setLevel(level)
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _from_orbax(unraisable: Any) -> bool:
+    """An unraisable error left by a failed orbax operation: its un-awaited read and write
+    coroutines, and TensorStore callbacks posting to orbax's closed event loops."""
+    if isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(unraisable.exc_value):
+        return True
+    code = getattr(unraisable.object, "cr_code", None)
+    tb = unraisable.exc_traceback
+    files = [code.co_filename] if code is not None else []
+    while tb is not None:
+        files.append(tb.tb_frame.f_code.co_filename)
+        tb = tb.tb_next
+    return any(f"{os.sep}orbax{os.sep}" in f for f in files)
+
+
+def _drop_orbax_leftovers() -> None:
+    """Orbax's leftovers surface from its threads and whenever they are collected, as late as
+    interpreter exit (hundreds of lines after a full disk): drop those, and only those."""
+    if getattr(sys.unraisablehook, "_drops_orbax", False):
+        return
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if not _from_orbax(unraisable):
+            previous(unraisable)
+
+    hook._drops_orbax = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(lambda record: "exception was never retrieved" not in record.getMessage())
 
 
 def _shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -23,7 +23,8 @@ from jax import lax
 
 from traces.fingerprint import GOLDEN, SUB_BYTE_RE, lane_seeds
 
-__all__ = ["fingerprint_lanes", "fingerprints_and_sums_of_squares", "fingerprint_tree", "lanes_to_int", "tree_to_ints"]
+__all__ = ["fingerprint_lanes", "fingerprints_and_sums_of_squares", "fingerprint_tree", "lanes_to_int",
+           "state_fingerprint", "tree_to_ints"]
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
@@ -156,3 +157,47 @@ def lanes_to_int(lanes) -> int:
 def tree_to_ints(lanes_tree):
     """Host-side: fingerprint_tree output -> same tree with 64-bit ints."""
     return jax.tree.map(lanes_to_int, jax.device_get(lanes_tree))
+
+
+# ------------------------------------------------------------------------ a whole state
+
+@jax.jit
+def _leaf_lanes(leaves: list) -> list:
+    return [fingerprint_lanes(x) for x in leaves]
+
+
+def _as_bits(x):
+    """A leaf as an array of its stored bits: typed PRNG keys as their raw key words."""
+    if hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(x)
+    return x if isinstance(x, jax.Array) else jnp.asarray(x)
+
+
+def _host(lanes: jax.Array) -> np.ndarray:
+    # Replicated output; in a multi-process run it is not fully addressable, so read this
+    # process's copy rather than the global value.
+    return np.asarray(lanes.addressable_shards[0].data, np.uint32)
+
+
+def state_fingerprint(state) -> str:
+    """16 hex digits: a 64-bit fingerprint of every leaf of `state` (its path, dtype, shape and
+    exact bits), in tree order. Leaves are fingerprinted on device, so only 8 bytes per leaf
+    reach the host, and the result is the same for any sharding, device or process count.
+    In a multi-process run every process must call it (the fingerprints are a collective)."""
+    import hashlib
+
+    from traces.fingerprint import fingerprint as host_fingerprint
+
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    paths = [jax.tree_util.keystr(p, simple=True, separator=".") for p, _ in flat]
+    leaves = [_as_bits(x) for _, x in flat]
+    on_device = [i for i, x in enumerate(leaves) if x.dtype.itemsize < 8 or jax.config.jax_enable_x64]
+    lanes = _leaf_lanes([leaves[i] for i in on_device])
+    values: dict[int, int] = {i: lanes_to_int(_host(l)) for i, l in zip(on_device, lanes)}
+    for i, x in enumerate(leaves):  # 8-byte leaves without x64: the numpy reference, same definition
+        if i not in values:
+            values[i] = host_fingerprint(np.asarray(jax.device_get(x)))
+    h = hashlib.blake2b(digest_size=8)
+    for i, (path, x) in enumerate(zip(paths, leaves)):
+        h.update(f"{path}|{np.dtype(x.dtype).name}|{list(x.shape)}|{values[i]:016x};".encode())
+    return h.hexdigest()

@@ -5,10 +5,17 @@ so bad input never changes a run. A resumed run restarts from its newest checkpo
 re-records the steps after it; the trace writer accepts them only if they are bit-identical
 to what was recorded before the interruption, so every resume is also a determinism check.
 `build` is shared with the replay engine, so a replay runs the very program training ran.
+
+Every saved state's fingerprint is recorded in the manifest, and a resume verifies the checkpoint
+it restores against it before the run is touched. A resume holds the run's lock from before the
+compile, so a second writer is refused at once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,12 +25,15 @@ import jax
 import numpy as np
 
 from traces import Run, Schema, TraceWriter
+from traces.errors import DiskFullError, RunLockedError, disk_full_message
+from traces.run import LOCK
 from trainer import data, invariant, mesh as meshlib, model, rng
-from trainer.checkpoint import Checkpointer
+from trainer.checkpoint import FINGERPRINTS_KEY, CheckpointDiskFullError, Checkpointer, recorded_fingerprint
 from trainer.config import Config, ConfigError, MeshConfig, config_diff, from_dict, to_dict
 from trainer.environment import environment, peak_flops, program_hash
 from trainer.recorder import Recorder, gather_example_hashes, make_schema
 from trainer.faults import FaultPlan
+from trainer.fingerprint import state_fingerprint
 from trainer.optim import make_optimizer
 from trainer.step import compile_step, tensor_schema
 
@@ -49,6 +59,7 @@ class TrainResult:
     compile_seconds: float
     last_loss: float | None
     checkpoints: list[int] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what could not be checked (an unverified checkpoint)
 
 
 @dataclass
@@ -139,9 +150,16 @@ def build(cfg: Config, source: data.TokenSource | None = None, mesh_cfg: MeshCon
 
 
 def load_resume_config(path: Path, cfg: Config | None, steps: int | None) -> Config:
-    """The config of the run to resume, refusing a different one (steps may grow)."""
+    """The config of the run to resume, refusing a different one.
+
+    `steps` is the run's new total length: a resume trains up to it, so it may only grow. Fewer
+    steps than the run is configured for would rewrite its config (and drop what it planned to
+    record), so that is refused; a shorter run is a new run."""
     run = Run.open(path)
     recorded = from_dict(run.manifest["config"])
+    if steps is not None and steps < recorded.steps:
+        raise ConfigError(f"--steps {steps}: {path} is configured for {recorded.steps} steps and a resume can only "
+                          f"extend it; give --steps {recorded.steps} or more, or omit --steps to finish it as configured")
     if cfg is not None:
         diff = [d for d in config_diff(recorded, cfg) if d[0] != "steps"]
         if diff:
@@ -160,6 +178,8 @@ class Prepared:
     resume: bool
     built: Built
     manifest: dict
+    lock_fd: int | None = None  # resume, process 0: the run's lock, held from before the compile
+    resumed: _Resumed | None = None  # resume: the verified state it restarts from
 
 
 def prepare(cfg: Config, out: str | Path, *, resume: bool = False, preset: str | None = None,
@@ -167,8 +187,20 @@ def prepare(cfg: Config, out: str | Path, *, resume: bool = False, preset: str |
     """Validates everything and compiles the step; raises a one-line error on bad input."""
     out = Path(out)
     if not resume and out.exists() and (not out.is_dir() or any(out.iterdir())):
+        if (out / LOCK).exists():
+            _release(_lock(out))  # a live writer: say so rather than "already exists"
         raise ConfigError(f"{out} already exists; choose a new --out, or continue it with --resume {out}")
-    built = build(cfg, on_compile=on_compile, faults=faults)
+    lock_fd = _lock(out) if resume and jax.process_index() == 0 else None
+    resumed = None
+    try:
+        # A damaged checkpoint is refused before the compile, and before the run is touched.
+        resumed = _restore_newest(cfg, out) if resume else None
+        built = build(cfg, on_compile=on_compile, faults=faults)
+    except BaseException:
+        _release(lock_fd)
+        if resumed is not None:
+            resumed.ckpt.close()
+        raise
     manifest = {
         "preset": preset,
         "config": to_dict(cfg),
@@ -185,7 +217,28 @@ def prepare(cfg: Config, out: str | Path, *, resume: bool = False, preset: str |
                                                                          jax.local_device_count())
         manifest["invariant"] = {"n_microbatches": cfg.mesh.n_microbatches, "pool_threads": invariant.pool_threads(),
                                  "settings_problem": invariant.settings_problem()}
-    return Prepared(out, resume, built, manifest)
+    return Prepared(out, resume, built, manifest, lock_fd, resumed)
+
+
+def _lock(path: Path) -> int | None:
+    """Holds RUN/.lock (the flock Run.resume takes) without writing anything: RunLockedError when
+    a live writer holds it. None for a run without a lock file (Run.resume will create it)."""
+    try:
+        fd = os.open(path / LOCK, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise RunLockedError(f"{path}: is being written by {holder}; wait for it to finish or stop it first") from None
+    return fd
+
+
+def _release(fd: int | None) -> None:
+    if fd is not None:
+        os.close(fd)
 
 
 def train(cfg: Config, out: str | Path, *, resume: bool = False, preset: str | None = None,
@@ -195,38 +248,104 @@ def train(cfg: Config, out: str | Path, *, resume: bool = False, preset: str | N
 
 def run_prepared(job: Prepared, on_step: Callable[[StepInfo], None] | None = None) -> TrainResult:
     """Opens (or creates) the run and trains. Only process 0 writes the trace and manifest."""
-    run = None
-    if jax.process_index() == 0:
-        if job.resume:
-            run = Run.resume(job.out)
-            if job.manifest["faults"] != run.manifest.get("faults", []):
-                run.update_manifest(faults=job.manifest["faults"])
-        else:
-            run = Run.create(job.out, job.built.schema, job.manifest)
-    elif not job.resume:
-        _wait_for(job.out / "run.json")
+    run, ckpt = None, job.resumed.ckpt if job.resumed else None
     try:
-        return _train_loop(job, run, on_step)
+        if jax.process_index() == 0:
+            _release(job.lock_fd)  # Run.resume takes the same lock through its own descriptor
+            job.lock_fd = None
+            if job.resume:
+                run = Run.resume(job.out)
+                if job.manifest["faults"] != run.manifest.get("faults", []):
+                    run.update_manifest(faults=job.manifest["faults"])
+            else:
+                run = Run.create(job.out, job.built.schema, job.manifest)
+        elif not job.resume:
+            _wait_for(job.out / "run.json")
+        if ckpt is None:
+            ckpt = Checkpointer(job.out / "checkpoints", keep=job.built.cfg.checkpoint.keep, create=True)
+        return _train_loop(job, run, ckpt, on_step)
+    except BaseException:
+        if ckpt is not None:
+            with contextlib.suppress(Exception):  # a failed save re-raises here; the first error stands
+                ckpt.close()
+        raise
     finally:
+        _release(job.lock_fd)
         if run is not None:
             run.close()  # a no-op after finish(); otherwise the run stays marked incomplete
 
 
-def _train_loop(job: Prepared, run: Run | None, on_step: Callable[[StepInfo], None] | None) -> TrainResult:
-    built, cfg = job.built, job.built.cfg
-    ckpt = Checkpointer(job.out / "checkpoints", keep=cfg.checkpoint.keep, create=True)
-    writer: TraceWriter | None = run.writer() if run is not None else None
-    start, state = 0, None
-    if job.resume:
-        recorded_end = writer.next_step if writer is not None and writer.next_step is not None else 0
+@dataclass
+class _Resumed:
+    ckpt: Checkpointer
+    start: int
+    state: Any  # None: no checkpoint yet, the run restarts from its initial state
+    fingerprints: dict[str, str]  # the manifest's checkpoint fingerprints
+    notes: list[str]
+
+
+def _restore_newest(cfg: Config, out: Path) -> _Resumed:
+    """The newest checkpoint the trace reaches, restored and checked against its recorded fingerprint."""
+    if cfg.mesh.mesh_invariant:  # before the restore starts JAX's backend (see build)
+        invariant.prepare_process()
+    recorded = Run.open(out)
+    manifest, recorded_end = recorded.manifest, recorded.trace.end  # every process: the same step
+    ckpt = Checkpointer(out / "checkpoints", keep=cfg.checkpoint.keep, create=True)
+    try:
         latest = ckpt.latest_at_or_before(recorded_end)
-        if latest is not None:
-            state, start = ckpt.restore(latest, built.abstract_sharded), latest
+        fingerprints = dict(manifest.get(FINGERPRINTS_KEY) or {})
+        if latest is None:
+            return _Resumed(ckpt, 0, None, fingerprints, [])
+        expected = recorded_fingerprint(manifest, latest)
+        state = ckpt.restore(latest, meshlib.sharded_abstract_state(cfg, meshlib.make_mesh(cfg.mesh)),
+                             fingerprint=expected)
+    except BaseException:
+        ckpt.close()
+        raise
+    notes = [] if expected else [f"{ckpt.path / str(latest)}: checkpoint {latest} has no recorded fingerprint "
+                                 "(saved before replay recorded them); resumed from it unverified"]
+    return _Resumed(ckpt, latest, state, fingerprints, notes)
+
+
+class _Saver:
+    """Saves checkpoints and records each one's state fingerprint in the manifest."""
+
+    def __init__(self, job: Prepared, run: Run | None, ckpt: Checkpointer, writer: TraceWriter | None,
+                 fingerprints: dict[str, str]):
+        self.job, self.run, self.ckpt, self.writer = job, run, ckpt, writer
+        self.fingerprints = fingerprints
+
+    def save(self, state: Any, done: int) -> None:
+        fingerprint = state_fingerprint(state)  # every process: a collective; before the next step donates it
+        try:
+            saved = self.ckpt.save(state)
+        except CheckpointDiskFullError as e:
+            last = self.writer.next_step - 1 if self.writer is not None and self.writer.next_step else done - 1
+            raise DiskFullError(disk_full_message(self.ckpt.path / str(done), f"saving checkpoint {done}", last,
+                                                  self.job.out), str(self.ckpt.path), last) from e
+        if saved:
+            self.fingerprints[str(done)] = fingerprint
+        self.record()
+
+    def record(self, **fields: Any) -> None:
+        if self.run is None:
+            return
+        steps = self.ckpt.steps()
+        recorded = {str(k): self.fingerprints[str(k)] for k in steps if str(k) in self.fingerprints}
+        self.run.update_manifest(checkpoints=steps, **{FINGERPRINTS_KEY: recorded}, **fields)
+
+
+def _train_loop(job: Prepared, run: Run | None, ckpt: Checkpointer,
+                on_step: Callable[[StepInfo], None] | None) -> TrainResult:
+    built, cfg, resumed = job.built, job.built.cfg, job.resumed
+    writer: TraceWriter | None = run.writer() if run is not None else None
+    start, state = (resumed.start, resumed.state) if resumed else (0, None)
+    saver = _Saver(job, run, ckpt, writer, resumed.fingerprints if resumed else {})
     if state is None:
         state = meshlib.init_sharded_state(cfg, built.mesh)
         # Checkpoint 0 makes every step replayable, the first ones included.
         if cfg.checkpoint.every_steps and cfg.steps > 0:
-            ckpt.save(state)
+            saver.save(state, 0)
     recorder = Recorder(built.schema, writer, cfg.trace.level)
     tokens_per_step = cfg.data.global_batch_size * cfg.model.seq_len
     peak = peak_flops(jax.devices()[0].device_kind)
@@ -238,9 +357,7 @@ def _train_loop(job: Prepared, run: Run | None, on_step: Callable[[StepInfo], No
         done = step + 1
         if done == cfg.steps or (cfg.checkpoint.every_steps and done % cfg.checkpoint.every_steps == 0):
             recorder.flush()  # the trace always reaches at least as far as the newest checkpoint
-            ckpt.save(state)
-            if run is not None:
-                run.update_manifest(checkpoints=ckpt.steps())
+            saver.save(state, done)
         if on_step is not None:
             elapsed = time.perf_counter() - t_start
             rate = (done - start) * tokens_per_step / elapsed if elapsed > 0 else 0.0
@@ -252,11 +369,12 @@ def _train_loop(job: Prepared, run: Run | None, on_step: Callable[[StepInfo], No
     ckpt.close()
     seconds = time.perf_counter() - t_start
     if run is not None:
-        run.update_manifest(checkpoints=ckpt.steps(), config={**run.manifest["config"], "steps": cfg.steps})
+        saver.record(config={**run.manifest["config"], "steps": cfg.steps})
         run.finish()
     last = recorder.last
     return TrainResult(job.out, start, cfg.steps, recorder.rewritten, seconds, built.compile_seconds,
-                       last.metric(built.schema, "loss") if last else None, ckpt.steps())
+                       last.metric(built.schema, "loss") if last else None, ckpt.steps(),
+                       resumed.notes if resumed else [])
 
 
 def _wait_for(path: Path, timeout: float = 120.0) -> None:

@@ -101,6 +101,9 @@ class TrainerReplay:
         self.built = built
         self.schema = built.schema
         self._ckpt = Checkpointer(run.checkpoint_dir, create=False)
+        self._manifest = run.manifest
+        self.unverified: list[int] = []  # checkpoints restored without a recorded fingerprint to check
+        self.restore_notes: list[str] = []  # one line per unverified checkpoint, for the report
 
     def environment(self) -> dict:
         from trainer.environment import environment
@@ -114,7 +117,18 @@ class TrainerReplay:
         return self._ckpt.steps()
 
     def restore(self, step: int) -> Any:
-        return self._ckpt.restore(step, self.built.abstract_sharded)
+        """The state saved at `step`, verified on device against the fingerprint recorded when it
+        was saved (CheckpointDamagedError on a mismatch or unreadable files). A checkpoint with
+        no recorded fingerprint (older runs) is restored unverified and noted."""
+        from trainer.checkpoint import recorded_fingerprint
+
+        expected = recorded_fingerprint(self._manifest, step)
+        state = self._ckpt.restore(step, self.built.abstract_sharded, fingerprint=expected)
+        if expected is None and step not in self.unverified:
+            self.unverified.append(step)
+            self.restore_notes.append(f"{self._ckpt.path / str(step)}: checkpoint {step} has no recorded fingerprint "
+                                      "(saved before replay recorded them), so it was restored unverified")
+        return state
 
     def step(self, state: Any, step: int) -> tuple[Any, dict, np.ndarray]:
         return self.built.run_step(state, step)

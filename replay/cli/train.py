@@ -13,7 +13,7 @@ from replay.cli import console
 def train(
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="New run directory to create.")] = None,
     preset: Annotated[Optional[str], typer.Option("--preset", "-p", help="tiny, demo, olmo-1b, olmo3-7b.")] = None,
-    steps: Annotated[Optional[int], typer.Option("--steps", help="Total steps of the run (on resume: train up to this step).")] = None,
+    steps: Annotated[Optional[int], typer.Option("--steps", help="Total steps of the run. On resume: the run's new total, at least the steps it is configured for.")] = None,
     overrides: Annotated[Optional[list[str]], typer.Option("--set", help="Config override section.field=value; repeatable.")] = None,
     resume: Annotated[Optional[Path], typer.Option("--resume", help="Continue this run from its newest checkpoint.")] = None,
     inject: Annotated[Optional[list[str]], typer.Option("--inject", help="Inject a fault NAME@STEP (trainer/faults.py); repeatable.")] = None,
@@ -28,17 +28,12 @@ def train(
 
         # Must come before anything touches a device.
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
-    from replay.cli.errors import register_user_error
-    from trainer.checkpoint import CheckpointError
-    from trainer.config import ConfigError, apply_overrides, get_preset
-    from trainer.data import DataError
+    from trainer.config import apply_overrides, get_preset
     from trainer.loop import StepInfo, load_resume_config, prepare, run_prepared
-    from trainer.mesh import MeshError
 
     from traces import Run
-    from trainer.faults import FaultError, FaultPlan, parse
+    from trainer.faults import FaultPlan, parse
 
-    register_user_error(ConfigError, DataError, MeshError, CheckpointError, FaultError)
     new_faults = [parse(spec) for spec in inject or []]
     if resume is not None and out is not None:
         console.fail("give either --out (a new run) or --resume RUN, not both")
@@ -78,6 +73,8 @@ def train(
 
         result = run_prepared(job, on_step)
         bar.update(task, completed=cfg.steps)
+    for note in result.notes:
+        console.warn(note)
     summary = {
         "run": str(result.path), "steps": result.end_step, "started_at": result.start_step,
         "rewritten_identical": result.rewritten, "last_loss": result.last_loss,

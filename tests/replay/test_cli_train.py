@@ -80,3 +80,35 @@ def test_resume_of_a_run_made_by_another_preset(existing_run):
     before = dir_digest(existing_run)
     assert_one_line_error(invoke("train", "--resume", str(existing_run), "--preset", "demo"), "was made with")
     assert dir_digest(existing_run) == before
+
+
+def test_resume_with_fewer_steps_than_configured_is_refused(existing_run):
+    # --steps on resume is the run's new total: it may grow, never shrink (config.steps stays 20).
+    before = dir_digest(existing_run)
+    assert_one_line_error(invoke("train", "--resume", str(existing_run), "--steps", "10"),
+                          "--steps 10", "configured for 20 steps", "--steps 20 or more")
+    assert dir_digest(existing_run) == before
+    assert Run.open(existing_run).manifest["config"]["steps"] == 20
+
+
+@pytest.fixture
+def no_compile(monkeypatch):
+    """Any compile is a failure: a refusal must come before it."""
+    import trainer.loop
+
+    def build(*args, **kwargs):
+        raise AssertionError("compiled before refusing")
+
+    monkeypatch.setattr(trainer.loop, "build", build)
+
+
+def test_a_second_writer_is_refused_before_compiling(existing_run, no_compile):
+    writer = Run.resume(existing_run)  # a live writer holds the run's lock
+    try:
+        before = dir_digest(existing_run)
+        for args in (["--resume", str(existing_run)], ["--out", str(existing_run)]):
+            result = invoke("train", *args)
+            assert_one_line_error(result, "is being written by pid")  # one line: no status, no progress bar
+        assert dir_digest(existing_run) == before
+    finally:
+        writer.close()

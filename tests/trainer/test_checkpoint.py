@@ -21,6 +21,7 @@ from trainer import mesh as M
 from trainer import step
 from trainer.checkpoint import CheckpointError, Checkpointer
 from trainer.config import apply_overrides, get_preset
+from trainer.fingerprint import state_fingerprint
 
 ROOT = Path(__file__).resolve().parents[2]
 CFG = get_preset("tiny")
@@ -183,6 +184,7 @@ import jax, numpy as np
 from trainer import mesh as M, step
 from trainer.checkpoint import Checkpointer
 from trainer.config import apply_overrides, get_preset
+from trainer.fingerprint import state_fingerprint
 mode, ckdir, npz = sys.argv[1], sys.argv[2], sys.argv[3]
 assert jax.device_count() == 8, jax.device_count()
 cfg = apply_overrides(get_preset("tiny"), ["mesh.data=1", "mesh.fsdp=-1"])
@@ -203,6 +205,7 @@ if mode == "save":
         out["steps"] = ck.steps()
     x = state.params["lm_head"]["kernel"]
     out["shard"], out["shape"] = list(x.addressable_shards[0].data.shape), list(x.shape)
+    out["fingerprint"] = state_fingerprint(state)  # of the state sharded 8 ways
 else:
     want = np.load(npz)
     with Checkpointer(ckdir, create=False) as ck:
@@ -210,6 +213,7 @@ else:
     got = leaves(state)
     out["differ"] = sorted(k for k in want.files if want[k].dtype != got[k].dtype or want[k].tobytes() != got[k].tobytes())
     out["same_keys"] = sorted(want.files) == sorted(got)
+    out["fingerprint"] = state_fingerprint(state)
     x = state.params["lm_head"]["kernel"]
     out["shard"], out["shape"] = list(x.addressable_shards[0].data.shape), list(x.shape)
     state, metrics = fn(state, batch(1))  # donates (deletes) the restored arrays
@@ -240,6 +244,7 @@ def test_saved_on_8_devices_restores_on_1(tmp_path, trained):
     got = leaf_bytes(state)
     assert sorted(got) == sorted(want.files)
     assert [k for k in want.files if got[k] != (want[k].dtype.str, want[k].shape, want[k].tobytes())] == []
+    assert state_fingerprint(state) == out["fingerprint"]  # the same bits give the same fingerprint, any sharding
     state, metrics = fn(state, M.global_batch(make_batch(CFG, seed=1), mesh))
     assert int(state.step) == 2 and np.isfinite(float(metrics["loss"]))
 
@@ -253,5 +258,6 @@ def test_saved_on_1_device_restores_on_8(tmp_path, trained):
         (jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0])})
     out = _eight("restore", str(tmp_path / "ck"), str(tmp_path / "want.npz"))
     assert out["same_keys"] and out["differ"] == []
+    assert out["fingerprint"] == state_fingerprint(state)
     assert out["shard"] == [64, 40]  # restored straight into the 8-way layout
     assert out["after_step"] == 2 and out["loss_finite"]

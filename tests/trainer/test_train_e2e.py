@@ -140,6 +140,10 @@ def test_two_processes_train_and_record(reference, tmp_path):
     assert run.status == "complete" and run.trace.end == 4
     assert run.manifest["environment"]["process_count"] == 2 and run.manifest["environment"]["device_count"] == 4
     assert run.manifest["checkpoints"] == [0, 2, 4]
+    # Both processes fingerprinted the state (a collective), process 0 recorded it: the initial state
+    # is the same bits on 2 processes x 2 devices as on 1 device, and so is its fingerprint.
+    fps = run.manifest["checkpoint_fingerprints"]
+    assert sorted(fps, key=int) == ["0", "2", "4"] and fps["0"] == Run.open(reference).manifest["checkpoint_fingerprints"]["0"]
     ref = Run.open(reference).trace
     for step in range(4):  # both hosts' halves of the batch, in global order
         assert np.array_equal(run.trace.read(step).example_hashes, ref.read(step).example_hashes)

@@ -16,13 +16,16 @@
    between by replaying both runs (O(log N) probes). The divergent step is then the first step
    whose output state (parameters and optimizer state) differs.
 
-Every replay is read-only and optional (`refine=False`, CLI --no-refine); a run that cannot be
-replayed here leaves a note, never a failed bisect.
+Every replay is read-only and optional (`refine=False`, CLI --no-refine). When the answer needs
+a replay (the traces cannot vouch for it) and the replay fails, the report keeps what the trace
+scan found and `report.failure` holds the error, which the CLI raises after printing the report:
+an unrefined answer is never passed off as a refined one. A damaged trace (allowed by the CLI's
+--allow-damaged) is compared over its readable steps only, and the report says so.
 """
 
 from __future__ import annotations
 
-import os
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,7 +34,6 @@ from replay.audit import read_example_hashes
 from traces import Comparison, Run, compare
 
 TENSOR_KINDS = ("state", "forward", "backward", "update")  # fields a replay can look inside (replay/refine.py)
-ENV_KEYS = ("backend", "device_kind", "device_count", "process_count", "cpu_count", "xla_flags")
 
 
 @dataclass
@@ -67,6 +69,13 @@ class BisectReport:
     replayed_steps: int = 0  # single steps re-run, both runs together
     bits_expected: bool = True  # whether the determinism contract promises equal bits for this pair
     noise: dict | None = None  # replay/noise.py's verdict when bits are not expected
+    damage: dict[str, str] = field(default_factory=dict)  # "A"/"B" -> one line naming its trace's first damage
+    failure: Exception | None = None  # the replay the answer needed, failed: raised by the CLI after the report
+
+    @property
+    def whole(self) -> bool:
+        """Whether the verdict covers both runs: no damaged trace, no failed replay."""
+        return not self.damage and self.failure is None
 
     @property
     def noise_only(self) -> bool:
@@ -101,9 +110,13 @@ class BisectReport:
         return [e for e in self.examples if e.run == run and any(s["run"] == run for s in e.seen)]
 
     def to_json(self) -> dict:
+        """Strict JSON: a NaN or infinite value is null, with its repr beside it."""
         c = self.comparison
-        return {
-            "identical": self.identical, "first_step": self.first_step, "cause": self.cause, "layer": self.layer,
+        return finite_json({
+            # "identical" is the whole runs' verdict; over the steps compared, see identical_in_compared_steps.
+            "identical": self.identical and self.whole, "identical_in_compared_steps": self.identical,
+            "damage": self.damage, "error": None if self.failure is None else str(self.failure),
+            "first_step": self.first_step, "cause": self.cause, "layer": self.layer,
             "method": self.method, "replays": self.replays, "replayed_steps": self.replayed_steps,
             "trace_first": None if c.first is None else {"step": c.first_step, "kind": c.first.kind, "name": c.first.name},
             "fields": [{"kind": d.kind, "name": d.name, "a": d.a, "b": d.b, "distance": d.distance,
@@ -115,7 +128,24 @@ class BisectReport:
             "refinement": self.refinement, "search": self.search, "compared": list(c.compared),
             "bits_expected": self.bits_expected, "noise": self.noise, "noise_only": self.noise_only,
             "a_range": list(c.a_range), "b_range": list(c.b_range), "schema_notes": c.schema_notes, "notes": self.notes,
-        }
+        })
+
+
+def finite_json(obj):
+    """`obj` with every NaN or infinity replaced by None (JSON has neither); in a dict, `KEY_repr`
+    beside it says what it was ("nan", "inf", "-inf")."""
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            if isinstance(v, float) and not math.isfinite(v):
+                out[k] = None
+                out.setdefault(f"{k}_repr", str(v))
+            else:
+                out[k] = finite_json(v)
+        return out
+    if isinstance(obj, (list, tuple)):
+        return [None if isinstance(v, float) and not math.isfinite(v) else finite_json(v) for v in obj]
+    return obj
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -136,9 +166,11 @@ def manifest_diff(a: dict, b: dict) -> list[ManifestDiff]:
         if key != "config.steps" and fa.get(key) != fb.get(key):
             diffs.append(ManifestDiff(key, fa.get(key), fb.get(key)))
     ea, eb = a.get("environment", {}), b.get("environment", {})
-    for key in ENV_KEYS:
-        if ea.get(key) != eb.get(key):
-            diffs.append(ManifestDiff(f"environment.{key}", ea.get(key), eb.get(key)))
+    # The contract's keys for A's backend, as `replay run` compares them (replay/contract.py).
+    from replay.contract import environment_differences
+
+    for key, va, vb in environment_differences(ea, eb):
+        diffs.append(ManifestDiff(f"environment.{key}", va, vb))
     va, vb = _flatten(ea.get("versions", {}), "versions."), _flatten(eb.get("versions", {}), "versions.")
     va.update(_flatten(ea.get("random", {}), "random."))
     vb.update(_flatten(eb.get("random", {}), "random."))
@@ -178,11 +210,31 @@ def seen_before(runs: dict[str, Run], step: int, positions: list[int]) -> list[S
     return found
 
 
+def comparability_problem(a: Run, b: Run) -> str | None:
+    """Why two runs cannot be bisected (another batch size, another model), or None."""
+    sa, sb = a.schema, b.schema
+    if sa.examples_per_step != sb.examples_per_step:
+        return (f"the runs feed different batch sizes ({sa.examples_per_step} vs {sb.examples_per_step} examples "
+                "a step): bisect compares two runs of the same training setup")
+    if sa.tensors and sb.tensors and sa.tensor_names != sb.tensor_names:
+        only = [n for n in sa.tensor_names if n not in sb.tensor_names][:1] or \
+               [n for n in sb.tensor_names if n not in sa.tensor_names][:1]
+        return (f"the runs record different models ({len(sa.tensors)} vs {len(sb.tensors)} fingerprinted tensors, "
+                f"e.g. {only[0] if only else 'in another order'}): bisect compares two runs of the same model")
+    return None
+
+
 def bisect(run_a: Run, run_b: Run, refine: bool = True) -> BisectReport:
     """Manifest diff, first divergence in the traces, data refinement and, with `refine`, the
     replay steps: layer refinement and binary search by replay (replay/refine.py)."""
-    report = BisectReport(str(run_a.path), str(run_b.path), manifest_diff(run_a.manifest, run_b.manifest),
+    from replay.bundle_format import describe_damage, run_damage, shown_path
+
+    report = BisectReport(shown_path(run_a), shown_path(run_b), manifest_diff(run_a.manifest, run_b.manifest),
                           compare(run_a.trace, run_b.trace))
+    for name, run in (("A", run_a), ("B", run_b)):
+        damage = run_damage(run)
+        if damage:
+            report.damage[name] = describe_damage(run, damage)
     first = report.comparison.first
     if first is not None and first.kind == "data":
         report.examples = seen_before({"A": run_a, "B": run_b}, report.comparison.first_step, first.positions or [])
@@ -220,16 +272,23 @@ NOISE_WINDOW = 200  # steps after the first difference judged against the floor 
 
 def _noise(report: BisectReport, run_a: Run, run_b: Run) -> None:
     from replay.noise import judge
-    from replay.refine import ReplayUnavailable
-    from traces import TraceError
+    from replay.replayer import ReplayUnavailable, _checkpoint_error, _input_errors
 
     c = report.comparison
     start, stop = c.first_step, min(c.compared[1], c.first_step + NOISE_WINDOW)
     try:
         verdict = judge(run_a, run_b, start, stop)
-    except (ReplayUnavailable, TraceError, ValueError, OSError) as e:  # data, checkpoints or config missing here
-        report.notes.append(f"bits are not expected to match for this pair, and the noise floor could not be measured "
-                            f"here (run A cannot be replayed: {e}); the differences are unjudged")
+    except _checkpoint_error() as e:  # a damaged checkpoint is named as itself
+        report.failure = e
+        return
+    except (ReplayUnavailable, *_input_errors()) as e:  # data, checkpoints or config missing here
+        report.failure = ReplayUnavailable(
+            f"bits are not expected to match for this pair, and the noise floor that would judge the differences "
+            f"from step {start} on could not be measured here ({type(e).__name__}: {e}); fix that and rerun, or pass "
+            "--no-refine to report the differences unjudged")
+        return
+    except Exception as e:  # noqa: BLE001 - a damaged checkpoint (exit 2) or a bug (exit 3), raised by the CLI
+        report.failure = e
         return
     report.noise = verdict.to_json()
     report.replays += verdict.replays
@@ -298,16 +357,21 @@ def _replay(report: BisectReport, run_a: Run, run_b: Run) -> None:
                     return
                 report.method, report.found_step = "binary search by replay", search.first_step
                 step, states, focus = search.first_step, search.states, None
+        if ra.built is None or rb.built is None:
+            report.notes.append(f"step {step} is not looked inside: layer refinement instruments runs of trainer/, and "
+                                "another training loop's replayable has no model to instrument")
+            return
         report.refinement = refine_step(ra, rb, step, states, focus)
         if report.refinement.get("cause") == "data" and not report.examples:
             report.notes.append("the traces hold no per-example hashes of earlier steps: whether these examples "
                                 "were already seen is not known (record with trace.level=step or layer)")
     except ReplayUnavailable as e:
-        report.notes.append(f"not refined by replay: {e}")
-    except Exception as e:  # noqa: BLE001 - a failed refinement must not lose the trace scan's answer
-        if os.environ.get("REPLAY_DEBUG"):
-            raise
-        report.notes.append(f"replay refinement failed ({type(e).__name__}: {' '.join(str(e).split())[:200]}); "
-                            "rerun with --debug for the traceback")
+        why = ("the traces do not show every step's state, so a replay has to check them"
+               if c.first is None else f"the trace scan's step {c.first_step} needs a replay to be confirmed and refined")
+        report.failure = ReplayUnavailable(f"bisect could not replay the runs here: {e} ({why}); fix that and rerun, "
+                                           "or pass --no-refine for the trace scan alone")
+        report.failure.__cause__ = e
+    except Exception as e:  # noqa: BLE001 - a damaged checkpoint (exit 2) or a bug (exit 3), raised by the CLI
+        report.failure = e  # after the report, so the trace scan's answer is not lost
     finally:
         report.replayed_steps = ra.replayed_steps + rb.replayed_steps

@@ -12,16 +12,18 @@ The public module: the rest of replay imports bundles from here. The code lives 
 from __future__ import annotations
 
 from replay.bundle_format import (EXAMPLES, FLAG_LITE, FORMAT_VERSION, HEADER_SIZE, MAGIC, PREFIX_SIZE, REPORT, SUFFIX,
-                                  ZSTD_LEVEL, BundleCorruptError, Header, NewerBundleError, NotABundleError, PackError,
-                                  PackNotBuilt, default_steps, is_bundle, open_run, read_header, unpack, verify)
+                                  ZSTD_LEVEL, BundleCorruptError, DamagedRunError, Header, NewerBundleError,
+                                  NotABundleError, PackError, bundle_terms, damage_error, default_steps, describe_damage,
+                                  is_bundle,
+                                  named_as_bundle, open_run, read_header, run_damage, shown_path, unpack, verify)
 from replay.bundle_pack import PackResult, Part, pack
 from replay.bundle_report import FINDING_ROWS, MAX_TABLE_ROWS, fmt_bytes, render_report, sample_steps
 
 __all__ = [
     "EXAMPLES", "FINDING_ROWS", "FLAG_LITE", "FORMAT_VERSION", "HEADER_SIZE", "MAGIC", "MAX_TABLE_ROWS", "PREFIX_SIZE",
     "REPORT", "SUFFIX", "ZSTD_LEVEL",
-    "BundleCorruptError", "NewerBundleError", "NotABundleError", "PackError", "PackNotBuilt",
+    "BundleCorruptError", "DamagedRunError", "NewerBundleError", "NotABundleError", "PackError",
     "Header", "PackResult", "Part",
-    "default_steps", "fmt_bytes", "is_bundle", "open_run", "pack", "read_header", "render_report", "sample_steps",
-    "unpack", "verify",
+    "bundle_terms", "damage_error", "default_steps", "describe_damage", "fmt_bytes", "is_bundle", "named_as_bundle", "open_run", "pack",
+    "read_header", "render_report", "run_damage", "sample_steps", "shown_path", "unpack", "verify",
 ]

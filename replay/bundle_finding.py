@@ -8,15 +8,28 @@ from typing import Any
 
 import numpy as np
 
-from replay.bundle_format import PackError, PackNotBuilt, open_run
+from replay.bundle_format import PackError, damage_error, named_as_bundle, open_run
 from replay.bundle_report import _short, _value
 from traces import Run
 
 
 def _bisect_finding(run: Run, run_path, other) -> dict:
-    from replay.bisect import bisect
+    """`replay bisect RUN OTHER`, refusing what bisect refuses: another model or batch size, a
+    damaged OTHER; a replay the finding needs that fails here fails the pack."""
+    from replay.bisect import bisect, comparability_problem
 
-    report = bisect(run, open_run(other))
+    run_b = open_run(other)
+    damaged = damage_error(run_b, f"--from-bisect {other}", "its finding would not be a finding: restore its files "
+                           "from a copy, or pack with --steps A:B alone")
+    if damaged:
+        raise damaged
+    problem = comparability_problem(run, run_b)
+    if problem:
+        raise PackError(f"--from-bisect {other}: {problem}")
+    with named_as_bundle(run), named_as_bundle(run_b):
+        report = bisect(run, run_b)
+        if report.failure is not None:
+            raise report.failure
     c = report.comparison
     out: dict[str, Any] = {"kind": "bisect", "run_a": str(run_path), "run_b": str(other), "identical": report.identical,
                            "step": c.first_step, "cause": report.cause, "layer": report.layer,
@@ -42,11 +55,8 @@ def _bisect_finding(run: Run, run_path, other) -> dict:
 def _spike_finding(run: Run, run_path, step: int, data: str | None, status) -> dict:
     """`replay spike RUN --step S` on the run being packed: detection from the trace, then the
     analysis, which replays the window from a checkpoint (verifying every step)."""
-    try:
-        import replay.spike as spikelib  # replay/spike.py (the loss-spike issue)
-    except ImportError:
-        raise PackNotBuilt("--spike needs `replay spike` (replay/spike.py), which is not built yet; pack the window "
-                           f"with --steps A:B and describe the spike at step {step} yourself") from None
+    import replay.spike as spikelib
+
     trace = run.trace
     if not trace.start <= step < trace.end:
         raise PackError(f"--spike {step} is outside the recorded steps {trace.start}..{trace.end - 1} of {run_path}")

@@ -20,8 +20,9 @@ File layout, bundle format_version 1 (integers little-endian):
     64      -   payload: one zstd frame (with its content checksum) holding a POSIX tar archive
                 of a run folder, members in this order:
 
-    run.json           the run's manifest; "checkpoints" lists only the bundled checkpoint, and
-                       "bundle" describes the bundle (below)
+    run.json           the run's manifest, with its own checksum (traces.run.write_manifest);
+                       "checkpoints" lists only the bundled checkpoint, "trace_first_step" is
+                       the bundle's first step, and "bundle" describes the bundle (below)
     COMPLETE           {"end": B + 1}: the bundle is a complete run of steps C..B
     REPORT.md          the bug report, for people: the run, its environment, the steps, their
                        metrics, the finding of --from-bisect/--spike, and the replay command
@@ -44,8 +45,12 @@ in order: the magic ("not a bundle"), the prefix crc (a damaged header), the ver
 upgrade), the version-1 header crc, the file size against the payload size (truncated, or
 trailing bytes), the payload's sha256 (any changed byte); then, unpacking, the zstd frame
 checksum and that every member is a plain file or folder inside the bundle. The unpacked
-folder is opened with traces.Run, so the trace's checksums and the replay's verification are
-those of any run. Pack itself checks that the bundled rows rebuild every recorded batch of
+folder is opened with traces.Run, so the manifest's checksum, the trace's checksums and the
+replay's verification are those of any run; a trace that is damaged inside a bundle whose
+sha256 holds is refused by `unpack` (commands that open bundles judge it with their own
+--allow-damaged). `unpack` writes to a hidden sibling of DIR and renames it into place only
+once all of that passed, so a bundle that fails leaves nothing behind. Messages name the
+bundle's files as BUNDLE:member, never the temporary folder a command unpacked it to. Pack itself checks that the bundled rows rebuild every recorded batch of
 steps C..B (through the run's fault plan, as the replay feeds them) before writing anything.
 """
 
@@ -60,6 +65,7 @@ import struct
 import tarfile
 import tempfile
 import zlib
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -99,8 +105,8 @@ class PackError(traces.TraceError):
     """What was asked cannot be packed (a range, a missing checkpoint or data, an existing file)."""
 
 
-class PackNotBuilt(PackError):
-    """--spike before `replay spike` exists."""
+class DamagedRunError(TraceCorruptError):
+    """A run or bundle whose trace is damaged, given to a command that needs it whole."""
 
 
 # ------------------------------------------------------------------------------ reading
@@ -208,47 +214,124 @@ def _member_path(dest: Path, name: str, src: Path) -> Path:
     return dest.joinpath(*parts)
 
 
-def unpack(path: str | os.PathLike, dest: str | os.PathLike) -> Header:
-    """Verifies the bundle and writes its run folder to `dest` (which must not exist or be empty)."""
+def unpack(path: str | os.PathLike, dest: str | os.PathLike, allow_damaged: bool = False) -> Header:
+    """Verifies the bundle and writes its run folder to `dest` (which must not exist or be empty).
+
+    The files are written to a hidden sibling and renamed to `dest` only once the run they form
+    opens (its manifest checks) and, unless `allow_damaged`, its trace is undamaged: a bundle
+    that fails after extracting leaves nothing behind."""
     path, dest = Path(path), Path(dest)
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise PackError(f"{dest}: already exists and is not empty; unpack into a new folder")
+    if not dest.parent.is_dir():
+        raise PackError(f"{dest}: the folder {dest.parent} does not exist")
     header = verify(path)
-    created = not dest.exists()
-    dest.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{dest.name}.unpack-", dir=dest.parent))
     try:
-        with open(path, "rb") as f:
-            f.seek(HEADER_SIZE)
-            stream = zstandard.ZstdDecompressor().stream_reader(_Bounded(f, header.payload_size))
-            with tarfile.open(fileobj=stream, mode="r|") as tar:
-                for member in tar:
-                    target = _member_path(dest, member.name, path)
-                    if member.isdir():
-                        target.mkdir(parents=True, exist_ok=True)
-                    elif member.isfile():
-                        target.parent.mkdir(parents=True, exist_ok=True)
-                        with tar.extractfile(member) as src, open(target, "xb") as out:
-                            shutil.copyfileobj(src, out, _CHUNK)
-                    else:
-                        raise BundleCorruptError(f"{path}: damaged bundle: member {member.name!r} is not a file", str(path))
-        if not (dest / MANIFEST).is_file():
-            raise BundleCorruptError(f"{path}: damaged bundle: it holds no {MANIFEST}", str(path))
+        _extract(path, header, stage)
+        run = Run.open(stage)
+        run.bundle = path
+        damage = run_damage(run)
+        if damage and not allow_damaged:
+            raise BundleCorruptError(f"{path}: damaged bundle: its checksum matches, but the trace it holds is "
+                                     f"damaged ({describe_damage(run, damage)}); it was packed from a damaged run, or "
+                                     "written by something other than `replay pack`", str(path))
+        os.replace(stage, dest)  # onto a missing or empty folder: atomic
     except (zstandard.ZstdError, tarfile.TarError, EOFError, FileExistsError) as e:
-        _remove(dest, created)
         raise BundleCorruptError(f"{path}: damaged bundle: its content does not unpack ({e.__class__.__name__}: {e}); "
                                  "get a fresh copy", str(path)) from None
-    except BaseException:
-        _remove(dest, created)
+    except Exception as e:
+        _rename_in(e, stage, path)
         raise
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
     return header
 
 
-def _remove(dest: Path, created: bool) -> None:
-    if created:
-        shutil.rmtree(dest, ignore_errors=True)
-    else:
-        for child in dest.iterdir():
-            shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
+def _extract(path: Path, header: Header, dest: Path) -> None:
+    with open(path, "rb") as f:
+        f.seek(HEADER_SIZE)
+        stream = zstandard.ZstdDecompressor().stream_reader(_Bounded(f, header.payload_size))
+        with tarfile.open(fileobj=stream, mode="r|") as tar:
+            for member in tar:
+                target = _member_path(dest, member.name, path)
+                if member.isdir():
+                    target.mkdir(parents=True, exist_ok=True)
+                elif member.isfile():
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    with tar.extractfile(member) as src, open(target, "xb") as out:
+                        shutil.copyfileobj(src, out, _CHUNK)
+                else:
+                    raise BundleCorruptError(f"{path}: damaged bundle: member {member.name!r} is not a file", str(path))
+    if not (dest / MANIFEST).is_file():
+        raise BundleCorruptError(f"{path}: damaged bundle: it holds no {MANIFEST}", str(path))
+
+
+# ------------------------------------------------------------------------------ damage, named for people
+
+
+def run_damage(run: Run, crash_tail: bool = True) -> list:
+    """The damage known cheaply of `run` (traces' Run.damage: headers, seals, missing leading
+    segments, a trace shorter than the finished run). `crash_tail`: leave out the torn last
+    record of a run that is not complete -- what a crash or a live writer leaves, not damage."""
+    found = getattr(run, "damage", None)
+    found = list(found() if callable(found) else found) if found is not None else list(run.trace.damage)
+    tail = run.trace.tail if crash_tail and run.status != "complete" else None
+    if tail is not None:
+        found = [d for d in found if (d.path, d.offset) != (str(tail[0]), tail[1])]
+    return found
+
+
+def describe_damage(run: Run, damage: list) -> str:
+    """One line naming the file, byte and step of the first damage, in the bundle's terms for a bundle."""
+    try:
+        from traces import describe_damage as describe
+    except ImportError:
+        from traces.trace import describe_damage as describe
+    return bundle_terms(run, describe(damage))
+
+
+def damage_error(run: Run, what: str, remedy: str, crash_tail: bool = True) -> DamagedRunError | None:
+    """The one-line refusal of a damaged `run` ("WHAT is damaged: ...; steps a..b are readable;
+    REMEDY"), or None when its trace is undamaged."""
+    damage = run_damage(run, crash_tail)
+    if not damage:
+        return None
+    trace = run.trace
+    readable = f"steps {trace.start}..{trace.end - 1} are readable" if len(trace) else "no step is readable"
+    return DamagedRunError(f"{what} is damaged: {describe_damage(run, damage)}; {readable}; {remedy}", shown_path(run))
+
+
+def shown_path(run: Run) -> str:
+    """What to call `run` in a message: the bundle file for a bundle, else the run folder."""
+    return str(getattr(run, "bundle", None) or run.path)
+
+
+def bundle_terms(run: Run, text: str) -> str:
+    """`text` with a bundle's temporary folder replaced by the bundle file (BUNDLE:member)."""
+    bundle = getattr(run, "bundle", None)
+    return _in_terms(text, run.path, bundle) if bundle else text
+
+
+def _in_terms(text: str, root, bundle) -> str:
+    return text.replace(str(root) + os.sep, f"{bundle}:").replace(str(root), str(bundle))
+
+
+def _rename_in(e: BaseException, root, bundle) -> None:
+    """Rewrites the message of `e` (its first argument) in the bundle's terms."""
+    if e.args and isinstance(e.args[0], str):
+        e.args = (_in_terms(e.args[0], root, bundle),) + e.args[1:]
+
+
+@contextmanager
+def named_as_bundle(run: Run):
+    """Errors raised inside name the bundle file, not the temporary folder it was unpacked to."""
+    try:
+        yield
+    except Exception as e:
+        if getattr(run, "bundle", None):
+            _rename_in(e, run.path, run.bundle)
+        raise
 
 
 _TEMP_DIRS: list[str] = []
@@ -274,7 +357,7 @@ def open_run(path: str | os.PathLike, for_replay: bool = False) -> Run:
         tmp = tempfile.mkdtemp(prefix="replay-bundle-")
         _TEMP_DIRS.append(tmp)
         dest = Path(tmp) / p.name  # shown where a report names the run
-        unpack(p, dest)
+        unpack(p, dest, allow_damaged=True)  # the command judges the damage, with its own flags
         run = Run.open(dest)
         run.bundle = p
     info = run.manifest.get("bundle")

@@ -17,10 +17,20 @@ import zstandard
 import traces
 from replay.bundle_finding import _bisect_finding, _json_safe, _spike_finding
 from replay.bundle_format import (EXAMPLES, FORMAT_VERSION, HEADER_SIZE, REPORT, SUFFIX, ZSTD_LEVEL, PackError,
-                                  _encode_header, open_run)
+                                  _encode_header, damage_error, open_run)
 from replay.bundle_report import render_report
 from traces import Run
 from traces.run import COMPLETE, MANIFEST, TRACE_DIR, write_json_atomic
+
+MANIFEST_CHECKSUM = "manifest_sha256"  # traces.run.write_manifest's key
+
+
+def _write_manifest(path: Path, manifest: dict) -> None:
+    """run.json with its checksum (traces.run.write_manifest), so the unpacked run's manifest verifies."""
+    import traces.run
+
+    writer = getattr(traces.run, "write_manifest", None)
+    (writer or write_json_atomic)(path, manifest)
 
 
 @dataclass
@@ -69,6 +79,9 @@ def pack(run_path: str | os.PathLike, out: str | os.PathLike, steps: tuple[int, 
     if not out.parent.is_dir():
         raise PackError(f"-o {out}: the folder {out.parent} does not exist")
     run = open_run(run_path)
+    damaged = damage_error(run, str(run_path), "a bundle of it would not replay: restore the run's files from a copy")
+    if damaged:
+        raise damaged
     trace = run.trace
     if len(trace) == 0:
         raise PackError(f"{run_path}: the trace holds no steps; nothing to pack")
@@ -111,8 +124,11 @@ def pack(run_path: str | os.PathLike, out: str | os.PathLike, steps: tuple[int, 
             "packed_from": str(Path(getattr(run, "bundle", None) or run.path).absolute()), "source_status": run.status,
             "source_steps": [trace.start, trace.end - 1], "finding": _json_safe(finding),
         }
-        manifest = {**run.manifest, "checkpoints": [] if lite else [checkpoint], "bundle": info}
-        write_json_atomic(stage / MANIFEST, manifest)
+        # The bundle's trace starts at `trace_first`: recorded, so a bundle missing its leading
+        # records reads as damaged. The checksum is the bundle's own, computed by write_manifest.
+        manifest = {**{k: v for k, v in run.manifest.items() if k != MANIFEST_CHECKSUM},
+                    "checkpoints": [] if lite else [checkpoint], "trace_first_step": trace_first, "bundle": info}
+        _write_manifest(stage / MANIFEST, manifest)
         write_json_atomic(stage / COMPLETE, {"end": last + 1})
         report = render_report(manifest, run.schema, staged, out.name, finding=finding)
         (stage / REPORT).write_text(report)

@@ -174,7 +174,7 @@ def render_report(manifest: dict, schema: traces.Schema, trace: traces.TraceRead
         L.append("")
         L.append("```bash")
         L.append(f"replay show {bundle_name}")
-        L.append(f"replay bisect {bundle_name} YOUR_RUN    # where your run first differs from these steps, and why")
+        L.append(f"replay bisect {bundle_name} YOUR_RUN --no-refine    # where your run first differs from these steps")
         L.append("```")
     else:
         L.append("```bash")

@@ -11,9 +11,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import jax
+import numpy as np
 
+from replay.bisect import finite_json
 from replay.contract import Contract
 from traces import FieldDiff, Run, diff_records
+from traces.schema import METRIC_DTYPES
 from trainer.recorder import to_record
 
 
@@ -38,6 +41,7 @@ class ReplayReport:
     contract: Contract
     steps: list[StepResult] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    value_dtype: str = "float32"  # of the recorded metrics and RMS values: how their bits are shown
 
     @property
     def in_range(self) -> list[StepResult]:
@@ -52,8 +56,9 @@ class ReplayReport:
         return next((s for s in self.steps if not s.exact), None)
 
     def to_json(self) -> dict:
+        """Strict JSON: a NaN or infinite value is null, with its repr and bits beside it."""
         first = self.first_mismatch
-        return {
+        return finite_json({
             "run": self.run, "steps": [self.first, self.last], "checkpoint": self.checkpoint,
             "replayed": len(self.in_range), "bit_exact": sum(s.exact for s in self.in_range),
             "warmup_replayed": len(self.steps) - len(self.in_range),
@@ -62,10 +67,19 @@ class ReplayReport:
             "first_mismatch": None if first is None else {
                 "step": first.step, "warmup": first.warmup,
                 "fields": [{"kind": d.kind, "name": d.name, "recorded": d.a, "replayed": d.b, "distance": d.distance,
-                            "positions": d.positions} for d in first.diffs],
+                            "positions": d.positions, **self._exact("recorded", d.a), **self._exact("replayed", d.b)}
+                           for d in first.diffs],
             },
             "mismatched_steps": [s.step for s in self.steps if not s.exact],
-        }
+        })
+
+    def _exact(self, key: str, value: object) -> dict:
+        """{key_repr, key_bits} of a recorded float: the exact value, whatever JSON can hold."""
+        if not isinstance(value, float):
+            return {}
+        value_dtype, bits_dtype = METRIC_DTYPES[self.value_dtype]
+        v = np.asarray(value, value_dtype)
+        return {f"{key}_repr": str(v), f"{key}_bits": f"0x{int(v.view(bits_dtype)):0{2 * bits_dtype.itemsize}x}"}
 
 
 def parse_steps(text: str) -> tuple[int, int]:
@@ -97,16 +111,24 @@ def latest_checkpoint(checkpoints: list[int], step: int) -> int | None:
 
 def check_range(run: Run, first: int, last: int, checkpoints: list[int]) -> int:
     """The checkpoint to start from; raises ReplayInputError for a range the run cannot replay."""
-    trace = run.trace
+    from replay.bundle_format import describe_damage, run_damage, shown_path
+
+    trace, name = run.trace, shown_path(run)
+    if len(trace) == 0 or first < trace.start or last >= trace.end:
+        damage = run_damage(run)
+        if damage:  # the range is out of reach because the trace is damaged: say that, not "outside"
+            readable = f"only steps {trace.start}..{trace.end - 1} can be read" if len(trace) else "no step can be read"
+            raise ReplayInputError(f"--steps {first}:{last}: the trace of {name} is damaged ({describe_damage(run, damage)}); "
+                                   f"{readable}")
     if len(trace) == 0:
-        raise ReplayInputError(f"{run.path}: the trace holds no steps; nothing to replay")
+        raise ReplayInputError(f"{name}: the trace holds no steps; nothing to replay")
     if first < trace.start or last >= trace.end:
         raise ReplayInputError(f"--steps {first}:{last} is outside the recorded steps {trace.start}..{trace.end - 1} "
-                               f"of {run.path}")
+                               f"of {name}")
     start = latest_checkpoint(checkpoints, first)
     if start is None:
         have = ", ".join(map(str, checkpoints)) or "none"
-        raise ReplayInputError(f"{run.path} has no checkpoint at or before step {first} (checkpoints: {have}); "
+        raise ReplayInputError(f"{name} has no checkpoint at or before step {first} (checkpoints: {have}); "
                                "replay a range that starts at or after a checkpoint")
     return start
 
@@ -114,7 +136,9 @@ def check_range(run: Run, first: int, last: int, checkpoints: list[int]) -> int:
 def replay(run: Run, replayable: Any, first: int, last: int, contract: Contract,
            on_step: Callable[[StepResult], None] | None = None) -> ReplayReport:
     start = check_range(run, first, last, replayable.checkpoint_steps())
-    report = ReplayReport(str(run.path), first, last, start, contract)
+    from replay.bundle_format import shown_path
+
+    report = ReplayReport(shown_path(run), first, last, start, contract, value_dtype=run.schema.metric_dtype)
     schema = run.schema
     state = replayable.restore(start)
     for step in range(start, last + 1):

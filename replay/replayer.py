@@ -22,7 +22,27 @@ from traces import Run
 
 
 class ReplayUnavailable(Exception):
-    """A run that cannot be replayed here (missing checkpoint, data, code): bisect notes it."""
+    """A run that cannot be replayed here (missing checkpoint, data, code): bad input, exit 2.
+
+    Only what the input explains becomes one: a damaged checkpoint stays the checkpoint's own
+    error (trainer.checkpoint.CheckpointDamagedError), and anything unexpected stays itself (a bug)."""
+
+
+def _input_errors() -> tuple[type[BaseException], ...]:
+    """Why a run cannot be opened for replay here, as opposed to a bug: its config, data, mesh,
+    files or code (the entry point its manifest names) are missing or do not fit this machine."""
+    from traces import TraceError
+    from trainer.config import ConfigError
+    from trainer.data import DataError
+    from trainer.mesh import MeshError
+
+    return TraceError, ConfigError, DataError, MeshError, OSError, ImportError
+
+
+def _checkpoint_error() -> type[BaseException]:
+    from trainer.checkpoint import CheckpointError
+
+    return CheckpointError
 
 
 # ------------------------------------------------------------------------ opening runs for replay
@@ -43,12 +63,20 @@ def open_replayable(run: Run) -> Any:
 
     try:
         rep = load(run)
-    except Exception as e:  # noqa: BLE001 - any reason a run cannot be replayed here becomes a note
-        raise ReplayUnavailable(f"{run.path} cannot be replayed here ({type(e).__name__}: {_one_line(e)})") from e
+    except _checkpoint_error():
+        raise
+    except _input_errors() as e:
+        raise ReplayUnavailable(f"{_shown(run)} cannot be replayed here ({type(e).__name__}: {_one_line(e)})") from e
     _CACHE[key] = rep
     while len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
     return rep
+
+
+def _shown(run: Run) -> str:
+    from replay.bundle_format import shown_path
+
+    return shown_path(run)
 
 
 def _one_line(e: BaseException) -> str:
@@ -74,6 +102,10 @@ class Replayer:
     @property
     def rep(self) -> Any:
         if self._rep is None:
+            info = self.run.manifest.get("bundle")
+            if isinstance(info, dict) and info.get("lite"):
+                raise ReplayUnavailable(f"{_shown(self.run)} is a --lite bundle (trace and report only, no checkpoint "
+                                        "or batch data): it cannot be replayed")
             self._rep = open_replayable(self.run)
         return self._rep
 
@@ -84,12 +116,14 @@ class Replayer:
 
     def checkpoints(self) -> list[int]:
         if self._ckpts is None:
+            from trainer.checkpoint import CheckpointDamagedError, CheckpointError
+
             try:
                 steps = list(self.rep.checkpoint_steps())
-            except ReplayUnavailable:
+            except CheckpointDamagedError:
                 raise
-            except Exception as e:  # noqa: BLE001
-                raise ReplayUnavailable(f"{self.run.path}: its checkpoints cannot be read ({_one_line(e)})") from e
+            except (CheckpointError, OSError) as e:  # none there, or a folder that cannot be listed
+                raise ReplayUnavailable(f"{_shown(self.run)}: its checkpoints cannot be read ({_one_line(e)})") from e
             self._ckpts = sorted(steps) + ([0] if self.built is not None and 0 not in steps else [])
             self._ckpts.sort()
         return self._ckpts
@@ -97,16 +131,15 @@ class Replayer:
     def restore(self, k: int) -> Any:
         """The state entering step k from checkpoint k (or, at 0, the run's initial state)."""
         self.restores += 1
-        try:
-            if k in self.rep.checkpoint_steps():
-                return self.rep.restore(k)
-            if k == 0 and self.built is not None:
-                from trainer import mesh as meshlib
+        # A checkpoint that does not restore is the checkpoint's error (CheckpointDamagedError
+        # names it, exit 2), never "cannot be replayed here": it propagates as itself.
+        if k in self.rep.checkpoint_steps():
+            return self.rep.restore(k)
+        if k == 0 and self.built is not None:
+            from trainer import mesh as meshlib
 
-                return meshlib.init_sharded_state(self.built.cfg, self.built.mesh)
-        except Exception as e:  # noqa: BLE001
-            raise ReplayUnavailable(f"{self.run.path}: checkpoint {k} cannot be restored ({_one_line(e)})") from e
-        raise ReplayUnavailable(f"{self.run.path} has no checkpoint {k}")
+            return meshlib.init_sharded_state(self.built.cfg, self.built.mesh)
+        raise ReplayUnavailable(f"{_shown(self.run)} has no checkpoint {k}")
 
     def advance(self, state: Any, start: int, stop: int, keep_input: bool = True) -> Any:
         """The state entering step `stop`, replayed from `state` entering `start`."""
@@ -122,7 +155,7 @@ class Replayer:
         before = [c for c in self.checkpoints() if c <= k]
         if not before:
             have = ", ".join(map(str, self.checkpoints())) or "none"
-            raise ReplayUnavailable(f"{self.run.path} has no checkpoint at or before step {k} (checkpoints: {have})")
+            raise ReplayUnavailable(f"{_shown(self.run)} has no checkpoint at or before step {k} (checkpoints: {have})")
         start = max(before)
         return start, self.advance(self.restore(start), start, k, keep_input=False)
 

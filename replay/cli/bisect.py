@@ -20,54 +20,63 @@ def bisect(
                                                                 "no binary search over sparse traces).")] = False,
     allow_incomplete: Annotated[bool, typer.Option("--allow-incomplete", help="Compare a crashed run's readable "
                                                                               "steps anyway.")] = False,
+    allow_damaged: Annotated[bool, typer.Option("--allow-damaged", help="Compare the steps a damaged trace can still "
+                                                                        "read (the report says which).")] = False,
 ) -> None:
     """Name the first step, field and cause where two runs differ.
 
     Reads both traces; where they name a layer (or cannot localise the divergence: runs recorded
     sparsely or not at all), replays both runs from their checkpoints, read-only, to name the
-    first intermediate that differs, or to find the divergent step by binary search.
+    first intermediate that differs, or to find the divergent step by binary search. A replay
+    the answer needs that fails is an error (after the trace scan's report), not a note.
     """
     from replay.bisect import bisect as run_bisect
-    from replay.bundle import open_run
+    from replay.bundle import named_as_bundle, open_run
 
     if run_a.exists() and run_b.exists() and run_a.resolve() == run_b.resolve():
         console.fail(f"{run_a} and {run_b} are the same run; bisect compares two different runs "
                      "(to check one run against itself, replay it: replay run RUN)")
     a, b = open_run(run_a), open_run(run_b)  # run folders, or bundles (`replay pack`)
-    _check_comparable(a, b, allow_incomplete)
-    report = run_bisect(a, b, refine=not no_refine)
+    _check_comparable(a, b, allow_incomplete, allow_damaged)
+    with named_as_bundle(a), named_as_bundle(b):
+        report = run_bisect(a, b, refine=not no_refine)
     if plot is not None:
         from replay.plot import plot_divergence
 
         plot_divergence(a, b, report.first_step, plot)
         report.notes.append(f"plot written to {plot}")
     c = report.comparison
-    if report.identical and c.compared[1] <= c.compared[0] and report.method != "checkpoint comparison":
-        why = "; ".join(report.notes) or "no replay was possible"
+    if (report.failure is None and report.identical and c.compared[1] <= c.compared[0]
+            and report.method != "checkpoint comparison"):
+        why = "; ".join(list(report.damage.values()) + report.notes) or "no replay was possible"
         console.fail(f"nothing to compare: the traces of {run_a} and {run_b} hold no step in common ({why})")
     if json_out:
         console.print_json(report.to_json())
     else:
         render(report)
+    if report.failure is not None:
+        with named_as_bundle(a), named_as_bundle(b):
+            raise report.failure  # one error line after the trace scan's report: 2 bad input, 3 a bug
     if not report.identical and not report.noise_only:  # noise the contract allows is not a divergence
         raise typer.Exit(EXIT_DIVERGED)
 
 
-def _check_comparable(a, b, allow_incomplete: bool) -> None:
+def _check_comparable(a, b, allow_incomplete: bool, allow_damaged: bool) -> None:
     """Bad input for a bisect: one line, exit 2."""
+    from replay.bisect import comparability_problem
+    from replay.bundle import damage_error, shown_path
+
     for name, run in (("A", a), ("B", b)):
         if run.status == "crashed" and not allow_incomplete:
-            console.fail(f"run {name} ({run.path}) crashed before finishing; resume it (replay train --resume "
-                         f"{run.path}) or pass --allow-incomplete to compare the steps it recorded")
-    sa, sb = a.schema, b.schema
-    if sa.examples_per_step != sb.examples_per_step:
-        console.fail(f"the runs feed different batch sizes ({sa.examples_per_step} vs {sb.examples_per_step} examples "
-                     "a step): bisect compares two runs of the same training setup")
-    if sa.tensors and sb.tensors and sa.tensor_names != sb.tensor_names:
-        only = [n for n in sa.tensor_names if n not in sb.tensor_names][:1] or \
-               [n for n in sb.tensor_names if n not in sa.tensor_names][:1]
-        console.fail(f"the runs record different models ({len(sa.tensors)} vs {len(sb.tensors)} fingerprinted tensors, "
-                     f"e.g. {only[0] if only else 'in another order'}): bisect compares two runs of the same model")
+            console.fail(f"run {name} ({shown_path(run)}) crashed before finishing; resume it (replay train --resume "
+                         f"{shown_path(run)}) or pass --allow-incomplete to compare the steps it recorded")
+        damaged = None if allow_damaged else damage_error(
+            run, f"run {name} ({shown_path(run)})", "pass --allow-damaged to compare the steps it can read")
+        if damaged:
+            raise damaged
+    problem = comparability_problem(a, b)
+    if problem:
+        console.fail(problem)
 
 
 def _num(x) -> str:
@@ -79,6 +88,9 @@ def render(report) -> None:
         console.print_table([(m.key, str(m.a), str(m.b)) for m in report.manifest[:30]],
                             columns=("what differs before any step ran", "A", "B"))
     c = report.comparison
+    if report.identical and not report.whole:
+        _render_partial(report)
+        return
     if report.identical:
         if c.compared[1] > c.compared[0]:
             console.print_text(f"identical: steps {c.compared[0]}..{c.compared[1] - 1} are bit-identical in both runs "
@@ -92,6 +104,9 @@ def render(report) -> None:
                 console.status(note)
         return
     rows = [("first divergent step", str(report.first_step)), ("cause", report.cause or "")]
+    rows += [(f"run {name}'s trace is damaged", line) for name, line in report.damage.items()]
+    if report.failure is not None:
+        rows.append(("not confirmed by replay", "the replay this answer needs failed (the error below)"))
     if report.layer:
         rows.append(("layer", report.layer))
     r = report.refinement or {}
@@ -139,6 +154,27 @@ def render(report) -> None:
         _render_refinement(r)
     for note in report.notes + r.get("notes", []):
         console.status(note)
+
+
+def _render_partial(report) -> None:
+    """No difference found, but not over the whole runs: say exactly what was compared."""
+    c = report.comparison
+    said = []
+    if c.compared[1] > c.compared[0]:
+        said.append(f"steps {c.compared[0]}..{c.compared[1] - 1} of A are identical to B")
+    else:
+        said.append("the traces hold no step in common")
+    for name, line in report.damage.items():
+        said.append(f"{name}'s trace is damaged ({line}), so only the steps both traces can read were compared")
+    if report.method == "checkpoint comparison" and report.failure is None:
+        said.append("; ".join(report.notes) or "the states at the common checkpoints are equal")
+    if report.failure is not None:
+        said.append("the replay that would check the states the traces do not show failed (the error below), so "
+                    "these runs are not known to be identical")
+    console.print_text("; ".join(said), style="yellow")
+    if report.failure is None and report.method != "checkpoint comparison":
+        for note in report.notes:
+            console.status(note)
 
 
 def _render_refinement(r: dict) -> None:

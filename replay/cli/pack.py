@@ -24,15 +24,8 @@ def pack(
 ) -> None:
     """Pack steps A..B of a run into one file: manifest, trace, checkpoint, batch data and REPORT.md."""
     from replay import bundle
-    from replay.cli.errors import EXIT_NOT_IMPLEMENTED, register_user_error
-    from replay.engine import ReplayInputError, parse_steps
-    from trainer.checkpoint import CheckpointError
-    from trainer.config import ConfigError
-    from trainer.data import DataError
-    from trainer.mesh import MeshError
+    from replay.engine import parse_steps
 
-    register_user_error(ReplayInputError, ConfigError, DataError, CheckpointError, MeshError)
-    register_user_error(bundle.PackNotBuilt, code=EXIT_NOT_IMPLEMENTED)
     rng = parse_steps(steps) if steps is not None else None
     result = bundle.pack(run, out, rng, lite=lite, force=force, data=data, from_bisect=from_bisect, spike=spike,
                          on_status=console.status)
@@ -52,7 +45,7 @@ def pack(
     if result.finding:
         console.print_text(f"finding: {result.finding['headline']}")
     name = result.path.name
-    todo = (f"to look at it anywhere: replay show {name}, or replay bisect {name} RUN" if result.lite
+    todo = (f"to look at it anywhere: replay show {name}, or replay bisect {name} RUN --no-refine" if result.lite
             else f"to replay it anywhere: replay run {name} --steps {a}:{b}")
     console.print_text(f"{todo}   (REPORT.md inside: replay unpack {name} DIR)")
 

@@ -14,14 +14,11 @@ from replay.cli import console
 
 
 def register_replay_errors() -> None:
-    from replay.cli.errors import register_user_error
-    from replay.engine import ReplayInputError
-    from trainer.checkpoint import CheckpointError
-    from trainer.config import ConfigError
-    from trainer.data import DataError
-    from trainer.mesh import MeshError
+    """Does nothing: exit codes come from replay/cli/errors.py's table. Kept until
+    replay/cli/spike.py stops calling it."""
 
-    register_user_error(ReplayInputError, ConfigError, DataError, MeshError, CheckpointError)
+
+DAMAGED_REMEDY = "restore the run's files from a copy, or record it again"
 
 
 def prepare_process(target) -> None:
@@ -33,13 +30,19 @@ def prepare_process(target) -> None:
 
 
 def load_replayable(target, path: Path, data: str | None, allow_data_change: bool,
-                    check: Callable[[list[int]], object]):
+                    check: Callable[[list[int]], object], damaged_remedy: str | None = DAMAGED_REMEDY):
     """(replayable, contract) for `target`; `check(checkpoint_steps)` refuses bad ranges, first
-    from the checkpoint folder (before compiling, for trainer runs), then from the replayable."""
+    from the checkpoint folder (before compiling, for trainer runs), then from the replayable.
+    A damaged trace is refused first (one line naming the damage, then `damaged_remedy`), unless
+    `damaged_remedy` is None (the command was told to replay what can be read)."""
     from replay import contract as contractlib
+    from replay.bundle import damage_error
     from replay.engine import checkpoint_steps
     from trainer import replayable as replayables
 
+    damaged = damage_error(target, str(path), damaged_remedy) if damaged_remedy is not None else None
+    if damaged:
+        raise damaged
     if target.status == "running":
         console.warn(f"{path} is still being written; using the steps recorded so far")
     trainer_run = "replayable" not in target.manifest
@@ -64,6 +67,7 @@ def replay_notes(replayable) -> list[str]:
         notes.append(replayable.mesh_note)
     if getattr(replayable, "data_changed", False):
         notes.append("the data source changed since recording (--allow-data-change)")
+    notes.extend(getattr(replayable, "restore_notes", []))  # checkpoints restored without a fingerprint to check
     return notes
 
 

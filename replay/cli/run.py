@@ -26,21 +26,29 @@ def run(
     allow_data_change: Annotated[bool, typer.Option("--allow-data-change",
                                                     help="Replay although the data fingerprint changed.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    allow_damaged: Annotated[bool, typer.Option("--allow-damaged", help="Replay steps a damaged trace can still read "
+                                                                        "(the report says the trace is damaged).")] = False,
 ) -> None:
     """Replay steps A..B of a run and compare every recorded field with the trace."""
-    from replay.bundle import default_steps, open_run
-    from replay.cli.replaying import load_replayable, prepare_process, register_replay_errors, replay_notes, replay_progress
+    from replay.bundle import default_steps, describe_damage, named_as_bundle, open_run, run_damage
+    from replay.cli.replaying import load_replayable, prepare_process, replay_notes, replay_progress
     from replay.engine import check_range, parse_steps, replay
 
-    register_replay_errors()
     target = open_run(path, for_replay=True)  # a run folder, or a bundle unpacked to a temporary folder
-    prepare_process(target)
-    first, last = parse_steps(steps) if steps else default_steps(target) or console.fail("--steps A:B is required")
-    replayable, contract = load_replayable(target, path, data, allow_data_change,
-                                           lambda checkpoints: check_range(target, first, last, checkpoints))
-    with replay_progress(f"replay {path.name}", last) as on_step:
-        report = replay(target, replayable, first, last, contract, on_step)
+    with named_as_bundle(target):  # errors name the bundle file, not the temporary folder
+        prepare_process(target)
+        first, last = parse_steps(steps) if steps else default_steps(target) or console.fail("--steps A:B is required")
+        remedy = None if allow_damaged else "pass --allow-damaged to replay steps it can read"
+        replayable, contract = load_replayable(target, path, data, allow_data_change,
+                                               lambda checkpoints: check_range(target, first, last, checkpoints),
+                                               damaged_remedy=remedy)
+        with replay_progress(f"replay {path.name}", last) as on_step:
+            report = replay(target, replayable, first, last, contract, on_step)
     report.notes.extend(replay_notes(replayable))
+    damage = run_damage(target)
+    if damage:
+        report.notes.append(f"the trace is damaged ({describe_damage(target, damage)}): only steps "
+                            f"{report.checkpoint}..{report.last} were replayed and verified, not the run")
     if json_out:
         console.print_json(report.to_json())
     else:

@@ -59,13 +59,13 @@ def show(
 
 def summarize(path: str | Path, verify: bool = False) -> dict[str, Any]:
     """Everything `show` reports, as JSON-ready data. Raises traces.TraceError on bad input."""
-    from replay.bundle import open_run
+    from replay.bundle import bundle_terms, open_run, run_damage
 
     run = open_run(path)  # a run folder, or a bundle (`replay pack`) unpacked to a temporary folder
     manifest = run.manifest
     schema = run.schema
     reader = run.trace
-    damage = reader.verify() if verify else list(reader.damage)
+    damage = _found_damage(run, verify, run_damage(run, crash_tail=False))
     status = run.status
 
     last = None
@@ -75,6 +75,9 @@ def summarize(path: str | Path, verify: bool = False) -> dict[str, Any]:
             last = {"step": rec.step, "metrics": _metric_values(schema, rec.metrics)}
         except traces.TraceCorruptError as e:
             damage.append(traces.Damage(e.path or str(reader.dir), 0, e.step, str(e).split(": ", 1)[-1]))
+    # A bundle's files are named inside the bundle (BUNDLE:trace/...), not in its temporary folder.
+    damage = [traces.Damage(bundle_terms(run, d.path), d.offset, d.step, bundle_terms(run, d.reason)) for d in damage]
+    tail = (bundle_terms(run, str(reader.tail[0])), reader.tail[1]) if reader.tail is not None else None
 
     summary: dict[str, Any] = {
         "path": str(path),
@@ -105,8 +108,18 @@ def summarize(path: str | Path, verify: bool = False) -> dict[str, Any]:
         "verified": verify,
         "last_metrics": last,
     }
-    summary.update(_verdict(summary, damage, reader.tail))
+    summary.update(_verdict(summary, damage, tail))
     return summary
+
+
+def _found_damage(run, verify: bool, known: list) -> list:
+    """What is known cheaply (`known`: headers, seals, missing leading segments, a short trace),
+    plus, with `verify`, every record's checksum (the run's full check when traces has one)."""
+    if not verify:
+        return list(known)
+    full = run.verify() if callable(getattr(run, "verify", None)) else run.trace.verify()
+    seen = {(d.path, d.offset, d.reason) for d in full}
+    return list(full) + [d for d in known if (d.path, d.offset, d.reason) not in seen]
 
 
 def _metric_values(schema: traces.Schema, values: np.ndarray) -> list[dict[str, Any]]:
@@ -137,36 +150,36 @@ def _checkpoint_steps(value: Any) -> list[int]:
     return sorted(steps)
 
 
-def _verdict(summary: dict, damage: list[traces.Damage], tail: tuple[Path, int] | None) -> dict[str, Any]:
-    """`problem`: the one error line (exit 2) or None; `warnings` and `notes`: extra lines."""
+def _verdict(summary: dict, damage: list[traces.Damage], tail: tuple[str, int] | None) -> dict[str, Any]:
+    """`problem`: the one error line (exit 2) or None; `warnings` and `notes`: extra lines.
+
+    Damage is told on the error line alone (the first, and how many more: --json lists them),
+    so a damaged run is one line however many segments follow the damage."""
     path, status, steps = summary["path"], summary["status"], summary["steps"]
     readable = f"steps {steps['start']}..{steps['last']} are readable" if steps["count"] else "no step is readable"
-    warnings = [str(d) for d in damage]
+    at_tail = [d for d in damage if tail is not None and status != "complete" and (d.path, d.offset) == tail]
+    other = [d for d in damage if d not in at_tail]  # anything but the record a crash or a live writer left torn
     notes: list[str] = []
     problem = None
-    if status == "crashed":
+    if status == "crashed" and not other:
         where = "before recording any step" if not steps["count"] else f"after step {steps['last']}"
         detail = readable
-        if len(damage) == 1 and tail is not None and damage[0].path == str(tail[0]):
-            d = damage[0]
+        for d in at_tail:
             detail += f"; the damaged tail at {d.path} byte {d.offset} ({d.reason}) is dropped on resume"
-            warnings = []
         problem = (
             f"{path}: run crashed {where}: it is incomplete and no writer is running; {detail}. "
             f"Resume it with `replay train --resume {path}`"
         )
-    elif damage and status == "complete":
+    elif other:
+        more = f" (and {len(damage) - 1} more, see --json)" if len(damage) > 1 else ""
         problem = (
-            f"{path}: the trace of this complete run is damaged ({damage[0]}); {readable}. "
+            f"{path}: the trace of this {status} run is damaged ({other[0]}{more}); {readable}. "
             f"Restore the run's files from a copy, or record it again"
         )
-        warnings = warnings[1:]
     elif status == "running":
         notes.append(f"{path}: a live process is writing this run; this is a snapshot of the steps recorded so far")
-        if damage:  # a record being written right now looks like a torn tail
-            notes.extend(f"(expected while it writes) {w}" for w in warnings)
-            warnings = []
-    return {"problem": problem, "warnings": warnings, "notes": notes}
+        notes.extend(f"(expected while it writes) {d}" for d in at_tail)  # a record being written looks torn
+    return {"problem": problem, "warnings": [], "notes": notes}
 
 
 # ------------------------------------------------------------------------------ for people

@@ -201,16 +201,24 @@ def test_without_checkpoints_the_replay_starts_from_the_initial_state(runs, tmp_
 
 
 @pytest.mark.slow
-def test_run_that_cannot_be_replayed_is_a_note_not_a_failure(runs, tmp_path):
+def test_run_that_cannot_be_replayed_is_an_error_after_the_trace_scan(runs, tmp_path):
+    from replay.replayer import ReplayUnavailable
+    from traces.run import write_manifest
+
     moved = tmp_path / "data-gone"
-    shutil.copytree(runs("bitflip"), moved)
-    manifest = json.loads((moved / "run.json").read_text())
+    shutil.copytree(runs("bitflip"), moved, ignore=shutil.ignore_patterns(".lock"))
+    manifest = Run.open(moved).manifest
     manifest["config"]["data"]["source"] = str(tmp_path / "no-such-tokens.bin")
-    (moved / "run.json").write_text(json.dumps(manifest))
+    write_manifest(moved / "run.json", manifest)  # a run moved without its data, not a damaged manifest
     report = bisect(Run.open(runs("A")), Run.open(moved))
     assert (report.first_step, report.cause, report.layer) == (FAULT_STEP, "state", "state/params")
     assert report.refinement is None and report.replays == 0
-    assert any(n.startswith("not refined by replay") and "data-gone" in n for n in report.notes), report.notes
+    assert isinstance(report.failure, ReplayUnavailable) and "data-gone" in str(report.failure)
+    result = invoke("bisect", str(runs("A")), str(moved))
+    assert result.exit_code == 2, result.output
+    assert "first divergent step" in result.stdout and "not confirmed by replay" in result.stdout  # the scan's answer
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "--no-refine" in lines[0]
 
 
 # ------------------------------------------------------------------------------ sparse traces
@@ -254,7 +262,7 @@ def test_trace_scan_step_too_late_is_searched_below(runs, tmp_path):
     source = Run.open(runs("bitflip"))
     late = tmp_path / "late"
     manifest = {k: v for k, v in source.manifest.items() if k not in ("format_version", "schema")}
-    run = Run.create(late, source.schema, manifest)
+    run = Run.create(late, source.schema, manifest, first_step=17)
     writer = run.writer()
     for rec in source.trace.records(17, source.trace.end):
         writer.append(rec)

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 import traces
 from replay.cli import show as show_module
 from replay.cli.app import app
-from replay.cli.errors import UserError, register_user_error, user_error_code
+from replay.cli.errors import UserError, user_error_code
 
 SCHEMA = traces.Schema(
     examples_per_step=4,
@@ -239,10 +239,10 @@ def test_unexpected_exception_is_reported_as_a_bug(tmp_path, monkeypatch):
         raise ZeroDivisionError("boom")
 
     monkeypatch.setattr(show_module, "summarize", broken)
-    line = assert_one_error_line(invoke("show", str(tmp_path)), code=1)
+    line = assert_one_error_line(invoke("show", str(tmp_path)), code=3)
     assert "bug" in line and "--debug" in line and "ZeroDivisionError: boom" in line
     result = invoke("--debug", "show", str(tmp_path))
-    assert result.exit_code == 1 and "Traceback" in result.stderr
+    assert result.exit_code == 3 and "Traceback" in result.stderr
 
 
 def test_show_leaves_the_run_byte_identical(tmp_path):
@@ -253,16 +253,14 @@ def test_show_leaves_the_run_byte_identical(tmp_path):
     assert tree_digest(run) == before
 
 
-def test_user_error_registry():
+def test_user_errors_come_from_the_static_table():
     class MyError(ValueError):
         pass
 
     assert user_error_code(traces.NotARunError("x")) == 2
     assert user_error_code(UserError("x", 5)) == 5
     assert user_error_code(ValueError("x")) is None
-    assert user_error_code(MyError("x")) is None
-    register_user_error(MyError, code=4)
-    assert user_error_code(MyError("x")) == 4
+    assert user_error_code(MyError("x")) is None  # not in the table: a bug, whatever ran before
 
 
 def test_console_script_without_debug_has_no_traceback(tmp_path):

@@ -79,6 +79,12 @@ def test_cli_reports_20_of_20(recorded):
 
 
 def test_a_flipped_parameter_bit_in_a_checkpoint_is_caught(recorded, tmp_path):
+    """A checkpoint whose state is not the one saved is named as damaged (exit 2), never "a real
+    divergence"; the same state with its own fingerprint recorded is caught by the trace (exit 1)."""
+    from traces.run import write_manifest
+    from trainer.checkpoint import FINGERPRINTS_KEY
+    from trainer.fingerprint import state_fingerprint
+
     path, _, cfg = recorded
     copy = tmp_path / "run"
     shutil.copytree(path, copy, ignore=shutil.ignore_patterns(".lock"))
@@ -90,6 +96,14 @@ def test_a_flipped_parameter_bit_in_a_checkpoint_is_caught(recorded, tmp_path):
     shutil.rmtree(copy / "checkpoints" / "20")
     with Checkpointer(copy / "checkpoints") as ckpt:
         ckpt.save(state)
+    damaged = CliRunner().invoke(app, ["run", str(copy), "--steps", "21:24", "--json"])
+    assert damaged.exit_code == 2, damaged.output
+    errors = [line for line in damaged.stderr.splitlines() if line.startswith("error: ")]  # after the status lines
+    assert len(errors) == 1 and "checkpoint 20 is damaged" in errors[0], damaged.stderr
+    assert "Traceback" not in damaged.output and "divergence" not in damaged.output and damaged.stdout == ""
+    manifest = Run.open(copy).manifest
+    manifest[FINGERPRINTS_KEY]["20"] = state_fingerprint(state)
+    write_manifest(copy / "run.json", manifest)
     result = CliRunner().invoke(app, ["run", str(copy), "--steps", "21:24", "--json"])
     assert result.exit_code == 1, result.output
     report = json.loads(result.stdout.strip().splitlines()[-1])

@@ -130,7 +130,22 @@ def check_range(run: Run, first: int, last: int, checkpoints: list[int]) -> int:
         have = ", ".join(map(str, checkpoints)) or "none"
         raise ReplayInputError(f"{name} has no checkpoint at or before step {first} (checkpoints: {have}); "
                                "replay a range that starts at or after a checkpoint")
+    _check_records(run, start, last)
     return start
+
+
+def _check_records(run: Run, start: int, last: int) -> None:
+    """Every record the replay will compare passes its checksums before anything is compiled, so
+    damage inside the range is refused up front, never found halfway through a verdict."""
+    from replay.bundle_format import bundle_terms, shown_path
+    from traces import TraceCorruptError
+
+    try:
+        for step in range(start, last + 1):
+            run.trace.read(step)
+    except TraceCorruptError as e:
+        raise ReplayInputError(f"the trace of {shown_path(run)} is damaged ({bundle_terms(run, str(e))}); "
+                               f"restore the run's files from a copy, or record it again") from None
 
 
 def replay(run: Run, replayable: Any, first: int, last: int, contract: Contract,

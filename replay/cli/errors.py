@@ -106,11 +106,3 @@ def message(exc: BaseException) -> str:
         return f"{exc.filename}: {exc.strerror[0].lower()}{exc.strerror[1:]}; check the path and its permissions"
     return str(exc) or type(exc).__name__
 
-
-# TEMPORARY, goes away once no command calls it (the lead removes it at the end of issue 10):
-# the table above replaced the registry; the shim keeps commands that still call it working.
-EXIT_NOT_IMPLEMENTED = EXIT_BAD_INPUT
-
-
-def register_user_error(*types: type[BaseException], code: int = EXIT_BAD_INPUT) -> None:
-    """Does nothing: exit codes come from EXIT_CODES only. Delete the call."""

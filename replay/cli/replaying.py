@@ -13,11 +13,6 @@ from typing import Callable
 from replay.cli import console
 
 
-def register_replay_errors() -> None:
-    """Does nothing: exit codes come from replay/cli/errors.py's table. Kept until
-    replay/cli/spike.py stops calling it."""
-
-
 DAMAGED_REMEDY = "restore the run's files from a copy, or record it again"
 
 

@@ -109,6 +109,9 @@ def summarize(path: str | Path, verify: bool = False) -> dict[str, Any]:
         "last_metrics": last,
     }
     summary.update(_verdict(summary, damage, tail))
+    if summary["problem"] and damage and status != "crashed":
+        # A damaged run is never shown as "complete": its writer's word is kept apart.
+        summary["writer_status"], summary["status"] = status, "damaged"
     return summary
 
 
@@ -173,7 +176,7 @@ def _verdict(summary: dict, damage: list[traces.Damage], tail: tuple[str, int] |
     elif other:
         more = f" (and {len(damage) - 1} more, see --json)" if len(damage) > 1 else ""
         problem = (
-            f"{path}: the trace of this {status} run is damaged ({other[0]}{more}); {readable}. "
+            f"{path}: the trace of this run is damaged ({other[0]}{more}); {readable}. "
             f"Restore the run's files from a copy, or record it again"
         )
     elif status == "running":
@@ -187,10 +190,10 @@ def _verdict(summary: dict, damage: list[traces.Damage], tail: tuple[str, int] |
 
 def render(s: dict[str, Any]) -> None:
     steps, schema = s["steps"], s["schema"]
-    status_style = {"complete": "green", "running": "cyan", "crashed": "bold red"}.get(s["status"], "")
+    status_style = {"complete": "green", "running": "cyan", "crashed": "bold red", "damaged": "bold red"}.get(s["status"], "")
+    writer = {"complete": " (its writer had finished it cleanly)", "running": " (a live process is writing it)"}
     rows: list[tuple[str, Any]] = [
-        ("status", console.styled(s["status"] + (" (damaged)" if s["damage"] and s["status"] == "complete" else ""),
-                                status_style)),
+        ("status", console.styled(s["status"] + writer.get(s.get("writer_status"), ""), status_style)),
         ("format_version", s["format_version"]),
         ("steps", f"{steps['start']}..{steps['last']} ({steps['count']} steps)" if steps["count"] else "none recorded"),
         ("checkpoints", _list_steps(s["checkpoints"]) if s["checkpoints"] else "none"),

@@ -221,7 +221,8 @@ def test_show_complete_run_with_truncated_trace(tmp_path):
     line = assert_one_error_line(result)
     assert "damaged" in line and str(segment) in line
     data = json.loads(result.stdout)
-    assert data["status"] == "complete" and data["steps"]["end"] == 5 and data["damage"][0]["step"] == 5
+    assert data["status"] == "damaged" and data["writer_status"] == "complete"
+    assert data["steps"]["end"] == 5 and data["damage"][0]["step"] == 5
 
 
 def test_debug_prints_traceback(tmp_path):

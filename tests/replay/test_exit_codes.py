@@ -221,13 +221,7 @@ def test_a_resume_that_did_not_reproduce_a_step_is_a_divergence():
 def test_the_table_cannot_be_changed_at_run_time():
     with pytest.raises(TypeError):
         errors.EXIT_CODES["builtins.ValueError"] = 2  # type: ignore[index]
-    register = getattr(errors, "register_user_error", None)  # a shim while callers are removed
-    if register is not None:
-        class MyError(ValueError):
-            pass
-
-        register(MyError, code=2)
-        assert errors.exit_code_of(MyError("x")) == 3
+    assert not hasattr(errors, "register_user_error")  # no registry that commands could grow
 
 
 def _raise_from_audit(monkeypatch, exc: BaseException) -> None:

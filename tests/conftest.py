@@ -1,0 +1,40 @@
+"""Test-session settings shared by every test module.
+
+One persistent XLA compilation cache for the whole session, in a temporary folder: most modules
+train and replay the same few `tiny` step programs, and the subprocesses that end-to-end tests
+start (kill/resume, multi-process, fresh-process CLI runs) compile them again from scratch
+otherwise. The settings travel to subprocesses through the environment, which JAX reads at
+import. A cached executable is the same program XLA would compile, so no result changes; the
+folder is removed when the session ends, so nothing carries over between sessions.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+
+_CACHE_ENV = {
+    "JAX_COMPILATION_CACHE_DIR": None,  # filled in below
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+}
+
+_owned_dir: str | None = None
+if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    _owned_dir = tempfile.mkdtemp(prefix="replay-tests-xla-cache-")
+    _CACHE_ENV["JAX_COMPILATION_CACHE_DIR"] = _owned_dir
+    for _key, _value in _CACHE_ENV.items():
+        os.environ.setdefault(_key, _value)
+    if "jax" in sys.modules:  # imported before this file (a plugin): set it in-process too
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", _owned_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _owned_dir is not None:
+        shutil.rmtree(_owned_dir, ignore_errors=True)

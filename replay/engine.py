@@ -156,12 +156,23 @@ def replay(run: Run, replayable: Any, first: int, last: int, contract: Contract,
     report = ReplayReport(shown_path(run), first, last, start, contract, value_dtype=run.schema.metric_dtype)
     schema = run.schema
     state = replayable.restore(start)
-    for step in range(start, last + 1):
-        state, metrics, hashes = replayable.step(state, step)
+
+    def verify(step: int, metrics: Any, hashes: Any) -> None:
         replayed = to_record(replayable.schema, step, jax.device_get(metrics), hashes)
         diffs = diff_records(schema, run.trace.read(step), replayable.schema, replayed)
         result = StepResult(step, not diffs, step < first, diffs)
         report.steps.append(result)
         if on_step is not None:
             on_step(result)
+
+    # Step k is compared once step k+1 is dispatched, as the recorder does while training: fetching
+    # its metrics at once would make the host wait for the device before building the next batch.
+    pending = None
+    for step in range(start, last + 1):
+        state, metrics, hashes = replayable.step(state, step)
+        if pending is not None:
+            verify(*pending)
+        pending = (step, metrics, hashes)
+    if pending is not None:
+        verify(*pending)
     return report

@@ -151,8 +151,15 @@ def init_sharded_state(cfg: Config, mesh: Mesh) -> step.TrainState:
     """step.init_state(cfg) created directly in its sharded layout (no full copy on one device).
     Same bits as the unsharded state: threefry_partitionable random bits do not depend on the
     sharding (tested)."""
+    return _compiled_init(cfg, mesh)()
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_init(cfg: Config, mesh: Mesh):
+    """One jitted initializer per (config, mesh): a process that trains or replays several runs
+    (bisect, tests) traces and compiles it once instead of once per run."""
     shardings = state_shardings(mesh, abstract_state(cfg))
-    return jax.jit(functools.partial(step.init_state, cfg), out_shardings=shardings)()
+    return jax.jit(functools.partial(step.init_state, cfg), out_shardings=shardings)
 
 
 # ------------------------------------------------------------------------------ batches

@@ -40,6 +40,7 @@ def bisect(
     _check_comparable(a, b, allow_incomplete, allow_damaged)
     with named_as_bundle(a), named_as_bundle(b):
         report = run_bisect(a, b, refine=not no_refine)
+    report.notes.extend(f"{name}: {note}" for name, run in (("A", a), ("B", b)) for note in run.notes)
     if plot is not None:
         from replay.plot import plot_divergence
 

@@ -44,6 +44,7 @@ def run(
                                                damaged_remedy=remedy)
         with replay_progress(f"replay {path.name}", last) as on_step:
             report = replay(target, replayable, first, last, contract, on_step)
+    report.notes.extend(target.notes)  # e.g. a manifest from before checksums: taken as recorded
     report.notes.extend(replay_notes(replayable))
     damage = run_damage(target)
     if damage:

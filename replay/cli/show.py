@@ -109,6 +109,7 @@ def summarize(path: str | Path, verify: bool = False) -> dict[str, Any]:
         "last_metrics": last,
     }
     summary.update(_verdict(summary, damage, tail))
+    summary["notes"] = list(run.notes) + summary["notes"]  # e.g. a manifest from before checksums
     if summary["problem"] and damage and status != "crashed":
         # A damaged run is never shown as "complete": its writer's word is kept apart.
         summary["writer_status"], summary["status"] = status, "damaged"

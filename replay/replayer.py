@@ -84,8 +84,15 @@ def _one_line(e: BaseException) -> str:
 
 
 def _copy(tree: Any) -> Any:
-    """A copy with fresh buffers: the compiled step donates its input state."""
-    return jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, tree)
+    """A copy with fresh buffers: the compiled step donates its input state. Leaves that are not
+    JAX arrays (python ints, strings, numpy arrays a loop keeps on the host) are immutable or
+    copied on the host; typed PRNG keys copy as themselves."""
+    def copy(x: Any) -> Any:
+        if isinstance(x, (jax.Array, np.ndarray)):
+            return x.copy()
+        return x
+
+    return jax.tree.map(copy, tree)
 
 
 class Replayer:
@@ -176,25 +183,52 @@ def _comparable(state: Any) -> Any:
 
 
 @jax.jit
-def _device_fingerprints(tree: Any) -> Any:
+def _device_fingerprints(arrays: list) -> Any:
     from trainer.fingerprint import fingerprint_lanes
 
-    return jax.tree.map(fingerprint_lanes, tree)
+    return [fingerprint_lanes(x) for x in arrays]
+
+
+def _is_key(x: Any) -> bool:
+    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _host_fingerprint(x: Any) -> int:
+    """64 bits of a leaf the device cannot fingerprint: an array's bytes (dtype and shape
+    included), or the type and repr of a python value (an int, a string, an enum)."""
+    if isinstance(x, (np.ndarray, np.generic, jax.Array)):
+        from traces.fingerprint import fingerprint
+
+        return fingerprint(np.asarray(jax.device_get(x)))
+    digest = hashlib.sha256(f"{type(x).__module__}.{type(x).__qualname__}:{x!r}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")
 
 
 def state_fingerprints(state: Any) -> list[tuple[str, int]]:
     """(leaf path, 64-bit fingerprint) of every leaf of the state's parameters and optimizer
-    state, in tree order; computed on the device, so only 8 bytes per leaf come back."""
+    state, in tree order. Arrays are fingerprinted on the device, so only 8 bytes per leaf come
+    back; a typed PRNG key by its key data; leaves that are not arrays (a step counter kept as a
+    python int, a string) on the host by type and value. None is no leaf (a pytree node)."""
     tree = _comparable(state)
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     paths = [jax.tree_util.keystr(p, simple=True, separator=".") for p, _ in leaves]
-    try:
-        lanes = jax.device_get(_device_fingerprints(tree))
-        values = [(int(l[0]) << 32) | int(l[1]) for l in jax.tree.leaves(lanes)]
-    except TypeError:  # a dtype the device fingerprint does not take (8-byte without x64): host
-        from traces.fingerprint import fingerprint
-
-        values = [fingerprint(np.asarray(jax.device_get(x))) for _, x in leaves]
+    values: list[int | None] = [None] * len(leaves)
+    device: list[tuple[int, Any]] = []
+    for i, (_, x) in enumerate(leaves):
+        if _is_key(x):
+            x = jax.random.key_data(x)
+        if isinstance(x, jax.Array):
+            device.append((i, x))
+        else:
+            values[i] = _host_fingerprint(x)
+    if device:
+        try:
+            lanes = jax.device_get(_device_fingerprints([x for _, x in device]))
+            for (i, _), l in zip(device, lanes):
+                values[i] = (int(l[0]) << 32) | int(l[1])
+        except TypeError:  # a dtype the device fingerprint does not take (8-byte without x64): host
+            for i, x in device:
+                values[i] = _host_fingerprint(x)
     return list(zip(paths, values))
 
 

@@ -44,14 +44,14 @@ tiny's still steeply falling loss.
 
 from replay.spike_analysis import (ExampleRow, LayerRow, SpikeReport, analyze, check_step, decode_tokens, fed_tokens,
                                    injected_positions, save_batch)
-from replay.spike_detect import (DECODE_TOKENS, DEFAULT_THRESHOLD, DEFAULT_TOP, DEFAULT_WINDOW, LOG_FLOOR, MAD_SCALE,
-                                 MIN_WINDOW, REL_FLOOR, Scan, Spike, SpikeInputError, check_window, robust,
+from replay.spike_detect import (DECODE_TOKENS, DEFAULT_METRIC, DEFAULT_THRESHOLD, DEFAULT_TOP, DEFAULT_WINDOW, LOG_FLOOR, MAD_SCALE,
+                                 MIN_WINDOW, REL_FLOOR, Scan, Spike, SpikeInputError, check_metric, check_window, robust,
                                  rolling_scores, scan)
 from replay.spike_plot import plot_scan, plot_spike
 
 __all__ = [
-    "DECODE_TOKENS", "DEFAULT_THRESHOLD", "DEFAULT_TOP", "DEFAULT_WINDOW", "LOG_FLOOR", "MAD_SCALE", "MIN_WINDOW",
+    "DECODE_TOKENS", "DEFAULT_METRIC", "DEFAULT_THRESHOLD", "DEFAULT_TOP", "DEFAULT_WINDOW", "LOG_FLOOR", "MAD_SCALE", "MIN_WINDOW",
     "REL_FLOOR", "ExampleRow", "LayerRow", "Scan", "Spike", "SpikeInputError", "SpikeReport", "analyze", "check_step",
-    "check_window", "decode_tokens", "fed_tokens", "injected_positions", "plot_scan", "plot_spike", "robust",
+    "check_metric", "check_window", "decode_tokens", "fed_tokens", "injected_positions", "plot_scan", "plot_spike", "robust",
     "rolling_scores", "save_batch", "scan",
 ]

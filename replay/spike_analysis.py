@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from replay.spike_detect import (DECODE_TOKENS, DEFAULT_THRESHOLD, DEFAULT_TOP, DEFAULT_WINDOW, LOG_FLOOR, MIN_WINDOW,
-                                 REL_FLOOR, Spike, SpikeInputError, _json_safe, _num, check_window, robust)
+from replay.spike_detect import (DECODE_TOKENS, DEFAULT_METRIC, DEFAULT_THRESHOLD, DEFAULT_TOP, DEFAULT_WINDOW, LOG_FLOOR,
+                                 MIN_WINDOW, REL_FLOOR, Spike, SpikeInputError, _json_safe, _num, check_metric,
+                                 check_window, robust)
 from traces import Run, StepRecord
 
 if TYPE_CHECKING:  # the engine imports JAX; `replay spike RUN` (detection only) never needs it
@@ -229,12 +230,13 @@ def _metric_spike(values_W: np.ndarray, value: float, step: int) -> Spike:
 
 def analyze(run: Run, replayable: Any, step: int, contract: Any, window: int = DEFAULT_WINDOW,
             threshold: float = DEFAULT_THRESHOLD, top: int = DEFAULT_TOP,
-            on_step: Callable[[StepResult], None] | None = None) -> SpikeReport:
+            on_step: Callable[[StepResult], None] | None = None, metric: str = DEFAULT_METRIC) -> SpikeReport:
     """Replays from the nearest checkpoint at or before `step` through `step` (verifying every
     field, as `replay run` does) and reports what drives the loss at `step`."""
     from replay.engine import replay
 
     check_window(window, threshold)
+    loss_i = check_metric(run, metric)  # before replaying anything
     start = check_step(run, step, window, replayable.checkpoint_steps())
     schema = run.schema
     trace = run.trace
@@ -246,7 +248,6 @@ def analyze(run: Run, replayable: Any, step: int, contract: Any, window: int = D
     report_replay = replay(run, capture, step, step, contract, on_step)
     replayed = capture.records
 
-    loss_i = schema.metric_index("loss")
     loss = _metric_spike(np.array([r.metrics[loss_i] for r in window_recs]), float(at.metrics[loss_i]), step)
     grad = None
     if "grad_norm" in schema.metric_names:
@@ -257,8 +258,8 @@ def analyze(run: Run, replayable: Any, step: int, contract: Any, window: int = D
     # Examples ------------------------------------------------------------------------------
     examples: list[ExampleRow] = []
     typical = spread_e = math.nan
-    if "loss" in schema.example_metrics and at.example_metrics is not None:
-        e = schema.example_metrics.index("loss")
+    if metric in schema.example_metrics and at.example_metrics is not None:
+        e = schema.example_metrics.index(metric)
         pool = np.concatenate([r.example_metrics[e] for r in window_recs if r.example_metrics is not None] or [[]])
         pool = pool[np.isfinite(pool)]
         if pool.size:

@@ -134,19 +134,35 @@ def check_window(window: int, threshold: float) -> None:
         raise SpikeInputError(f"--threshold {threshold} must be > 0 (a robust score: spreads above the baseline)")
 
 
-def _loss_curve(run: Run, name: str = "loss") -> tuple[np.ndarray, np.ndarray]:
+DEFAULT_METRIC = "loss"  # the convention: a run's training loss is the metric named "loss"
+
+
+def check_metric(run: Run, name: str = DEFAULT_METRIC) -> int:
+    """The index of metric `name` in the run's schema; a one-line error naming the metrics the
+    run has when it has no such metric (a loop that calls its loss something else)."""
+    names = run.schema.metric_names
+    if name in names:
+        return run.schema.metric_index(name)
+    have = ", ".join(names) or "none"
+    how = (f"pass --metric NAME to choose one" if name == DEFAULT_METRIC
+           else "pass --metric with one of them")
+    raise SpikeInputError(f"{run.path}: records no metric named {name!r} (its metrics: {have}); {how}")
+
+
+def _loss_curve(run: Run, name: str = DEFAULT_METRIC) -> tuple[np.ndarray, np.ndarray]:
     trace = run.trace
+    index = check_metric(run, name)
     if len(trace) == 0:
         raise SpikeInputError(f"{run.path}: the trace holds no steps (was it recorded with trace.level=off?)")
-    index = run.schema.metric_index(name)
     steps = np.arange(trace.start, trace.end)
     return steps, np.array([rec.metrics[index] for rec in trace.records()], np.float64)
 
 
-def scan(run: Run, window: int = DEFAULT_WINDOW, threshold: float = DEFAULT_THRESHOLD) -> Scan:
-    """Every recorded step whose loss scores at least `threshold` against the previous window."""
+def scan(run: Run, window: int = DEFAULT_WINDOW, threshold: float = DEFAULT_THRESHOLD,
+         metric: str = DEFAULT_METRIC) -> Scan:
+    """Every recorded step whose `metric` (the loss) scores at least `threshold` against the previous window."""
     check_window(window, threshold)
-    steps, loss = _loss_curve(run)
+    steps, loss = _loss_curve(run, metric)
     if steps.size <= window:
         raise SpikeInputError(f"{run.path} records {steps.size} steps ({steps[0]}..{steps[-1]}), too few for a baseline "
                               f"of --window {window} previous steps: pass a smaller --window (at least {MIN_WINDOW})")

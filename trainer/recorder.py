@@ -51,13 +51,57 @@ def gather_example_hashes(local_hashes: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(gathered).reshape(-1).view(np.uint64)
 
 
+class RecordSchemaError(ValueError):
+    """A step's outputs do not fit the run's schema (tensor names, order or count): exit 2."""
+
+
+def _tensors(schema: Schema, step: int, metrics: dict, key: str) -> np.ndarray:
+    """metrics[key] ("fingerprints" or "rms") in schema order, checked against the schema's tensor
+    names: given as {name: value}, the names must be the schema's; given as an array in schema
+    order, its length must be, and "tensor_names" (when the step says which tensors it measured)
+    must be the schema's names in the schema's order. A count alone cannot tell two tensors
+    swapped, or a renamed one, from the schema: their fingerprints would be filed under the
+    wrong names and every later comparison would blame the wrong layer."""
+    names = schema.tensor_names
+    value = metrics[key]
+    if isinstance(value, dict):  # by name (a jitted step's dict outputs come back sorted by key)
+        missing = [n for n in names if n not in value]
+        extra = [str(n) for n in value if n not in names]
+        if missing or extra:
+            raise RecordSchemaError(
+                f"step {step}: the step's {key} name tensors the schema does not ({', '.join(extra[:4]) or 'none'}) "
+                f"or lack some it does ({', '.join(missing[:4]) or 'none'}); record exactly the schema's tensors")
+        return np.stack([np.asarray(value[n]) for n in names]) if names else np.zeros((0,), np.float32)
+    given = metrics.get("tensor_names")
+    if given is not None:
+        given = tuple(str(n) for n in given)
+        if given != names:
+            at = next((i for i, (g, n) in enumerate(zip(given, names)) if g != n), min(len(given), len(names)))
+            got = given[at] if at < len(given) else "nothing"
+            want = names[at] if at < len(names) else "nothing"
+            raise RecordSchemaError(
+                f"step {step}: the step's tensors are not the schema's: at position {at} it measured {got!r} where "
+                f"the schema has {want!r} ({len(given)} tensors, schema {len(names)}); measure them in the schema's order")
+    arr = np.asarray(value)
+    if arr.ndim == 0 or arr.shape[0] != len(names):
+        n = 0 if arr.ndim == 0 else arr.shape[0]
+        raise RecordSchemaError(f"step {step}: the step returned {n} {key} for the schema's {len(names)} tensors; "
+                                "measure exactly the schema's tensors, in its order")
+    return arr
+
+
 def to_record(schema: Schema, step: int, metrics: dict, example_hashes: np.ndarray) -> StepRecord:
     """A host-side record from a step's metrics (already device_get) and global example hashes.
 
     `metrics` holds every schema metric by name, "rng", "example_<name>" (float32[batch]) for
-    each of the schema's example_metrics, and "fingerprints"/"rms" for a layer-level record.
+    each of the schema's example_metrics, and "fingerprints"/"rms" for a layer-level record:
+    arrays in schema order (with "tensor_names", the names measured, checked against the
+    schema), or {tensor name: value} dicts. A record that does not fit raises RecordSchemaError.
     """
     layer = "fingerprints" in metrics
+    if layer:
+        metrics = {**metrics, "fingerprints": _tensors(schema, step, metrics, "fingerprints"),
+                   "rms": _tensors(schema, step, metrics, "rms")}
     return StepRecord(
         step=step,
         rng=np.asarray(metrics["rng"], np.uint32),

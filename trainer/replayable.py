@@ -5,15 +5,15 @@ checkpoint, and (2) run step k again, returning the same metrics dict it recorde
 global per-example hashes of the batch it fed. The engine compares the result with the trace.
 
 Runs of `trainer/` are replayed by `TrainerReplay`. Another loop names its own factory in
-the run manifest ("replayable": "module:function", "replayable_path": folder to import
-from); `replay run` calls `function(run, data=..., allow_data_change=...)` and uses what it
-returns. examples/optax_loop.py is such a loop.
+the run manifest ("replayable": "module:function"; the legacy "replayable_path" names a
+folder to import it from, used only with --allow-code and never from a bundle: see
+replay/code.py); `replay run` calls `function(run, data=..., allow_data_change=...,
+allow_code=...)` (allow_code only if the factory takes it) and uses what it returns, every
+call into it made through replay.code.call_user.
 """
 
 from __future__ import annotations
 
-import importlib
-import sys
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -40,23 +40,71 @@ class Replayable(Protocol):
 TRAINER_FACTORY = "trainer.replayable:from_run"
 
 
-def load(run: Run, **options: Any) -> Replayable:
-    """The replayable that the run's manifest names (the trainer's by default)."""
-    target = run.manifest.get("replayable", TRAINER_FACTORY)
-    extra = run.manifest.get("replayable_path")
-    if extra:
-        folder = (run.path / extra).resolve() if not Path(extra).is_absolute() else Path(extra)
-        if str(folder) not in sys.path:
-            sys.path.insert(0, str(folder))
-    module_name, _, attr = target.partition(":")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        from trainer.config import ConfigError
+def load(run: Run, *, allow_code: bool | None = None, **options: Any) -> Replayable:
+    """The replayable that the run's manifest names (the trainer's by default).
 
-        raise ConfigError(f"{run.path}: its manifest names the replay entry point {target!r}, which cannot be "
-                          f"imported here ({e}); install or put that code on PYTHONPATH") from None
-    return factory(run, **options)
+    The manifest's "replayable" entry ("module:function", and the legacy "replayable_path"
+    folder) is resolved by replay.code.import_entrypoint: replay's and the trainer's own
+    factories import normally, an installed module by name, a folder the manifest names only
+    with `allow_code` (None: the command's --allow-code) and never from a bundle. Any factory
+    but the trainer's is called with `allow_code=` too when it takes it (it may resolve more
+    code of its own); exceptions raised inside a user's factory and its replayable's methods
+    are the user's (replay.code.UserCodeError, exit 2), not replay's."""
+    from replay.code import TRUSTED_PACKAGES, call_user, code_allowed, import_entrypoint
+
+    if allow_code is None:  # not passed down: the command's --allow-code (replay.code.allowing)
+        allow_code = code_allowed()
+    target = run.manifest.get("replayable", TRAINER_FACTORY)
+    factory = import_entrypoint(run, target, allow_code=allow_code, search_path=run.manifest.get("replayable_path"))
+    if factory is from_run:
+        return factory(run, **options)
+    if _takes(factory, "allow_code"):  # older factories (the legacy protocol) do not take it
+        options["allow_code"] = allow_code
+    if target.partition(":")[0].split(".")[0] in TRUSTED_PACKAGES:  # replay's own: its errors are replay's
+        return factory(_absolute(run), **options)
+    return UserReplayable(call_user(factory, _absolute(run), **options))
+
+
+_PROTOCOL = ("environment", "program_hash", "checkpoint_steps", "restore", "step")
+
+
+class UserReplayable:
+    """A user's replayable, with every protocol call made through replay.code.call_user: an
+    exception in the user's restore or step is reported as theirs (exit 2), naming it."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self.inner, name)
+        if name in _PROTOCOL and callable(value):
+            from replay.code import call_user
+
+            return lambda *a, **kw: call_user(value, *a, **kw)
+        return value
+
+
+def _takes(fn: Any, keyword: str) -> bool:
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == keyword or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def _absolute(run: Run) -> Run:
+    """The run as a user's factory should see it: with an absolute path, so code that hands it to
+    libraries needing one (orbax's CheckpointManager) works whatever the working directory."""
+    path = Path(run.path)
+    if path.is_absolute():
+        return run
+    import copy
+
+    view = copy.copy(run)
+    view.path = path.resolve()
+    return view
 
 
 class TrainerReplay:

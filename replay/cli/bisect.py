@@ -22,6 +22,8 @@ def bisect(
                                                                               "steps anyway.")] = False,
     allow_damaged: Annotated[bool, typer.Option("--allow-damaged", help="Compare the steps a damaged trace can still "
                                                                         "read (the report says which).")] = False,
+    allow_code: Annotated[bool, typer.Option("--allow-code", help="Run the training-loop code the run's manifest "
+                                             "names from a folder it names (never from inside a bundle).")] = False,
 ) -> None:
     """Name the first step, field and cause where two runs differ.
 
@@ -32,13 +34,14 @@ def bisect(
     """
     from replay.bisect import bisect as run_bisect
     from replay.bundle import named_as_bundle, open_run
+    from replay.code import allowing
 
     if run_a.exists() and run_b.exists() and run_a.resolve() == run_b.resolve():
         console.fail(f"{run_a} and {run_b} are the same run; bisect compares two different runs "
                      "(to check one run against itself, replay it: replay run RUN)")
     a, b = open_run(run_a), open_run(run_b)  # run folders, or bundles (`replay pack`)
     _check_comparable(a, b, allow_incomplete, allow_damaged)
-    with named_as_bundle(a), named_as_bundle(b):
+    with named_as_bundle(a), named_as_bundle(b), allowing(allow_code):  # replays load each run's own code
         report = run_bisect(a, b, refine=not no_refine)
     report.notes.extend(f"{name}: {note}" for name, run in (("A", a), ("B", b)) for note in run.notes)
     if plot is not None:

@@ -49,6 +49,11 @@ EXIT_CODES = MappingProxyType({
     "replay.engine.ReplayInputError": EXIT_BAD_INPUT,
     "replay.replayer.ReplayUnavailable": EXIT_BAD_INPUT,
     "replay.spike_detect.SpikeInputError": EXIT_BAD_INPUT,
+    # user code and the recording API: a refused or failing entry point, a record that does not fit
+    "replay.code.CodeNotAllowed": EXIT_BAD_INPUT,
+    "replay.code.UserCodeError": EXIT_BAD_INPUT,
+    "replay.record.errors.RecordError": EXIT_BAD_INPUT,
+    "trainer.recorder.RecordSchemaError": EXIT_BAD_INPUT,
     # the CLI's own one-line errors (console.fail); the instance's exit_code wins
     "replay.cli.errors.UserError": EXIT_BAD_INPUT,
     # a path the user gave that cannot be read or written as asked

@@ -21,14 +21,18 @@ def pack(
     spike: Annotated[Optional[int], typer.Option("--spike", metavar="S", help="Report the loss spike at step S (replay spike).")] = None,
     data: Annotated[Optional[str], typer.Option("--data", help="Where the run's token file is now.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print what was written as JSON.")] = False,
+    allow_code: Annotated[bool, typer.Option("--allow-code", help="Run the training-loop code the run's manifest "
+                                             "names from a folder it names (never from inside a bundle).")] = False,
 ) -> None:
     """Pack steps A..B of a run into one file: manifest, trace, checkpoint, batch data and REPORT.md."""
     from replay import bundle
+    from replay.code import allowing
     from replay.engine import parse_steps
 
     rng = parse_steps(steps) if steps is not None else None
-    result = bundle.pack(run, out, rng, lite=lite, force=force, data=data, from_bisect=from_bisect, spike=spike,
-                         on_status=console.status)
+    with allowing(allow_code):  # --from-bisect and --spike replay the run with its own code
+        result = bundle.pack(run, out, rng, lite=lite, force=force, data=data, from_bisect=from_bisect, spike=spike,
+                             on_status=console.status)
     if json_out:
         console.print_json(result.to_json())
         return

@@ -25,11 +25,13 @@ def prepare_process(target) -> None:
 
 
 def load_replayable(target, path: Path, data: str | None, allow_data_change: bool,
-                    check: Callable[[list[int]], object], damaged_remedy: str | None = DAMAGED_REMEDY):
+                    check: Callable[[list[int]], object], damaged_remedy: str | None = DAMAGED_REMEDY,
+                    allow_code: bool = False):
     """(replayable, contract) for `target`; `check(checkpoint_steps)` refuses bad ranges, first
     from the checkpoint folder (before compiling, for trainer runs), then from the replayable.
     A damaged trace is refused first (one line naming the damage, then `damaged_remedy`), unless
-    `damaged_remedy` is None (the command was told to replay what can be read)."""
+    `damaged_remedy` is None (the command was told to replay what can be read). `allow_code`:
+    the command's --allow-code (replay/code.py: which of the run's code may run)."""
     from replay import contract as contractlib
     from replay.bundle import damage_error
     from replay.engine import checkpoint_steps
@@ -44,7 +46,8 @@ def load_replayable(target, path: Path, data: str | None, allow_data_change: boo
     if trainer_run:
         check(checkpoint_steps(target))
     compiling = (lambda: console.status(f"compiling the train step of {path} ...")) if trainer_run else None
-    replayable = replayables.load(target, data=data, allow_data_change=allow_data_change, on_compile=compiling)
+    replayable = replayables.load(target, allow_code=allow_code, data=data, allow_data_change=allow_data_change,
+                                  on_compile=compiling)
     check(replayable.checkpoint_steps())  # a user loop's own checkpoints
     mesh_invariant = bool(target.manifest.get("config", {}).get("mesh", {}).get("mesh_invariant"))
     contract = contractlib.evaluate(target.manifest.get("environment", {}), replayable.environment(),

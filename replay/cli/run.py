@@ -28,6 +28,8 @@ def run(
     json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
     allow_damaged: Annotated[bool, typer.Option("--allow-damaged", help="Replay steps a damaged trace can still read "
                                                                         "(the report says the trace is damaged).")] = False,
+    allow_code: Annotated[bool, typer.Option("--allow-code", help="Run the training-loop code the run's manifest "
+                                             "names from a folder it names (never from inside a bundle).")] = False,
 ) -> None:
     """Replay steps A..B of a run and compare every recorded field with the trace."""
     from replay.bundle import default_steps, describe_damage, named_as_bundle, open_run, run_damage
@@ -41,7 +43,7 @@ def run(
         remedy = None if allow_damaged else "pass --allow-damaged to replay steps it can read"
         replayable, contract = load_replayable(target, path, data, allow_data_change,
                                                lambda checkpoints: check_range(target, first, last, checkpoints),
-                                               damaged_remedy=remedy)
+                                               damaged_remedy=remedy, allow_code=allow_code)
         with replay_progress(f"replay {path.name}", last) as on_step:
             report = replay(target, replayable, first, last, contract, on_step)
     report.notes.extend(target.notes)  # e.g. a manifest from before checksums: taken as recorded

@@ -10,7 +10,7 @@ import typer
 
 from replay.cli import console
 from replay.cli.errors import EXIT_DIVERGED
-from replay.spike import DEFAULT_THRESHOLD, DEFAULT_TOP, DEFAULT_WINDOW
+from replay.spike import DEFAULT_METRIC, DEFAULT_THRESHOLD, DEFAULT_TOP, DEFAULT_WINDOW
 
 
 def spike(
@@ -29,9 +29,12 @@ def spike(
     allow_data_change: Annotated[bool, typer.Option("--allow-data-change",
                                                     help="Replay although the data fingerprint changed.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    metric: Annotated[str, typer.Option("--metric", help="The recorded metric to look for spikes in.")] = DEFAULT_METRIC,
+    allow_code: Annotated[bool, typer.Option("--allow-code", help="Run the training-loop code the run's manifest "
+                                             "names from a folder it names (never from inside a bundle).")] = False,
 ) -> None:
     """Find loss spikes in a run, or replay one (--step) and show its examples and layers."""
-    from replay.spike import check_window, plot_scan, scan
+    from replay.spike import check_metric, check_window, plot_scan, scan
 
     check_window(window, threshold)
     if top < 1:
@@ -42,10 +45,11 @@ def spike(
     if save_batch is not None and save_batch.suffix != ".npy":
         console.fail(f"--save-batch {save_batch}: the file name must end in .npy")
     target = _open(path, for_replay=step is not None)
+    check_metric(target, metric)  # before anything is replayed: names the metrics the run has
     if step is None:
         if save_batch is not None:
             console.fail("--save-batch needs --step S: it writes the batch of step S")
-        result = scan(target, window, threshold)
+        result = scan(target, window, threshold, metric)
         if plot is not None:
             plot_scan(target, result, plot)
         if json_out:
@@ -55,20 +59,23 @@ def spike(
             if plot is not None:
                 console.print_text(f"plot written to {plot}")
         return
-    _spike_step(target, path, step, window, threshold, top, save_batch, plot, data, allow_data_change, json_out)
+    _spike_step(target, path, step, window, threshold, top, save_batch, plot, data, allow_data_change, json_out,
+                metric, allow_code)
 
 
 def _spike_step(target, path: Path, step: int, window: int, threshold: float, top: int, save_batch: Path | None,
-                plot: Path | None, data: str | None, allow_data_change: bool, json_out: bool) -> None:
+                plot: Path | None, data: str | None, allow_data_change: bool, json_out: bool,
+                metric: str = DEFAULT_METRIC, allow_code: bool = False) -> None:
     from replay.cli.replaying import load_replayable, prepare_process, replay_notes, replay_progress
     from replay.spike import analyze, check_step, plot_spike
     from replay.spike import save_batch as write_batch
 
     prepare_process(target)
     rep, contract = load_replayable(target, path, data, allow_data_change,
-                                    lambda checkpoints: check_step(target, step, window, checkpoints))
+                                    lambda checkpoints: check_step(target, step, window, checkpoints),
+                                    allow_code=allow_code)
     with replay_progress(f"replay {path.name} to step {step}", step) as on_step:
-        report = analyze(target, rep, step, contract, window, threshold, top, on_step)
+        report = analyze(target, rep, step, contract, window, threshold, top, on_step, metric=metric)
     report.notes.extend(replay_notes(rep))
     if save_batch is not None:
         write_batch(rep, target, step, save_batch)

@@ -1,12 +1,14 @@
-"""A training loop that is not trainer/ (examples/optax_loop.py) records, and `replay run` verifies it.
+"""A training loop of its own (examples/optax_loop.py) records through `replay.init`, and the CLI
+replays and bisects it: bit-exact replays, a tampered checkpoint or trace refused, bad input one
+line, and injected bugs found at their step with their cause.
 
-Recorded once per module (30 steps, checkpoints at 0, 10, 20, 30); each test replays it, or a
-copy of it with one bit of one checkpointed parameter flipped.
+Recorded once per module (30 steps, checkpoints at 0, 10, 20, 30), plus two runs with a bug.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -22,9 +24,10 @@ from traces import Run, Schema
 from trainer.recorder import to_record
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-sys.path.insert(0, str(EXAMPLES))
+if str(EXAMPLES) not in sys.path:
+    sys.path.insert(0, str(EXAMPLES))  # the example is "installed": its module is importable by name
 import optax_loop  # noqa: E402
-from tests.cli_util import dir_digest
+from tests.cli_util import dir_digest  # noqa: E402
 
 STEPS = 30
 
@@ -34,20 +37,41 @@ def invoke(*args: str):
 
 
 @pytest.fixture(scope="module")
-def recorded(tmp_path_factory) -> Path:
-    cfg = optax_loop.Config(steps=STEPS, checkpoint_every=10)
-    return optax_loop.train(cfg, tmp_path_factory.mktemp("user_loop") / "run")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("user_loop")
+    out = {}
+    for name, bug in (("clean", {}), ("clean2", {}), ("lr", {"lr_bump_at": 17}), ("refeed", {"refeed_at": 23})):
+        cfg = optax_loop.Config(steps=STEPS, checkpoint_every=10, **bug)
+        out[name] = Path(optax_loop.train(cfg, str(root / name)))
+    return out
 
 
-def test_recorded_run_names_its_own_replay_entry_point(recorded):
+@pytest.fixture(scope="module")
+def recorded(runs) -> Path:
+    return runs["clean"]
+
+
+def test_lines_only_for_replay_are_few():
+    lines = [l for l in (EXAMPLES / "optax_loop.py").read_text().splitlines() if l.rstrip().endswith("# replay")]
+    assert 0 < len(lines) <= 12, lines
+
+
+def test_recorded_run_names_its_entry_point_by_module(recorded):
     run = Run.open(recorded)
     assert run.status == "complete" and run.trace.start == 0 and run.trace.end == STEPS
-    assert run.manifest["replayable"] == "optax_loop:replayable"
-    assert Path(run.manifest["replayable_path"]) == EXAMPLES
+    assert run.manifest["replayable"] == "replay.record.replayable:from_run"
+    assert run.manifest["entrypoint"] == "optax_loop:make" and "entrypoint_path" not in run.manifest
     assert run.manifest["checkpoints"] == [0, 10, 20, 30]
+    assert sorted(run.manifest["checkpoint_fingerprints"], key=int) == ["0", "10", "20", "30"]
+    assert run.manifest["record"]["batch_axis"] == 0 and run.manifest["config"]["steps"] == STEPS
+    names = run.schema.tensor_names
+    assert names[0] == "state/step" and "grad/dense_0.w" in names and "forward/dense_1" in names
+    assert names[-1].startswith("update/")
+    kinds = [k for _, k in run.schema.tensors]
+    assert kinds == sorted(kinds, key=("state", "forward", "backward", "update").index)  # causal order
+    assert run.schema.metric_names == ("loss", "grad_norm", "lr") and run.schema.example_metrics == ("loss",)
     rec = run.trace.read(0)
-    assert rec.fingerprints is not None and len(rec.fingerprints) == len(run.schema.tensors)
-    assert run.schema.tensor_names[:2] == ("state/dense_0/w", "state/dense_0/b")
+    assert rec.fingerprints is not None and len(rec.fingerprints) == len(names) and rec.rng.shape == (2,)
 
 
 def test_replay_is_bit_exact_and_changes_nothing(recorded):
@@ -62,41 +86,54 @@ def test_replay_is_bit_exact_and_changes_nothing(recorded):
     assert dir_digest(recorded) == before
 
 
-@pytest.mark.parametrize("steps", ["0", "9", "29", "20:29"])
+@pytest.mark.parametrize("steps", ["0", "29"])
 def test_single_steps_and_the_tail_replay_exactly(recorded, steps):
     result = invoke("run", str(recorded), "--steps", steps, "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["all_bit_exact"]
 
 
-def test_flipped_parameter_bit_in_a_checkpoint_is_named(recorded, tmp_path):
+def test_a_replay_of_another_runs_trace_is_caught(runs, tmp_path):
+    """The replay compares bits: the lr-bug run's trace with the clean run's code and checkpoints differs."""
+    copy = tmp_path / "run"
+    shutil.copytree(runs["clean"], copy)
+    shutil.rmtree(copy / "trace")
+    shutil.copytree(runs["lr"] / "trace", copy / "trace")
+    result = invoke("run", str(copy), "--steps", "15:18", "--json")
+    assert result.exit_code == 1, result.output
+    first = json.loads(result.stdout)["first_mismatch"]
+    assert first["step"] == 17 and first["fields"][0]["kind"] == "update"
+
+
+def test_flipped_parameter_bit_in_a_checkpoint_is_refused(recorded, tmp_path):
     copy = tmp_path / "run"
     shutil.copytree(recorded, copy)
-    cfg = optax_loop.Config.from_dict(Run.open(copy).manifest["config"])
-    # Edit the stored array: restore checkpoint 20, flip one bit of dense_1/w, save it back as 20.
+    loop = optax_loop.make(Run.open(copy).manifest["config"])
     mgr = ocp.CheckpointManager(copy / "checkpoints", options=ocp.CheckpointManagerOptions(
         enable_async_checkpointing=False))
-    state = mgr.restore(20, args=ocp.args.StandardRestore(optax_loop.abstract_state(cfg)))
+    state = mgr.restore(20, args=ocp.args.StandardRestore(loop.state_shapes()))
     w = np.asarray(state.params["dense_1"]["w"]).copy()
     w.view(np.uint32)[3, 5] ^= 1 << 20
     state.params["dense_1"]["w"] = w
     mgr.delete(20)
     mgr.save(20, args=ocp.args.StandardSave(state), force=True)
     mgr.close()
+    result = invoke("run", str(copy), "--steps", "21:23")
+    assert result.exit_code == 2, result.output
+    assert "checkpoint 20 is damaged" in result.stderr and "fingerprint" in result.stderr
+    assert invoke("run", str(copy), "--steps", "12:15").exit_code == 0  # the other checkpoints stand
 
-    result = invoke("run", str(copy), "--steps", "21:23", "--json")
-    assert result.exit_code == 1, result.output
-    report = json.loads(result.stdout)
-    first = report["first_mismatch"]
-    assert first["step"] == 20 and first["warmup"]  # the first step after the checkpoint
-    names = [(f["kind"], f["name"]) for f in first["fields"]]
-    assert names[0] == ("state", "state/dense_1/w")  # the restored state, named exactly
-    assert [n for k, n in names if k == "forward"][0] == "dense_1"  # dense_0's output is untouched
-    assert ("data", "example_hashes") not in names and ("rng", "rng") not in names
-    assert report["mismatched_steps"] == [20, 21, 22, 23]
 
-    text = invoke("run", str(copy), "--steps", "20")
-    assert text.exit_code == 1 and "first mismatch: step 20" in text.stdout and "real divergence" in text.stdout
+def test_a_changed_trace_record_is_refused(recorded, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(recorded, copy)
+    segment = sorted((copy / "trace").iterdir())[0]
+    data = bytearray(segment.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    segment.write_bytes(bytes(data))
+    result = invoke("run", str(copy), "--steps", "12:14")
+    assert result.exit_code == 2, result.output
+    assert "damaged" in result.stderr
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -111,6 +148,26 @@ def test_bad_input_is_one_line_and_exit_2(recorded, args, needle):
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], result.stderr
 
 
+def test_bisect_names_the_learning_rate_bug_at_its_step(runs):
+    result = invoke("bisect", str(runs["clean"]), str(runs["lr"]), "--json")
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.stdout)
+    assert report["first_step"] == 17, report
+    assert report["cause"] == "update", report
+
+
+def test_bisect_names_a_refed_batch_as_data(runs):
+    result = invoke("bisect", str(runs["clean"]), str(runs["refeed"]), "--json")
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.stdout)
+    assert report["first_step"] == 23 and report["cause"] == "data", report
+
+
+def test_bisect_of_identical_runs_exits_0(runs):
+    result = invoke("bisect", str(runs["clean"]), str(runs["clean2"]), "--json")
+    assert result.exit_code == 0, result.output
+
+
 def test_to_record_takes_the_schemas_example_metric_names():
     metrics = {"loss": np.float32(1.5), "rng": np.array([1, 2], np.uint32), "example_acc": np.ones(4, np.float32)}
     hashes = np.arange(4, dtype=np.uint64)
@@ -122,10 +179,11 @@ def test_to_record_takes_the_schemas_example_metric_names():
 @pytest.mark.slow
 def test_script_records_and_cli_replays_in_fresh_processes(tmp_path):
     run = tmp_path / "run"
-    subprocess.run([sys.executable, str(EXAMPLES / "optax_loop.py"), "--out", str(run), "--steps", "12",
-                    "--checkpoint-every", "5"], check=True, capture_output=True, cwd=tmp_path)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(EXAMPLES), os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, "-c", "import optax_loop as o; o.train(o.Config(steps=12, checkpoint_every=5), "
+                    f"{str(run)!r})"], check=True, capture_output=True, cwd=tmp_path, env=env)
     replayed = subprocess.run([sys.executable, "-m", "replay.cli.app", "run", str(run), "--steps", "6:11", "--json"],
-                              capture_output=True, text=True, cwd=tmp_path)
+                              capture_output=True, text=True, cwd=tmp_path, env=env)
     assert replayed.returncode == 0, replayed.stderr
     report = json.loads(replayed.stdout)
     assert report["checkpoint"] == 5 and report["bit_exact"] == 6 and report["all_bit_exact"]

@@ -1,0 +1,340 @@
+"""Which code replays a run, and what happens when that code raises.
+
+A run's manifest names the function that rebuilds its loop ("module:function"). Replaying
+runs that code, so resolving it is a security decision, not a convenience:
+
+- replay's and the trainer's own factories (`replay.*`, `trainer.*`) import normally;
+- any other module is imported by name from the environment as installed: `sys.path` with
+  every folder the manifest names, and the run folder itself, left out, so a file that
+  travels with a run is never picked up by accident;
+- a folder the manifest names (`search_path`, relative to the run or absolute) is used only
+  with `allow_code=True` (the CLI's `--allow-code`), and never when the run is an unpacked
+  bundle: nothing inside a bundle runs, whatever the flags;
+- code loaded from a folder is loaded by file location under a module name unique to that
+  folder, so two runs whose loops are both `train.py` in two checkouts each get their own
+  module (importing by name would hand run B the module run A imported first).
+
+`call_user(fn, ...)` calls user code and turns an exception raised inside it into
+`UserCodeError`: one line naming the user's function and the exception (exit 2), instead of
+an "internal error" that blames replay. Exceptions that already are user errors of replay's
+own (a damaged checkpoint a factory read through replay, say) pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import traceback
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+TRUSTED_PACKAGES = ("replay", "trainer")  # replay's own factories: they ship with replay itself
+ALLOW_FLAG = "--allow-code"
+_ALIAS_PREFIX = "_replay_code_"
+_display_names: dict[str, str] = {}  # unique module name -> the name the manifest gave it
+
+
+class CodeNotAllowed(Exception):
+    """The run names code that this replay must not (or cannot) run; the message says what to pass or install."""
+
+
+class EntrypointNotFound(CodeNotAllowed):
+    """The named module or function does not exist where the policy allows looking for it."""
+
+
+class UserCodeError(Exception):
+    """An exception raised inside the user's code (a factory, restore, step); `__cause__` is the original."""
+
+    def __init__(self, function: str, exc: BaseException):
+        self.function = function
+        self.original = exc
+        where = _user_frame(exc)
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        super().__init__(f"{function} (your code) raised {type(exc).__name__}"
+                         f"{': ' + text if text else ''}{f' at {where}' if where else ''}; "
+                         "fix it there, or pass --debug for the traceback")
+
+
+_allowed = [False]  # this process's --allow-code, for paths that do not pass it down explicitly
+
+
+class allowing:
+    """`with allowing(flag):` the CLI's --allow-code for everything loaded inside (bisect and pack
+    open runs deep inside; `trainer.replayable.load(run)` without allow_code reads it here)."""
+
+    def __init__(self, allow: bool):
+        self.allow = bool(allow)
+
+    def __enter__(self):
+        _allowed.append(self.allow)
+
+    def __exit__(self, *exc):
+        _allowed.pop()
+        return False
+
+
+def code_allowed() -> bool:
+    """The --allow-code in force (False unless a command's `allowing` says so)."""
+    return _allowed[-1]
+
+
+def is_bundle_run(run) -> bool:
+    """The run was unpacked from a bundle (a file someone sent), so nothing in it may run."""
+    return getattr(run, "bundle", None) is not None or isinstance(run.manifest.get("bundle"), dict)
+
+
+def import_entrypoint(run, spec: str, *, allow_code: bool, search_path: str | None = None) -> Any:
+    """The object `spec` ("module:function") names for `run`, resolved by the policy above.
+
+    Raises CodeNotAllowed (one line saying to pass --allow-code, or what to install) when the
+    policy refuses, EntrypointNotFound when the module or function is not there, and
+    UserCodeError when importing the module raises."""
+    module_name, sep, attr = str(spec).partition(":")
+    if not sep or not attr or not all(p.isidentifier() for p in module_name.split(".") + attr.split(".")):
+        raise EntrypointNotFound(f"{run.path}: its manifest names the replay entry point {spec!r}, "
+                                 "which is not of the form module:function")
+    folder = _folder(run, search_path) if search_path else None
+    forbidden = [Path(run.path).resolve()] + ([folder] if folder else [])
+    trusted = module_name.split(".")[0] in TRUSTED_PACKAGES
+    module = _installed(module_name, forbidden, trusted)
+    if module is None and not trusted and folder is not None:
+        if is_bundle_run(run):
+            raise CodeNotAllowed(f"{_shown(run)}: is a bundle whose manifest names code from a folder it "
+                                 f"names ({search_path!r}: {module_name}); code that travels with a bundle is "
+                                 f"never run. Install {module_name} here, or replay the run it was packed from")
+        if not allow_code:
+            raise CodeNotAllowed(f"{_shown(run)}: its replay entry point {module_name} is not installed here; "
+                                 f"it is in {folder}, which replay imports from only when asked: pass "
+                                 f"{ALLOW_FLAG} to run that code, or install {module_name}")
+        module = _from_folder(module_name, folder)
+    if module is None:
+        raise EntrypointNotFound(f"{_shown(run)}: its manifest names the replay entry point {spec!r}, but "
+                                 f"{module_name} cannot be imported here; install it (or put it on PYTHONPATH)")
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise EntrypointNotFound(f"{_shown(run)}: its manifest names the replay entry point {spec!r}, but "
+                                     f"{_origin(module)} has no {attr!r}; is it the same version of the code?")
+        obj = getattr(obj, part)
+    return obj
+
+
+def function_name(fn: Callable) -> str:
+    """module.qualname of `fn` as the user wrote it (the manifest's module name, not an alias)."""
+    target = getattr(fn, "__func__", fn)  # a bound method: its function
+    module = getattr(target, "__module__", None) or type(fn).__module__
+    qual = getattr(target, "__qualname__", None) or getattr(target, "__name__", None)
+    if qual is None:  # a callable object
+        qual = f"{type(fn).__qualname__}.__call__"
+    return f"{_display_names.get(module, module)}.{qual}"
+
+
+def call_user(fn: Callable, *args: Any, **kw: Any) -> Any:
+    """fn(*args, **kw), with an exception raised inside it turned into UserCodeError."""
+    try:
+        return fn(*args, **kw)
+    except (UserCodeError, CodeNotAllowed):
+        raise
+    except Exception as e:
+        if _is_user_error(e):  # replay's own one-line errors keep their message and exit code
+            raise
+        raise UserCodeError(function_name(fn), e) from e
+
+
+# --- resolution ------------------------------------------------------------------------------------------------
+
+
+def _folder(run, search_path: str) -> Path:
+    p = Path(search_path).expanduser()
+    return (p if p.is_absolute() else Path(run.path) / p).resolve()
+
+
+def _inside(path: str | os.PathLike | None, folders: list[Path]) -> bool:
+    if not path:
+        return False
+    p = Path(path).resolve()
+    return any(p == f or f in p.parents for f in folders)
+
+
+def _origin(module: ModuleType) -> str:
+    return getattr(module, "__file__", None) or module.__name__
+
+
+def _installed(module_name: str, forbidden: list[Path], trusted: bool) -> ModuleType | None:
+    """The module imported by name from sys.path without the forbidden folders; None when it is
+    not there or would come from one of them. Its location is checked before anything executes,
+    and a module already imported is used only if the filtered path would find that same file
+    (one imported earlier from a folder since removed from sys.path is not "installed")."""
+    top = module_name.split(".")[0]
+    path = [p for p in sys.path if not _inside(p or os.getcwd(), forbidden)]
+    loaded = sys.modules.get(top)
+    if loaded is not None and (trusted or not _has_location(loaded)):
+        if _locations_inside(_module_locations(loaded), forbidden):
+            return None
+    else:
+        spec = importlib.machinery.PathFinder.find_spec(top, path) or _meta_spec(top)
+        if spec is None:
+            return None
+        locations = ([spec.origin] if spec.has_location and spec.origin else []) + list(
+            spec.submodule_search_locations or [])
+        if _locations_inside(locations, forbidden):
+            return None
+        if loaded is not None and _same_file(_module_locations(loaded), locations) is False:
+            return None  # importing would hand back a module from elsewhere
+    saved = list(sys.path)
+    sys.path[:] = path
+    try:
+        module = _import(module_name, module_name)
+    except ModuleNotFoundError as e:
+        if e.name and module_name.startswith(e.name):  # the module itself, not something it imports
+            return None
+        raise UserCodeError(f"import {module_name}", e) from e
+    finally:
+        sys.path[:] = saved
+    if _locations_inside(_module_locations(module), forbidden):
+        return None
+    return module
+
+
+def _has_location(module: ModuleType) -> bool:
+    return bool(getattr(module, "__file__", None))
+
+
+def _module_locations(module: ModuleType) -> list[str]:
+    found = [module.__file__] if getattr(module, "__file__", None) else []
+    return found + [str(p) for p in (getattr(module, "__path__", None) or [])]
+
+
+def _locations_inside(locations: list[str], forbidden: list[Path]) -> bool:
+    return any(_inside(p, forbidden) for p in locations)
+
+
+def _same_file(a: list[str], b: list[str]) -> bool | None:
+    if not a or not b:
+        return None
+    return Path(a[0]).resolve() == Path(b[0]).resolve()
+
+
+def _meta_spec(top: str):
+    for finder in sys.meta_path:  # editable installs and the like register their own finders
+        if isinstance(finder, type) and issubclass(finder, importlib.machinery.PathFinder):
+            continue
+        find = getattr(finder, "find_spec", None)
+        if find is None:
+            continue
+        try:
+            spec = find(top, None)
+        except Exception:
+            continue
+        if spec is not None:
+            return spec
+    return None
+
+
+def _import(name: str, shown: str) -> ModuleType:
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError:
+        raise
+    except Exception as e:  # the module's own top-level code raised
+        raise UserCodeError(f"import {shown}", e) from e
+
+
+def _alias(module_name: str, folder: Path) -> str:
+    digest = hashlib.sha256(str(folder).encode()).hexdigest()[:12]
+    return f"{_ALIAS_PREFIX}{digest}_{module_name.split('.')[0]}"
+
+
+def _from_folder(module_name: str, folder: Path) -> ModuleType | None:
+    """`module_name` loaded from `folder` under a name unique to the folder. Sibling modules it
+    imports at import time resolve from the folder too, and are dropped from sys.modules after,
+    so another folder's siblings of the same name load their own."""
+    top, _, rest = module_name.partition(".")
+    alias = _alias(module_name, folder)
+    full = alias + (f".{rest}" if rest else "")
+    if full in sys.modules:
+        return sys.modules[full]
+    if alias not in sys.modules:
+        spec = importlib.machinery.PathFinder.find_spec(top, [str(folder)])
+        if spec is None or spec.loader is None:
+            return None
+        spec = importlib.util.spec_from_file_location(alias, spec.origin,
+                                                      submodule_search_locations=spec.submodule_search_locations)
+        module = importlib.util.module_from_spec(spec)
+        _display_names[alias] = top
+        sys.modules[alias] = module
+        with _siblings_from(folder):
+            try:
+                spec.loader.exec_module(module)
+            except BaseException as e:
+                sys.modules.pop(alias, None)
+                if isinstance(e, Exception):
+                    raise UserCodeError(f"import {top} (from {folder})", e) from e
+                raise
+    if not rest:
+        return sys.modules[alias]
+    with _siblings_from(folder):
+        try:
+            module = importlib.import_module(full)
+        except ModuleNotFoundError:
+            return None
+        except Exception as e:
+            raise UserCodeError(f"import {module_name} (from {folder})", e) from e
+    _display_names[full] = module_name
+    return module
+
+
+class _siblings_from:
+    """While a folder's module executes: the folder first on sys.path; after: the plain-named
+    modules imported from it forgotten (the loaded module keeps its references to them)."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+
+    def __enter__(self):
+        self.before = set(sys.modules)
+        sys.path.insert(0, str(self.folder))
+
+    def __exit__(self, *exc):
+        try:
+            sys.path.remove(str(self.folder))
+        except ValueError:
+            pass
+        for name in set(sys.modules) - self.before:
+            if name.startswith(_ALIAS_PREFIX):
+                continue
+            if _inside(getattr(sys.modules[name], "__file__", None), [self.folder]):
+                del sys.modules[name]
+        return False
+
+
+# --- errors -----------------------------------------------------------------------------------------------------
+
+
+def _is_user_error(exc: BaseException) -> bool:
+    from replay.cli.errors import user_error_code  # no JAX: the table is strings
+
+    return user_error_code(exc) is not None
+
+
+def _user_frame(exc: BaseException) -> str | None:
+    """file:line of the innermost frame outside replay/trainer/jax, where the user's code raised."""
+    here = Path(__file__).resolve().parent.parent
+    own = [here / p for p in TRUSTED_PACKAGES] + [here / "traces"]
+    found = None
+    for frame in traceback.extract_tb(exc.__traceback__):
+        f = frame.filename
+        if _inside(f, own) or "site-packages" in f or f.startswith("<"):
+            continue
+        found = f"{Path(f).name}:{frame.lineno}"
+    return found
+
+
+def _shown(run) -> str:
+    bundle = getattr(run, "bundle", None)
+    return str(bundle) if bundle is not None else str(run.path)

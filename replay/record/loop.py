@@ -1,0 +1,65 @@
+"""The replay side, declared once: `@replay.entrypoint def make(config) -> replay.Loop`.
+
+The manifest names the factory ("module:function"); `replay run` imports it under the code
+policy of replay/code.py, calls it with the recorded config, wraps `Loop.step` exactly as
+`run.step` wrapped it while training, restores checkpoints onto the Loop's state and feeds
+`batch_at(k)`. Using the same factory to build the training loop (as examples/optax_loop.py
+does) keeps training and replay on one definition.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from replay.record.errors import RecordError
+
+MARK = "__replay_entrypoint__"
+
+
+@dataclass(frozen=True)
+class Loop:
+    """What replay needs to re-run a recorded loop.
+
+    step: the (jitted) train step, (state, batch) -> (state, metrics), as `run.step` wrapped it.
+    batch_at: step -> the batch of that step (a pure function of the config and the step).
+    init: () -> the initial state; or abstract_state: its shapes and dtypes (a tree of
+      jax.ShapeDtypeStruct). Checkpoints are restored onto it, so give one of the two.
+    """
+
+    step: Callable[[Any, Any], tuple[Any, Any]]
+    batch_at: Callable[[int], Any]
+    init: Callable[[], Any] | None = None
+    abstract_state: Any = None
+
+    def __post_init__(self):
+        if not callable(self.step):
+            raise RecordError("replay.Loop(step=...): the train step must be a function (state, batch) -> (state, metrics)")
+        if not callable(self.batch_at):
+            raise RecordError("replay.Loop(batch_at=...): must be a function step -> batch")
+        if self.init is None and self.abstract_state is None:
+            raise RecordError("replay.Loop: give init= (a function returning the initial state) or abstract_state= "
+                              "(its jax.ShapeDtypeStructs): checkpoints are restored onto it")
+        if self.init is not None and not callable(self.init):
+            raise RecordError("replay.Loop(init=...): must be a function () -> state")
+
+    def state_shapes(self) -> Any:
+        """The abstract state (jax.ShapeDtypeStruct leaves, on this machine's first device when the
+        Loop does not say), without computing the state."""
+        import jax
+
+        tree = self.abstract_state if self.abstract_state is not None else jax.eval_shape(self.init)
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+        def leaf(s: Any) -> Any:
+            return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=getattr(s, "sharding", None) or device)
+
+        return jax.tree.map(leaf, tree)
+
+
+def entrypoint(fn: Callable[[dict], Loop]) -> Callable[[dict], Loop]:
+    """Marks `fn(config) -> replay.Loop` as a loop factory replay may call; returns `fn` unchanged."""
+    if not callable(fn):
+        raise RecordError("@replay.entrypoint decorates a function config -> replay.Loop")
+    setattr(fn, MARK, True)
+    return fn

@@ -1,0 +1,76 @@
+"""What `replay.init` writes into run.json: config, environment, command line, code version,
+dataset size, and which function rebuilds the loop for replay (by module, not by file)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from replay.record.errors import RecordError
+
+FACTORY = "replay.record.replayable:from_run"  # trusted: replay's own, it imports the user's entry point
+RECORDED_BY = "replay.init"
+
+
+def entrypoint_spec(entrypoint: str | Callable) -> tuple[str, str | None]:
+    """("module:function", folder to import it from or None) for the manifest.
+
+    A string is taken as is (the module is installed). A function gives its module and name; a
+    function of a script run as `python path/train.py` (module __main__) is named by the file's
+    stem, with the script's folder recorded: replaying imports from that folder only when asked
+    (`--allow-code`), never from a bundle (replay/code.py)."""
+    if isinstance(entrypoint, str):
+        module, sep, attr = entrypoint.partition(":")
+        if not sep or not module or not attr:
+            raise RecordError(f"replay.init(entrypoint={entrypoint!r}): name it as 'module:function'")
+        return entrypoint, None
+    if not callable(entrypoint):
+        raise RecordError(f"replay.init(entrypoint=...): pass the @replay.entrypoint function or 'module:function', "
+                          f"not {type(entrypoint).__name__}")
+    module, qual = getattr(entrypoint, "__module__", None), getattr(entrypoint, "__qualname__", "")
+    if not module or "<" in qual:
+        raise RecordError("replay.init(entrypoint=...): the entry point must be a module-level function")
+    if module == "__main__":
+        file = getattr(sys.modules["__main__"], "__file__", None)
+        if not file:
+            raise RecordError("replay.init(entrypoint=...): a function defined interactively cannot be imported at "
+                              "replay; define it in a module")
+        return f"{Path(file).stem}:{qual}", str(Path(file).resolve().parent)
+    return f"{module}:{qual}", None
+
+
+def git_commit(where: Path) -> dict | None:
+    """{"commit", "dirty"} of the git checkout holding `where`, None outside one (or without git)."""
+    try:
+        def git(*args: str) -> str:
+            return subprocess.run(["git", "-C", str(where), *args], capture_output=True, text=True, timeout=5,
+                                  check=True).stdout.strip()
+
+        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def build(config: Any, entrypoint: str | Callable, dataset_size: int | None, checkpoint_dir: str) -> dict:
+    from trainer.environment import environment
+
+    try:
+        config = json.loads(json.dumps(config))
+    except (TypeError, ValueError) as e:
+        raise RecordError(f"replay.init(config=...): the config must be JSON (dicts, lists, numbers, strings): {e}") from None
+    if dataset_size is not None and (not isinstance(dataset_size, int) or isinstance(dataset_size, bool)
+                                     or dataset_size <= 0):
+        raise RecordError(f"replay.init(dataset_size={dataset_size!r}): the number of examples, an int > 0")
+    spec, folder = entrypoint_spec(entrypoint)
+    manifest = {"recorded_by": RECORDED_BY, "config": config, "environment": environment(),
+                "argv": list(sys.argv), "replayable": FACTORY, "entrypoint": spec,
+                "checkpoint_dir": checkpoint_dir, "dataset_size": dataset_size}
+    if folder is not None:
+        manifest["entrypoint_path"] = folder
+    code = git_commit(Path(folder) if folder else Path.cwd())
+    if code is not None:
+        manifest["git"] = code
+    return manifest

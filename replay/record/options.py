@@ -1,0 +1,42 @@
+"""What `run.step(...)` was told, recorded in the manifest so replay wraps the Loop's step alike."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from replay.record.errors import RecordError
+
+LEVELS = ("step", "layer")
+METRIC_KINDS = ("state", "forward", "loss", "backward", "update")
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    batch_axis: int = 0  # the axis of every batch leaf that indexes examples
+    loss: str | None = "loss"  # the metric recorded as the trace's "loss"; None: the step has no loss
+    level: str = "layer"  # "step": metrics, RNG words, example hashes; "layer": also tensor fingerprints
+    rng: tuple[str, ...] = ()  # state leaves (dotted tree paths) holding raw uint32 key words
+    metric_kinds: dict = field(default_factory=dict)  # metric -> causal kind (default: loss, else update)
+
+    def __post_init__(self):
+        if not isinstance(self.batch_axis, int) or isinstance(self.batch_axis, bool) or self.batch_axis < 0:
+            raise RecordError(f"run.step(batch_axis={self.batch_axis!r}): must be an axis number >= 0")
+        if self.level not in LEVELS:
+            raise RecordError(f"run.step(level={self.level!r}): must be one of {', '.join(LEVELS)}")
+        if self.loss is not None and not isinstance(self.loss, str):
+            raise RecordError(f"run.step(loss={self.loss!r}): name the loss metric, or pass None for a step without one")
+        for name, kind in self.metric_kinds.items():
+            if kind not in METRIC_KINDS:
+                raise RecordError(f"run.step(metric_kinds={{{name!r}: {kind!r}}}): a kind is one of "
+                                  f"{', '.join(METRIC_KINDS)}")
+        object.__setattr__(self, "rng", tuple(self.rng))
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["rng"] = list(self.rng)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "StepOptions":
+        return cls(batch_axis=int(d.get("batch_axis", 0)), loss=d.get("loss", "loss"), level=d.get("level", "layer"),
+                   rng=tuple(d.get("rng", ())), metric_kinds=dict(d.get("metric_kinds", {})))

@@ -1,0 +1,261 @@
+"""The recorded step: the user's step and what its record needs, traced into one XLA program.
+
+The user's function is traced inside the wrapper's own `jax.jit` (a `jax.jit` step is unwrapped
+to its Python function, keeping its donation and shardings), so the record costs no extra
+dispatch and reads only values the step has on device anyway: fingerprints of the state
+entering the step (computed in the same program, so a donated state is read before it is
+reused), of every tapped tree, of non-scalar outputs and of the new state, plus the RNG words
+and the metrics as float32. Only the record (8 bytes per tensor, the metrics) reaches the host.
+
+The schema is derived while tracing: scalar outputs are metrics, float `[B]` outputs
+per-example metrics, other outputs forward tensors. The same wrapping of the run's
+`replay.Loop` step at replay time gives the same program (its hash is compared) and the same
+schema.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from replay.record.errors import RecordError
+from replay.record.options import StepOptions
+from traces import Schema
+
+RESERVED = ("rng", "fingerprints", "rms")  # keys of the record dict (trainer.recorder.to_record)
+
+
+def _path(path: tuple, sep: str = ".") -> str:
+    import jax
+
+    return jax.tree_util.keystr(path, simple=True, separator=sep)
+
+
+def _is_key(x: Any) -> bool:
+    import jax
+
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _bits(x: Any) -> Any:
+    import jax
+
+    return jax.random.key_data(x) if _is_key(x) else x
+
+
+def unwrap(step: Callable) -> tuple[Callable, dict]:
+    """(the Python function, jit options to keep) of a `jax.jit` step; a plain function as is."""
+    info = getattr(step, "_jit_info", None)
+    fn = getattr(step, "__wrapped__", None)
+    if info is None or fn is None:
+        if not callable(step):
+            raise RecordError(f"run.step wraps a step function; got {type(step).__name__}")
+        return step, {}
+    if info.static_argnums or info.static_argnames:
+        raise RecordError("run.step: the jitted step has static arguments; a recorded step is (state, batch) -> "
+                          "(state, metrics), so bind the static ones first (functools.partial, then jax.jit)")
+    import jax
+
+    opts: dict = {}
+    if info.donate_argnums:
+        opts["donate_argnums"] = tuple(info.donate_argnums)
+    if info.user_specified_in_shardings:
+        opts["in_shardings"] = jax.tree_util.tree_unflatten(info.in_shardings_treedef, info.in_shardings_leaves)
+    leaves = info.out_shardings_leaves
+    if any(type(s).__name__ != "UnspecifiedValue" for s in leaves):
+        opts["out_shardings"] = jax.tree_util.tree_unflatten(info.out_shardings_treedef, leaves)
+    return fn, opts
+
+
+def check_state(state: Any) -> None:
+    import jax
+
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        if not isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
+            raise RecordError(f"state leaf {_path(path) or 'state'} is a {type(leaf).__name__}, not an array; a "
+                              "recorded state holds arrays only (make it jnp.asarray(...), or keep it out of the state)")
+
+
+def spec(x: Any) -> Any:
+    """The abstract value a program is lowered for: shape, dtype and, for device arrays, sharding."""
+    import jax
+
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x
+    sharding = x.sharding if isinstance(x, jax.Array) else None
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+
+
+class Program:
+    """`step` wrapped so that it also returns its record: (state, metrics, record)."""
+
+    def __init__(self, step: Callable, options: StepOptions):
+        self.fn, self.jit_options = unwrap(step)
+        self.options = options
+        self.schema: Schema | None = None
+        self.program_hash: str | None = None
+        self.batch: int | None = None
+        self._compiled = None
+
+    # ---------------------------------------------------------------------------- building
+
+    def compile(self, state: Any, batch: Any) -> None:
+        """Trace, lower and compile for these inputs (arrays or ShapeDtypeStructs); sets schema and hash."""
+        import jax
+
+        from replay.record.hashing import batch_size
+        from trainer.environment import program_hash
+
+        check_state(state)
+        self.batch = batch_size(batch, self.options.batch_axis)
+        jit_options = {k: v for k, v in self.jit_options.items() if k != "out_shardings"}
+        jitted = jax.jit(self._program, **jit_options)
+        lowered = jitted.trace(jax.tree.map(spec, state), jax.tree.map(spec, batch)).lower()
+        self.program_hash = program_hash(lowered)
+        self._compiled = lowered.compile()
+
+    def __call__(self, state: Any, batch: Any) -> tuple[Any, Any, dict]:
+        try:
+            return self._compiled(state, batch)
+        except (TypeError, ValueError) as e:
+            if "compiled" not in str(e) and "types" not in str(e):
+                raise
+            raise RecordError(f"the step's inputs differ from the first step's in shape, dtype or layout ({_brief(e)}); "
+                              "a recorded step keeps the same input shapes every step") from None
+
+    def _program(self, state: Any, batch: Any) -> tuple[Any, Any, dict]:
+        import jax
+
+        from replay.record.taps import collecting
+
+        with collecting() as taps:
+            out = self.fn(state, batch)
+        _check_taps(taps)
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise RecordError(f"the step returned {type(out).__name__}; a recorded step returns (state, metrics)")
+        new_state, metrics = out
+        out_sh = self.jit_options.get("out_shardings")
+        if out_sh is not None:
+            sh = out_sh if isinstance(out_sh, (tuple, list)) else (out_sh, out_sh)
+            new_state = jax.lax.with_sharding_constraint(new_state, sh[0])
+            metrics = jax.lax.with_sharding_constraint(metrics, sh[1])
+        try:
+            record, self.schema = self._record(state, new_state, metrics, taps)
+        except jax.errors.UnexpectedTracerError:
+            raise RecordError("a replay.tap inside a function JAX transforms on its own (the loss function of "
+                              "jax.grad, scan, vmap, an inner jit) cannot be recorded; return that value from it "
+                              "(has_aux=True) and tap it at the step's top level") from None
+        return new_state, metrics, record
+
+    # ---------------------------------------------------------------------------- the record
+
+    def _record(self, state: Any, new_state: Any, metrics: Any, taps: list) -> tuple[dict, Schema]:
+        import jax
+        import jax.numpy as jnp
+
+        o, B = self.options, self.batch
+        scalars, examples, outputs = [], [], []
+        for path, x in jax.tree_util.tree_flatten_with_path(metrics)[0]:
+            name, x = _path(path, "/") or "metric", jnp.asarray(x)
+            if x.ndim == 0:
+                scalars.append((name, x))
+            elif x.shape == (B,) and jnp.issubdtype(x.dtype, jnp.floating):
+                examples.append((name.removeprefix("example_") or name, x))  # "example_loss" records as "loss"
+            else:
+                outputs.append((f"output/{name}", _bits(x)))
+        names = [n for n, _ in scalars]
+        metric_list = list(scalars)
+        if o.loss is not None:
+            if o.loss not in names:
+                raise RecordError(f"the step returns no scalar metric {o.loss!r} (its scalar metrics: "
+                                  f"{', '.join(names) or 'none'}); return your loss as {o.loss!r}, name it with "
+                                  "run.step(loss=NAME), or pass loss=None for a step without one (replay spike "
+                                  "needs a loss)")
+            i = names.index(o.loss)
+            metric_list = [("loss", scalars[i][1])] + [s for j, s in enumerate(scalars) if j != i]
+        trace_names = [n for n, _ in metric_list]
+        clash = ([n for n in trace_names if n in RESERVED or n.startswith("example_")]
+                 + [n for n in trace_names[1:] if n == "loss"])
+        if clash:
+            raise RecordError(f"metric name {clash[0]!r} is reserved in a trace record (rng, fingerprints, rms, "
+                              "example_*, and loss for the loss); rename that metric")
+        kinds = [("loss" if n == "loss" else o.metric_kinds.get(n, "update")) for n in trace_names]
+        record = {n: x.astype(jnp.float32) for n, x in metric_list}
+        for name, x in examples:
+            record[f"example_{name}"] = x.astype(jnp.float32)
+        record["rng"] = self._rng_words(state, taps)
+        tensors: list[tuple[str, str, Any]] = []
+        if o.level == "layer":
+            tensors += [(_join("state", p), "state", _bits(x)) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]]
+            for kind in ("forward", "backward"):
+                for name, k, tree in taps:
+                    if k == kind:
+                        tensors += [(_join(name, p), kind, _bits(x)) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+                if kind == "forward":
+                    tensors += [(n, "forward", x) for n, x in outputs]
+            tensors += [(_join("update", p), "update", _bits(x))
+                        for p, x in jax.tree_util.tree_flatten_with_path(new_state)[0]]
+            tnames = [n for n, _, _ in tensors]
+            dup = next((n for n in tnames if tnames.count(n) > 1), None)
+            if dup:
+                raise RecordError(f"two recorded tensors are both named {dup!r}; rename the tap")
+            from trainer.fingerprint import fingerprints_and_sums_of_squares
+
+            lanes, ss = fingerprints_and_sums_of_squares([jnp.asarray(x) for _, _, x in tensors])
+            sizes = jnp.asarray([max(1, int(np.prod(np.shape(x)))) for _, _, x in tensors], jnp.float32)
+            record["fingerprints"], record["rms"] = lanes, jnp.sqrt(ss / sizes)
+        schema = Schema(examples_per_step=B, rng_words=int(record["rng"].shape[0]),
+                        metrics=tuple(zip(trace_names, kinds)), tensors=tuple((n, k) for n, k, _ in tensors),
+                        example_metrics=tuple(n for n, _ in examples))
+        return record, schema
+
+    def _rng_words(self, state: Any, taps: list) -> Any:
+        """uint32 words of every typed key in the state, the uint32 leaves run.step(rng=...) names,
+        and the trees tapped as rng, in that order."""
+        import jax
+        import jax.numpy as jnp
+
+        flat = {_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+        words = [jax.random.key_data(x).reshape(-1) for x in flat.values() if _is_key(x)]
+        for name in self.options.rng:
+            if name not in flat:
+                raise RecordError(f"run.step(rng=[{name!r}]): the state has no leaf {name!r} (its leaves: "
+                                  f"{', '.join(list(flat)[:8])}{', ...' if len(flat) > 8 else ''})")
+            if flat[name].dtype != jnp.uint32:
+                raise RecordError(f"run.step(rng=[{name!r}]): that leaf is {flat[name].dtype}, not uint32 key words")
+            words.append(flat[name].reshape(-1))
+        for name, kind, tree in taps:
+            if kind != "rng":
+                continue
+            for x in jax.tree.leaves(tree):
+                bits = _bits(x)
+                if bits.dtype != jnp.uint32:
+                    raise RecordError(f"replay.tap({name!r}) as rng: {x.dtype} is neither a typed key nor uint32 words")
+                words.append(bits.reshape(-1))
+        return jnp.concatenate(words) if words else jnp.zeros((0,), jnp.uint32)
+
+
+def _check_taps(taps: list) -> None:
+    """A tapped value from inside a separately transformed function (grad's loss function, scan,
+    vmap) is a tracer of that inner transformation, not of the step's trace: refuse it."""
+    import jax
+    from jax._src import core  # no public way to ask which trace a tracer belongs to
+
+    current = getattr(getattr(core, "trace_ctx", None), "trace", None)
+    for name, _, tree in taps:
+        for x in jax.tree.leaves(tree):
+            if isinstance(x, core.Tracer) and current is not None and x._trace is not current:
+                raise RecordError(f"replay.tap({name!r}) was called inside a function JAX transforms on its own "
+                                  "(the loss function of jax.grad, scan, vmap, an inner jit), so its value cannot "
+                                  "be recorded; return that value from it (has_aux=True) and tap it at the step's "
+                                  "top level")
+
+
+def _join(prefix: str, path: tuple) -> str:
+    p = _path(path)
+    return f"{prefix}/{p}" if p else prefix
+
+
+def _brief(e: BaseException) -> str:
+    return " ".join(str(e).split())[:200]

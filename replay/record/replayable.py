@@ -1,0 +1,99 @@
+"""The replay protocol (trainer/replayable.py) for runs recorded through `replay.init`.
+
+The manifest's "replayable" is this module's `from_run` (replay's own code, trusted); it
+imports the user's entry point the manifest names through replay.code.import_entrypoint (the
+code policy: installed modules by name, a recorded folder only with --allow-code, never from a
+bundle), calls it with the recorded config, and wraps the Loop's step exactly as `run.step`
+did while recording (the recorded step options), so the program, its hash and its schema are
+the recorded ones when the code is. Every call into the user's code goes through
+replay.code.call_user: an exception there is the user's (exit 2), named.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from replay.record import checkpoints as ckpts
+from replay.record.hashing import example_hashes
+from replay.record.loop import MARK, Loop
+from replay.record.options import StepOptions
+from replay.record.program import Program
+from traces import Run
+
+
+def _unavailable(message: str) -> Exception:
+    from replay.replayer import ReplayUnavailable
+
+    return ReplayUnavailable(message)
+
+
+class LoopReplay:
+    def __init__(self, run: Run, data: str | None = None, allow_data_change: bool = False, on_compile=None,
+                 allow_code: bool = False):
+        from replay.code import call_user, function_name, import_entrypoint
+
+        if data is not None:
+            raise _unavailable(f"{run.path}: this run's batches come from its loop's batch_at; --data does not apply")
+        manifest = run.manifest
+        spec = manifest.get("entrypoint")
+        if not isinstance(spec, str):
+            raise _unavailable(f"{run.path}: its manifest names no entry point to rebuild the loop from")
+        make = import_entrypoint(run, spec, allow_code=allow_code, search_path=manifest.get("entrypoint_path"))
+        if not getattr(make, MARK, False):
+            raise _unavailable(f"{run.path}: its entry point {spec} is not marked @replay.entrypoint; replay calls "
+                               "only functions declared as loop factories")
+        loop = call_user(make, manifest.get("config"))
+        if not isinstance(loop, Loop):
+            raise _unavailable(f"{function_name(make)} returned {type(loop).__name__}, not a replay.Loop")
+        self.loop, self._call = loop, call_user
+        self.options = StepOptions.from_json(manifest.get("record") or {})
+        self._manifest = manifest
+        self._manager = ckpts.open_manager(_checkpoint_dir(run), read_only=True)
+        self.restore_notes: list[str] = []
+        self._abstract = call_user(loop.state_shapes)
+        first = run.first_step or 0
+        batch = call_user(loop.batch_at, first)
+        if on_compile is not None:
+            on_compile()
+        self.program = Program(loop.step, self.options)
+        self._call(self.program.compile, self._abstract, batch)
+        self.schema = self.program.schema
+        if self.schema.to_json() != run.schema.to_json():
+            self.restore_notes.append("the loop's step records a different schema here than the run recorded "
+                                      "(different outputs, taps or state): its records are compared field by field")
+
+    def environment(self) -> dict:
+        from trainer.environment import environment
+
+        return environment()
+
+    def program_hash(self) -> str | None:
+        return self.program.program_hash
+
+    def checkpoint_steps(self) -> list[int]:
+        return ckpts.steps(self._manager)
+
+    def restore(self, step: int) -> Any:
+        fingerprint = (self._manifest.get(ckpts.FINGERPRINTS_KEY) or {}).get(str(step))
+        if fingerprint is None and not any(str(step) in n for n in self.restore_notes):
+            self.restore_notes.append(f"checkpoint {step} has no recorded fingerprint, so it was restored unverified")
+        return ckpts.restore(self._manager, step, self._abstract, fingerprint)
+
+    def step(self, state: Any, step: int) -> tuple[Any, dict, np.ndarray]:
+        batch = self._call(self.loop.batch_at, step)
+        hashes = example_hashes(batch, self.options.batch_axis)
+        state, _, record = self.program(state, batch)
+        return state, record, hashes
+
+
+def _checkpoint_dir(run: Run):
+    from pathlib import Path
+
+    where = run.manifest.get("checkpoint_dir", "checkpoints")
+    return Path(where) if Path(where).is_absolute() else Path(run.path).absolute() / where
+
+
+def from_run(run: Run, **options: Any) -> LoopReplay:
+    return LoopReplay(run, **options)

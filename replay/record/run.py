@@ -1,0 +1,213 @@
+"""`replay.init(...)`: a run being recorded, and what the user calls on it.
+
+    run = replay.init("runs/a", config=cfg, entrypoint=make, dataset_size=N)
+    step = run.step(batch_axis=0)(train_step)     # or @run.step(batch_axis=0) above @jax.jit
+    for k in range(steps):
+        if k % every == 0:
+            run.save(k, state)                    # checkpoint k: the state entering step k
+        state, metrics = step(state, batch_at(k))
+    run.finish()                                  # COMPLETE; a crash leaves the run INCOMPLETE
+
+The run directory is the one traces/run.py defines. Its trace schema is derived from the
+step's outputs on the first call, so run.json is written with a placeholder schema at init
+and completed then (with the program hash and the step options replay needs).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+from replay.record import checkpoints as ckpts
+from replay.record.errors import RecordError
+from replay.record.options import StepOptions
+from traces import Run, Schema
+
+_PENDING = Schema(examples_per_step=0, rng_words=0, metrics=())  # until the first step shows the real one
+
+
+class RecordingRun:
+    """A run open for recording. Use `replay.init` to make one."""
+
+    def __init__(self, path: str | os.PathLike, *, config: Any = None, entrypoint: str | Callable | None = None,
+                 dataset_size: int | None = None, checkpoints: Any = None, resume: bool = False):
+        from replay.record import manifest as manifestlib
+        from traces.errors import TraceError
+
+        self.path = Path(path)
+        self.finished = False
+        self.next_step = 0
+        self._step: Any = None
+        if resume:
+            try:
+                self._run = Run.resume(self.path)
+            except TraceError as e:
+                raise RecordError(f"replay.init(resume=True): {e}") from None
+            if self._run.manifest.get("recorded_by") != manifestlib.RECORDED_BY:
+                self._run.close()
+                raise RecordError(f"{self.path}: was not recorded by replay.init; it cannot be resumed through it")
+            self.next_step = self._run.trace.end if len(self._run.trace) else (self._run.first_step or 0)
+        else:
+            if entrypoint is None:
+                raise RecordError("replay.init(..., entrypoint=make): name the @replay.entrypoint function that "
+                                  "rebuilds this loop for replay")
+            if self.path.exists() and (not self.path.is_dir() or any(self.path.iterdir())):
+                what = "holds another run" if (self.path / "run.json").exists() else "exists and is not empty"
+                raise RecordError(f"{self.path}: {what}; record into a new folder, or continue a crashed run with "
+                                  "replay.init(PATH, resume=True)")
+            inside = checkpoints is None or _inside(ckpts.directory_of(checkpoints), self.path)
+            where = ("checkpoints" if checkpoints is None else
+                     os.path.relpath(ckpts.directory_of(checkpoints), self.path.absolute()) if inside
+                     else str(ckpts.directory_of(checkpoints)))
+            manifest = manifestlib.build(config, entrypoint, dataset_size, where)
+            self._run = Run.create(self.path, _PENDING, manifest)
+        where = self._run.manifest.get("checkpoint_dir", "checkpoints")
+        self._ckpt_dir = (self.path / where) if not Path(where).is_absolute() else Path(where)
+        self._manager = checkpoints if checkpoints is not None else ckpts.open_manager(self._ckpt_dir, read_only=False)
+        self._own_manager = checkpoints is None
+        self._fingerprints: dict = dict(self._run.manifest.get(ckpts.FINGERPRINTS_KEY) or {})
+
+    # ---------------------------------------------------------------------------- the step
+
+    def step(self, fn: Callable | None = None, *, batch_axis: int = 0, loss: str | None = "loss",
+             level: str = "layer", rng: tuple[str, ...] | list[str] = (), metric_kinds: dict | None = None) -> Any:
+        """Wraps the train step `(state, batch) -> (state, metrics)`; usable as `@run.step(...)` or `run.step(fn)`.
+
+        batch_axis: the axis of every batch leaf that indexes examples (hashed per example).
+        loss: the scalar metric recorded as the trace's "loss" (required unless None).
+        level: "layer" (default) fingerprints the state entering the step, every tap, non-scalar
+          outputs and the new state; "step" records metrics, RNG words and example hashes only.
+        rng: dotted paths of state leaves holding raw uint32 key words (typed keys are found alone).
+        metric_kinds: causal kind of a metric ("forward", "backward", "update", ...); default
+          "update", the last, so an unknown metric is never named as a cause before what feeds it.
+        """
+        options = StepOptions(batch_axis=batch_axis, loss=loss, level=level, rng=tuple(rng),
+                              metric_kinds=dict(metric_kinds or {}))
+
+        def wrap(f: Callable) -> Any:
+            from replay.record.step import RecordedStep
+
+            if self._step is not None:
+                raise RecordError("run.step wraps one train step per run; this run already has one")
+            self._step = RecordedStep(self, f, options)
+            return self._step
+
+        return wrap if fn is None else wrap(fn)
+
+    @staticmethod
+    def tap(tree: Any, name: str, kind: str | None = None) -> Any:
+        """replay.tap (see replay/record/taps.py)."""
+        from replay.record.taps import tap
+
+        return tap(tree, name, kind)
+
+    def _start_recording(self, program: Any) -> Any:
+        """The first step was traced: complete the manifest, open the trace writer."""
+        from trainer.recorder import Recorder
+
+        schema, run = program.schema, self._run
+        recorded = run.manifest.get("record")
+        if recorded is not None:  # resuming: the step must be the one recorded
+            if run.manifest["schema"] != schema.to_json() or recorded != program.options.to_json():
+                raise RecordError(f"{self.path}: the step records a different schema or options than the run did; "
+                                  "resume with the same step, config and run.step(...) arguments")
+            if run.manifest.get("program_hash") != program.program_hash:
+                raise RecordError(f"{self.path}: the step compiles to a different program than the run recorded; "
+                                  "resume with the same code and config")
+        else:
+            run.update_manifest(schema=schema.to_json(), program_hash=program.program_hash,
+                                record=program.options.to_json(), trace_first_step=self.next_step)
+            run.schema = schema
+        return Recorder(schema, run.writer(), "layer" if schema.tensors else "step")
+
+    # ---------------------------------------------------------------------------- checkpoints
+
+    def save(self, step: int, state: Any) -> None:
+        """Checkpoint `step` = the state entering step `step` (before the step runs on it)."""
+        if self.finished:
+            raise RecordError(f"{self.path}: the run is finished; save checkpoints before run.finish()")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise RecordError(f"run.save({step!r}, state): the step is an int >= 0")
+        if self._step is not None and step != self.next_step:
+            raise RecordError(f"run.save({step}, state): the wrapped step has run up to step {self.next_step}; "
+                              f"checkpoint k is the state entering step k, so save it as {self.next_step}")
+        from replay.record.program import check_state
+
+        check_state(state)
+        if step in ckpts.steps(self._manager):
+            return  # the state entering a step is a pure function of the run: the saved one stands
+        if self._step is None:
+            self.next_step = step
+        self._fingerprints[str(step)] = ckpts.save(self._manager, step, state)
+        self._run.update_manifest(**{ckpts.FINGERPRINTS_KEY: self._fingerprints,
+                                     "checkpoints": ckpts.steps(self._manager)})
+
+    def restore(self, like: Any, step: int | None = None) -> Any:
+        """Checkpoint `step` (default: the latest) restored onto the structure of `like` and verified;
+        the wrapped step continues from there (resuming a crashed run re-records, and checks, the
+        steps already in its trace)."""
+        from replay.record.program import spec
+
+        have = ckpts.steps(self._manager)
+        if not have:
+            raise RecordError(f"{self.path}: no checkpoint to restore")
+        step = have[-1] if step is None else step
+        import jax
+
+        state = ckpts.restore(self._manager, step, jax.tree.map(spec, like), self._fingerprints.get(str(step)))
+        self.next_step = step
+        return state
+
+    # ---------------------------------------------------------------------------- the end
+
+    def finish(self) -> None:
+        """Writes the last record and marks the run complete (the only way a run becomes complete)."""
+        if self.finished:
+            return
+        if self._step is not None:
+            self._step.flush()
+        self._close_manager()
+        self._run.update_manifest(checkpoints=sorted(int(k) for k in self._fingerprints))
+        self._run.finish()
+        self.finished = True
+
+    def close(self) -> None:
+        """Stops recording without marking the run complete (it stays INCOMPLETE, resumable)."""
+        if self.finished:
+            return
+        try:
+            if self._step is not None:
+                self._step.flush()
+        finally:
+            self._close_manager()
+            self._run.close()
+            self.finished = True
+
+    def _close_manager(self) -> None:
+        if self._own_manager:
+            from trainer.checkpoint import _quiet_orbax
+
+            with _quiet_orbax():
+                self._manager.wait_until_finished()
+                self._manager.close()
+        else:
+            self._manager.wait_until_finished()
+
+    def __enter__(self) -> "RecordingRun":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.finish() if exc_type is None else self.close()
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    p, f = Path(path).resolve(), Path(folder).resolve()
+    return p == f or f in p.parents
+
+
+def init(path: str | os.PathLike, *, config: Any = None, entrypoint: str | Callable | None = None,
+         dataset_size: int | None = None, checkpoints: Any = None, resume: bool = False) -> RecordingRun:
+    """Starts recording a run into `path` (a new or empty folder), or resumes a crashed one."""
+    return RecordingRun(path, config=config, entrypoint=entrypoint, dataset_size=dataset_size,
+                        checkpoints=checkpoints, resume=resume)

@@ -1,0 +1,48 @@
+"""`run.step`: the wrapper around the user's train step while recording.
+
+Call k (counted from the run's first step, or from the checkpoint `run.restore` resumed from)
+hashes the batch on the host, dispatches the one compiled program (the user's step plus its
+record, replay/record/program.py) and hands the record to trainer.recorder.Recorder, which
+fetches step k's record only after step k+1 has been dispatched: the host never waits for the
+device to record. The wrapper returns exactly what the user's step returns.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from replay.record.errors import RecordError
+from replay.record.hashing import example_hashes
+from replay.record.options import StepOptions
+from replay.record.program import Program
+
+
+class RecordedStep:
+    def __init__(self, run: Any, step: Callable, options: StepOptions):
+        self._run = run
+        self.program = Program(step, options)
+        self.options = options
+        self.__wrapped__ = step
+        self.__name__ = getattr(step, "__name__", "step")
+        self.__doc__ = getattr(step, "__doc__", None)
+        self._recorder = None
+
+    def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
+        run = self._run
+        if run.finished:
+            raise RecordError(f"{run.path}: the run is finished; a recorded step cannot run after run.finish()")
+        if self._recorder is None:
+            self.program.compile(state, batch)
+            self._recorder = run._start_recording(self.program)
+        hashes = example_hashes(batch, self.options.batch_axis)
+        if len(hashes) != self.program.batch:
+            raise RecordError(f"step {run.next_step}: the batch has {len(hashes)} examples, the first had "
+                              f"{self.program.batch}; a recorded run feeds the same number every step")
+        new_state, metrics, record = self.program(state, batch)
+        self._recorder.record(run.next_step, record, hashes)  # writes step k-1's record, fetched now
+        run.next_step += 1
+        return new_state, metrics
+
+    def flush(self) -> None:
+        if self._recorder is not None:
+            self._recorder.flush()

@@ -44,7 +44,7 @@ class AuditReport:
     end: int  # one past the last
     examples_per_step: int
     dataset_size: int  # N used for epochs (inferred from the trace when dataset_size_from == "trace")
-    dataset_size_from: str  # "source", "manifest" or "trace"
+    dataset_size_from: str  # "source", "declared" (replay.init), "manifest" (trainer data section) or "trace"
     examples_seen: int
     distinct: int
     times_seen: dict[int, int]  # times seen -> how many distinct examples were seen that often
@@ -110,12 +110,22 @@ def read_example_hashes(run: traces.Run, start: int | None = None, stop: int | N
 
 
 def dataset_size(manifest: dict) -> int | None:
-    """N = n_tokens // (seq_len + 1), when the manifest records both (the trainer's does)."""
+    """N, the examples of one epoch: what `replay.init(dataset_size=N)` declared, else
+    n_tokens // (seq_len + 1) when the manifest records both (a trainer/ run's data section)."""
+    return dataset_size_and_origin(manifest)[0]
+
+
+def dataset_size_and_origin(manifest: dict) -> tuple[int | None, str | None]:
+    """(N, "declared" | "manifest") or (None, None). A declared size is the loop's promise:
+    its N examples, each once per epoch, epochs of N slots from the run's first example."""
+    declared = manifest.get("dataset_size")
+    if isinstance(declared, int) and not isinstance(declared, bool) and declared > 0:
+        return declared, "declared"
     try:
         n = int(manifest["data"]["n_tokens"]) // (int(manifest["config"]["model"]["seq_len"]) + 1)
     except (KeyError, TypeError, ValueError):
-        return None
-    return n if n > 0 else None
+        return None, None
+    return (n, "manifest") if n > 0 else (None, None)
 
 
 def source_copies(manifest: dict, force: bool = False) -> tuple[tuple[np.ndarray, np.ndarray] | None, str | None]:
@@ -166,7 +176,8 @@ def audit(run: traces.Run | str | os.PathLike, steps: tuple[int | None, int | No
     notes = ([f"the trace is damaged, only steps up to {reader.end - 1} were audited: {_describe_damage(reader.damage)}"]
              if reader.damage else [])
     copies, why = (None, None) if source is False else source_copies(run.manifest, force=bool(source))
-    report = audit_hashes(hashes, start, dataset_size(run.manifest), copies)
+    n, origin = dataset_size_and_origin(run.manifest)
+    report = audit_hashes(hashes, start, n, copies, size_from=origin or "manifest")
     report.notes[:0] = notes + ([why] if why else [])
     if not report.ok and copies is None:
         report.notes.append("without the data source, an example seen twice may also be a window the corpus holds "
@@ -201,7 +212,7 @@ def _describe_damage(damage: list) -> str:
 
 
 def audit_hashes(hashes_SxB: np.ndarray, start_step: int = 0, dataset_size: int | None = None,
-                 copies: tuple[np.ndarray, np.ndarray] | None = None) -> AuditReport:
+                 copies: tuple[np.ndarray, np.ndarray] | None = None, size_from: str = "manifest") -> AuditReport:
     """The audit of a (steps, B) uint64 block recorded from `start_step` on.
 
     One stable argsort groups equal hashes with their slots ascending; everything after is
@@ -223,11 +234,13 @@ def audit_hashes(hashes_SxB: np.ndarray, start_step: int = 0, dataset_size: int 
     if copies is not None:
         N, size_from = dataset_size or D, "source"
     elif dataset_size is not None:
-        N, size_from = dataset_size, "manifest"
+        N = dataset_size
     else:
         N, size_from = D, "trace"
-        notes.append(f"the dataset size is unknown (not in the manifest); assumed to be the {D} distinct examples "
-                     "the trace shows, so an epoch is that many examples")
+        notes.append(f"the dataset size is unknown (not declared: replay.init(dataset_size=N) records it); epochs are "
+                     f"taken as the {D} distinct examples the trace shows, which undercounts: an example fed again "
+                     f"more than {D} examples after it was first fed, before the whole dataset was, is not counted "
+                     "as early, and with repeats in the trace D is smaller than the dataset")
     if D > N:
         notes.append(f"the trace holds {D} distinct examples, more than the dataset's {N}: "
                      "its data is not (only) the recorded source")
@@ -359,3 +372,18 @@ def _allowed_copies(hs, gs, again, B, copies) -> tuple[np.ndarray, list[dict]]:
     allowed[hit] = qsize[at[hit]]
     return allowed, [{"hash": int(h), "copies": int(c), "evidence": f"{int(c)} copies in the batch of step {int(s)}"}
                      for h, c, s in zip(qh, qsize, qstep)]
+
+
+def permutation(a: np.ndarray, b: np.ndarray) -> dict | None:
+    """When two batches hold the same multiset of example hashes in another order: how B's
+    examples were moved ({"examples", "moved", "moves": [[position in A, position in B], ...]}),
+    else None (a batch with other examples, or the same batch in the same order). Copies of one
+    example are matched in order, so a move is never invented between two copies."""
+    a, b = np.asarray(a, np.uint64), np.asarray(b, np.uint64)
+    if a.shape != b.shape or np.array_equal(a, b) or not np.array_equal(np.sort(a), np.sort(b)):
+        return None
+    order_a, order_b = np.argsort(a, kind="stable"), np.argsort(b, kind="stable")
+    where_in_a = np.empty_like(order_a)
+    where_in_a[order_b] = order_a  # B's position -> the position of the same (k-th) copy in A
+    moves = [[int(where_in_a[j]), int(j)] for j in range(b.size) if where_in_a[j] != j]
+    return {"examples": int(b.size), "moved": len(moves), "moves": moves[:64]}

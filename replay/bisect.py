@@ -9,7 +9,9 @@
 4. Refine a layer (replay/refine.py): replay the step of both runs from their checkpoints and
    name the first intermediate inside the layer (or the first parameter, gradient or
    optimizer-state leaf) that differs, with its max abs, relative and ULP distances and the
-   share of elements that differ.
+   share of elements that differ. Any other loop's step is recomputed through its own program
+   (and its code's taps, when its code runs here): the first field in causal order that differs.
+   A step found by replay is described by its own fields, never by a later step's record.
 5. Sparse traces (replay/refine.py): when the traces cannot localise the divergence -- no
    records at all (trace.level=off), or states that already differ entering the step the scan
    found -- compare the runs' states at common checkpoints, then binary-search the steps in
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from replay.audit import read_example_hashes
+from replay.bisect_data import SeenBefore, _data_at, seen_before  # noqa: F401 - re-exported
 from traces import Comparison, Run, compare
 
 TENSOR_KINDS = ("state", "forward", "backward", "update")  # fields a replay can look inside (replay/refine.py)
@@ -44,22 +46,13 @@ class ManifestDiff:
 
 
 @dataclass
-class SeenBefore:
-    """Where an example of the first divergent batch had already been fed."""
-
-    run: str  # "A" or "B": the run whose batch holds the example
-    position: int  # its position in the divergent step's batch
-    example_hash: str
-    seen: list[dict] = field(default_factory=list)  # [{run, step, position}] earlier occurrences
-
-
-@dataclass
 class BisectReport:
     run_a: str
     run_b: str
     manifest: list[ManifestDiff]
     comparison: Comparison
     examples: list[SeenBefore] = field(default_factory=list)
+    permutation: dict | None = None  # the divergent batches hold the same examples in another order (see permuted)
     refinement: dict | None = None  # from replay/refine.py when the divergent step was recomputed
     replays: int = 0  # replay probes: both runs replayed to one step and compared
     notes: list[str] = field(default_factory=list)
@@ -91,11 +84,18 @@ class BisectReport:
         return self.found_step if self.found_step is not None else self.comparison.first_step
 
     @property
+    def found_before_trace(self) -> bool:
+        """The divergent step was found by replay before the trace's first differing step: the
+        trace's fields there describe a later step, not the divergence."""
+        return self.found_step is not None and self.found_step != self.comparison.first_step
+
+    @property
     def cause(self) -> str | None:
         if self.refinement and self.refinement.get("cause"):
             return self.refinement["cause"]
         first = self.comparison.first
-        return first.kind if first else None
+        # A later step's first field is not the cause of this one: unknown until it is recomputed.
+        return first.kind if first and not self.found_before_trace else None
 
     @property
     def layer(self) -> str | None:
@@ -103,7 +103,23 @@ class BisectReport:
             r = self.refinement
             return r.get("layer") if r["cause"] in TENSOR_KINDS else None
         first = self.comparison.first
-        return first.name if first and first.kind in TENSOR_KINDS else None
+        return first.name if first and first.kind in TENSOR_KINDS and not self.found_before_trace else None
+
+    def fields(self) -> list[dict]:
+        """The fields that differ at the divergent step, in causal order: the trace's record of
+        it, or, for a step found by replay before the trace's first difference, what the
+        recomputation found differing there (never a later step's record)."""
+        c = self.comparison
+        if not self.found_before_trace:
+            return [{"kind": d.kind, "name": d.name, "a": d.a, "b": d.b, "distance": d.distance,
+                     "positions": d.positions} for d in c.diffs]
+        r = self.refinement or {}
+        if r.get("cause") in ("data", "rng"):
+            return [{"kind": r["cause"], "name": r.get("layer"), "a": r.get("a"), "b": r.get("b"), "distance": None,
+                     "positions": r.get("positions")}]
+        return [{"kind": row.get("kind", r.get("cause")), "name": row["name"], "a": None, "b": None,
+                 "distance": {"abs": row.get("max_abs"), "ulp": row.get("max_ulp"), "share": row.get("share_differing")},
+                 "positions": None, "recomputed": True} for row in r.get("compared", []) if not row["equal"]]
 
     def repeated(self, run: str) -> list[SeenBefore]:
         """Examples of `run`'s divergent batch that the same run had already fed."""
@@ -118,9 +134,10 @@ class BisectReport:
             "damage": self.damage, "error": None if self.failure is None else str(self.failure),
             "first_step": self.first_step, "cause": self.cause, "layer": self.layer,
             "method": self.method, "replays": self.replays, "replayed_steps": self.replayed_steps,
-            "trace_first": None if c.first is None else {"step": c.first_step, "kind": c.first.kind, "name": c.first.name},
-            "fields": [{"kind": d.kind, "name": d.name, "a": d.a, "b": d.b, "distance": d.distance,
-                        "positions": d.positions} for d in c.diffs],
+            "trace_first": None if c.first is None else {
+                "step": c.first_step, "kind": c.first.kind, "name": c.first.name,
+                **({"fields": [{"kind": d.kind, "name": d.name} for d in c.diffs]} if self.found_before_trace else {})},
+            "fields": self.fields(), "permutation": self.permutation,
             "manifest_diff": [{"key": m.key, "a": m.a, "b": m.b} for m in self.manifest],
             "examples": [{"run": e.run, "position": e.position, "hash": e.example_hash, "seen_before": e.seen}
                          for e in self.examples],
@@ -187,29 +204,6 @@ def manifest_diff(a: dict, b: dict) -> list[ManifestDiff]:
     return diffs
 
 
-def seen_before(runs: dict[str, Run], step: int, positions: list[int]) -> list[SeenBefore]:
-    """For each differing example of each run at `step`: where it was fed earlier, in either run."""
-    hashes = {name: read_example_hashes(run, stop=step + 1) for name, run in runs.items()}
-    starts = {name: run.trace.start for name, run in runs.items()}
-    found: list[SeenBefore] = []
-    for name, table in hashes.items():
-        row = table[step - starts[name]]
-        for pos in positions:
-            if pos >= len(row):
-                continue
-            target = row[pos]
-            seen = []
-            for other, other_table in hashes.items():
-                flat = other_table.reshape(-1)
-                width = other_table.shape[1]
-                # Earlier than (step, pos) in the run itself; earlier than `step` in the other run.
-                limit = (step - starts[other]) * width + (pos if other == name else 0)
-                for idx in np.flatnonzero(flat[:limit] == target)[:5]:
-                    seen.append({"run": other, "step": int(idx // width) + starts[other], "position": int(idx % width)})
-            found.append(SeenBefore(name, pos, f"{int(target):016x}", seen))
-    return found
-
-
 def comparability_problem(a: Run, b: Run) -> str | None:
     """Why two runs cannot be bisected (another batch size, another model), or None."""
     sa, sb = a.schema, b.schema
@@ -237,7 +231,7 @@ def bisect(run_a: Run, run_b: Run, refine: bool = True) -> BisectReport:
             report.damage[name] = describe_damage(run, damage)
     first = report.comparison.first
     if first is not None and first.kind == "data":
-        report.examples = seen_before({"A": run_a, "B": run_b}, report.comparison.first_step, first.positions or [])
+        _data_at(report, run_a, run_b, report.comparison.first_step, first.positions or [])
     report.bits_expected = _bits_expected(run_a, run_b)
     if first is not None and not report.bits_expected and first.kind not in ("data", "rng"):
         # Another backend or device count: bits were never promised, so judge the difference
@@ -319,7 +313,8 @@ def _needs_replay(report: BisectReport, run_a: Run, run_b: Run) -> bool:
 
 def _replay(report: BisectReport, run_a: Run, run_b: Run) -> None:
     """Steps 4 and 5: confirm the divergent step by replay (or find it), then recompute it."""
-    from replay.refine import ReplayUnavailable, Replayer, first_state_difference, refine_step, search_first_divergence
+    from replay.refine import (ReplayUnavailable, Replayer, first_state_difference, refine_loop_step, refine_step,
+                               search_first_divergence)
 
     if not _needs_replay(report, run_a, run_b):
         return  # the trace names an input of the step (data, rng), or vouches for identical runs
@@ -358,10 +353,12 @@ def _replay(report: BisectReport, run_a: Run, run_b: Run) -> None:
                 report.method, report.found_step = "binary search by replay", search.first_step
                 step, states, focus = search.first_step, search.states, None
         if ra.built is None or rb.built is None:
-            report.notes.append(f"step {step} is not looked inside: layer refinement instruments runs of trainer/, and "
-                                "another training loop's replayable has no model to instrument")
-            return
-        report.refinement = refine_step(ra, rb, step, states, focus)
+            # Any other loop: its own step re-run on both states, its taps recomputed with its code.
+            report.refinement = refine_loop_step(ra, rb, step, states, focus)
+        else:
+            report.refinement = refine_step(ra, rb, step, states, focus)
+        if report.refinement.get("cause") == "data":
+            _data_at(report, run_a, run_b, step, report.refinement.get("positions") or [])
         if report.refinement.get("cause") == "data" and not report.examples:
             report.notes.append("the traces hold no per-example hashes of earlier steps: whether these examples "
                                 "were already seen is not known (record with trace.level=step or layer)")

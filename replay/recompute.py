@@ -151,3 +151,91 @@ class _Side:
             state, metrics, hashes = self.r.rep.step(_copy(self.raw), self.step)
             self._cache["after"] = (state, jax.device_get(metrics), hashes)
         return self._cache["after"]
+
+
+# ------------------------------------------------------------------------ any other training loop
+
+def _bits(x: Any) -> Any:
+    """A leaf as comparable bits: a typed PRNG key by its key data, anything else as is."""
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(x)
+    return x
+
+
+def tree_leaves(tree: Any, prefix: str) -> list[tuple[str, Any]]:
+    """(PREFIX/leaf path, leaf bits) of a pytree, in tree order (the names run.step records)."""
+    out = []
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        p = jax.tree_util.keystr(path, simple=True, separator=".")
+        out.append((f"{prefix}/{p}" if p else prefix, _bits(x)))
+    return out
+
+
+class _LoopSide:
+    """One run of a training loop other than trainer/ (recorded through `replay.init`, replayed
+    from its exported program, or a protocol replayable) at the divergent step.
+
+    What every replayable gives: the run's own step on a copy of the state entering the step,
+    so its example hashes, RNG words, recorded metrics (and fingerprints at the layer level) and
+    its new state. With the user's code (a replay.Loop), also the step re-run with its taps
+    collected (`replay.tap`: forward activations, gradients), as tensors, in a separately jitted
+    program: both runs go through their own code the same way."""
+
+    def __init__(self, replayer: Replayer, raw_state: Any, step: int):
+        self.r, self.raw, self.step = replayer, raw_state, step
+        self._cache: dict = {}
+
+    def own(self) -> tuple[Any, Any]:
+        """(new state, StepRecord) of the run's own step program."""
+        if "own" not in self._cache:
+            from trainer.recorder import to_record
+
+            rep = self.r.rep
+            state, metrics, hashes = rep.step(_copy(self.raw), self.step)
+            record = to_record(rep.schema, self.step, jax.device_get(metrics), np.asarray(hashes, np.uint64))
+            self._cache["own"] = (state, record)
+        return self._cache["own"]
+
+    @property
+    def schema(self) -> Any:
+        return self.r.rep.schema
+
+    def taps(self) -> list[tuple[str, str, Any]] | None:
+        """[(name, kind, tree)] the step taps, recomputed with the user's code; None when the
+        replay runs without it (an exported program) or the loop is not a replay.Loop."""
+        if "taps" not in self._cache:
+            self._cache["taps"] = self._recompute_taps()
+        return self._cache["taps"]
+
+    def _recompute_taps(self) -> list[tuple[str, str, Any]] | None:
+        from replay.code import call_user
+
+        rep = self.r.rep
+        program, loop = getattr(rep, "program", None), getattr(rep, "loop", None)
+        fn = getattr(program, "fn", None)
+        if fn is None or loop is None:
+            return None
+        from replay.record.taps import collecting
+
+        kinds: list[tuple[str, str]] = []
+
+        def instrumented(state: Any, batch: Any) -> tuple[list, Any]:
+            with collecting() as taps:
+                _, metrics = fn(state, batch)
+            kinds[:] = [(name, kind) for name, kind, _ in taps]
+            return [tree for _, _, tree in taps], metrics
+
+        # An exception while tracing it is the user's step's: name their function, not this wrapper.
+        instrumented.__module__, instrumented.__qualname__ = fn.__module__, getattr(fn, "__qualname__", "step")
+        batch = call_user(loop.batch_at, self.step)
+        trees, metrics = call_user(jax.jit(instrumented), _copy(self.raw), batch)
+        out = [(name, kind, tree) for (name, kind), tree in zip(kinds, trees)]
+        # Outputs that are neither scalar metrics nor per-example ones, as run.step records them.
+        width = getattr(program, "batch", None)
+        for path, x in jax.tree_util.tree_flatten_with_path(metrics)[0]:
+            shape = np.shape(x)
+            per_example = shape == (width,) and jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
+            if shape != () and not per_example:
+                out.append((f"output/{jax.tree_util.keystr(path, simple=True, separator='/') or 'metric'}",
+                            "output", x))
+        return out

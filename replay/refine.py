@@ -43,7 +43,7 @@ import jax
 import numpy as np
 
 from replay.tensor_distance import _brief, compare_tensors
-from replay.recompute import StepInputs, _Side, step_inputs
+from replay.recompute import StepInputs, _LoopSide, _Side, step_inputs, tree_leaves
 from replay.replayer import (
     Replayer,
     ReplayUnavailable,
@@ -64,6 +64,7 @@ __all__ = [
     "compare_tensors",
     "first_state_difference",
     "open_replayable",
+    "refine_loop_step",
     "refine_step",
     "search_first_divergence",
     "state_fingerprints",
@@ -196,8 +197,10 @@ def refine_step(ra: Replayer, rb: Replayer, step: int, states: tuple[Any, Any],
         groups = [g for g in groups if g[1] == target]
         if not groups:
             raise ReplayUnavailable(f"no recomputation for the field {focus[1]!r}")
+    out["chain"] = []  # [{kind, field, equal}]: each field of the causal chain compared, up to the first differing
     for kind, group, items in groups:
         first, detail, rows = _walk(items())
+        out["chain"].append({"kind": kind, "field": group, "equal": first is None})
         if first is None:
             if focus is not None:
                 out["notes"].append(f"recomputed, {focus[1]} is equal in both runs at step {step}: the recorded "
@@ -251,3 +254,103 @@ def _reproduces(side: _Side) -> bool | None:
 
 def _program_name(side: _Side) -> str:
     return "faulty (layer-bf16)" if side.inp.faulty_program else "the run's own"
+
+
+# ------------------------------------------------------------------------ any other training loop
+
+def _loop_fields(s: _LoopSide) -> list[tuple[str, str, Callable[[], Any]]]:
+    """(kind, name, value) of everything one step of a loop computes, in causal order: the state
+    entering it, forward (taps, then outputs), loss (its metrics, then per-example ones),
+    backward (gradient taps), update (the new state's leaves); each kind's recorded metrics after
+    its tensors. Taps come from the user's code; without it (an exported program), a layer-level
+    record's fingerprints stand in for them."""
+    sch = s.schema
+    rec = lambda: s.own()[1]  # noqa: E731
+    by_kind: dict[str, list] = {k: [] for k in ("state", "forward", "loss", "backward", "update")}
+    by_kind["state"] = [("state", n, (lambda x=x: x)) for n, x in tree_leaves(s.raw, "state")]
+    taps = s.taps()
+    if taps is not None:
+        for name, kind, tree in taps:
+            if kind == "output":
+                by_kind["forward"].append(("forward", name, (lambda x=tree: x)))
+            elif kind in ("forward", "backward"):
+                by_kind[kind] += [(kind, n, (lambda x=x: x)) for n, x in tree_leaves(tree, name)]
+    else:
+        for i, (name, kind) in enumerate(sch.tensors):
+            if kind in ("forward", "backward"):
+                by_kind[kind].append((kind, f"{name} (fingerprint)",
+                                      (lambda i=i: None if rec().fingerprints is None else np.uint64(rec().fingerprints[i]))))
+    by_kind["update"] = [("update", n, (lambda x=x: x)) for n, x in tree_leaves(s.own()[0], "update")]
+    for i, (name, kind) in enumerate(sch.metrics):
+        by_kind[kind if kind in by_kind else "update"].append((kind, name, (lambda i=i: rec().metrics[i])))
+    for i, name in enumerate(sch.example_metrics):
+        by_kind["loss"].append(("loss", f"example_{name}", (lambda i=i: rec().example_metrics[i])))
+    return [f for k in ("state", "forward", "loss", "backward", "update") for f in by_kind[k]]
+
+
+def refine_loop_step(ra: Replayer, rb: Replayer, step: int, states: tuple[Any, Any],
+                     focus: tuple[str, str] | None = None) -> dict:
+    """`refine_step` for any training loop other than trainer/: recompute step `step` of both
+    runs from their states entering it and name the first field, in causal order, that differs
+    (data, rng, state, forward, loss, backward, update), with its distances. The result has
+    refine_step's keys; its `compared` rows also carry each field's kind."""
+    a, b = _LoopSide(ra, states[0], step), _LoopSide(rb, states[1], step)
+    out: dict = {"step": step, "found_by": "trace" if focus else "replay", "cause": None, "layer": None,
+                 "first_intermediate": None, "programs": {"A": "the run's own", "B": "the run's own"},
+                 "reproduces_trace": {"A": _loop_reproduces(a), "B": _loop_reproduces(b)}, "notes": []}
+    for label, ok in out["reproduces_trace"].items():
+        if ok is False:
+            out["notes"].append(f"replaying step {step} of {label} here does not give its recorded record: "
+                                "the recomputation may not show what the run computed")
+    ha, hb = a.own()[1].example_hashes, b.own()[1].example_hashes
+    if not np.array_equal(ha, hb):
+        n = min(len(ha), len(hb))
+        pos = [int(i) for i in np.nonzero(ha[:n] != hb[:n])[0]] + list(range(n, max(len(ha), len(hb))))
+        out.update(cause="data", layer="example_hashes", positions=pos, share_differing=len(pos) / max(1, n))
+        return out
+    wa, wb = a.own()[1].rng, b.own()[1].rng
+    if not np.array_equal(wa, wb):
+        out.update(cause="rng", layer="rng", a=[int(x) for x in wa], b=[int(x) for x in wb])
+        return out
+    fa, fb = _loop_fields(a), {name: (kind, get) for kind, name, get in _loop_fields(b)}
+    only = [name for _, name, _ in fa if name not in fb]
+    if only:
+        out["notes"].append(f"{len(only)} field(s) of A's step have no counterpart in B's (e.g. {only[0]}): "
+                            "compared only what both compute")
+    items = [(kind, name, get, fb[name][1]) for kind, name, get in fa if name in fb]
+    first, detail, rows = None, None, []
+    for kind, name, get_a, get_b in items:
+        va, vb = get_a(), get_b()
+        if va is None or vb is None:
+            continue
+        d = compare_tensors(va, vb)
+        rows.append({"kind": kind, **_brief(name, d)})
+        if first is None and not d["equal"]:
+            first, detail = (kind, name), d
+    out["compared"] = rows
+    out["chain"] = []
+    for row in rows:  # one entry per kind compared, up to the first that differs
+        if not out["chain"] or out["chain"][-1]["kind"] != row["kind"]:
+            out["chain"].append({"kind": row["kind"], "field": row["kind"], "equal": True})
+        out["chain"][-1]["equal"] &= row["equal"]
+        if not row["equal"]:
+            break
+    if first is None:
+        out["notes"].append(f"everything step {step} computes is equal in both runs")
+        return out
+    kind, name = first
+    out.update(cause=kind, layer=name, first_intermediate=name)
+    if focus is not None and focus[1] != name.removesuffix(" (fingerprint)"):
+        out["notes"].append(f"recomputed, the first field to differ at step {step} is {name}; the trace's is {focus[1]}")
+    out.update(distances={k: detail.get(k) for k in ("max_abs", "max_rel", "max_ulp")},
+               share_differing=detail["share_differing"], differing=detail["differing"], elements=detail["elements"],
+               shape=detail["shape"], dtype_a=detail["dtype_a"], dtype_b=detail["dtype_b"], at=detail.get("at"),
+               a_value=detail.get("a_value"), b_value=detail.get("b_value"))
+    return out
+
+
+def _loop_reproduces(side: _LoopSide) -> bool | None:
+    run = side.r.run
+    if side.step not in run.trace:
+        return None
+    return not diff_records(run.schema, run.trace.read(side.step), side.schema, side.own()[1])

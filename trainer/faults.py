@@ -20,6 +20,13 @@ bisect against a clean run names it. Each fault mimics a bug seen in real traini
                        devices) are swapped for degenerate ones, token 0 (a NUL byte) repeated,
                        as a loader reading a zero-filled region of a token file would feed; the
                        recorded example hashes are those of the rows really fed
+    weight-decay       from step S on, the update decays the weight matrices with WD_FAULT_EXTRA
+                       more weight decay than the config says, as a resume that read its
+                       optimizer settings from another config would: the state entering S, the
+                       forward pass, the loss and the gradients of S are the clean run's, its
+                       update is not (applied after the step's program, at the learning rate
+                       the update used, so the step's own metrics are the clean run's too and
+                       the first recorded difference of a step-level trace is the loss at S+1)
 """
 
 from __future__ import annotations
@@ -34,9 +41,11 @@ import numpy as np
 from trainer import data, model
 from trainer.config import Config
 
-FAULTS = ("data-repeat", "dropout-key-reuse", "layer-bf16", "skip-opt-restore", "bitflip", "bad-batch")
+FAULTS = ("data-repeat", "dropout-key-reuse", "layer-bf16", "skip-opt-restore", "bitflip", "bad-batch",
+          "weight-decay")
 BITFLIP_BIT = 20
 REPEAT_WINDOW = 8  # data-repeat: how many recent batches the broken sampler cycles over
+WD_FAULT_EXTRA = 0.5  # weight-decay: decay added to the config's (AdamW decoupled: p -= lr * extra * p)
 BAD_TOKEN = 0  # bad-batch: the token a degenerate example repeats (a NUL byte with the byte tokenizer)
 
 
@@ -154,7 +163,17 @@ class FaultPlan:
     def after(self, state, step: int):
         if self.active("dropout-key-reuse", step):
             state = state._replace(step=jnp.asarray(step + 1, jnp.int32))
+        if self.active("weight-decay", step):
+            from trainer.optim import applied_lr
+
+            state = state._replace(params=_decay(state.params, applied_lr(state.opt_state), WD_FAULT_EXTRA))
         return state
+
+
+@jax.jit
+def _decay(params, lr: jax.Array, extra: float):
+    # As trainer/optim.py's mask: weight decay skips 1-D parameters (norm scales).
+    return jax.tree.map(lambda p: p - (lr * extra).astype(p.dtype) * p if p.ndim > 1 else p, params)
 
 
 @jax.jit

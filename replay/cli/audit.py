@@ -108,8 +108,11 @@ def to_json(report, run: Path) -> dict[str, Any]:
 
 
 def render(report, data: dict[str, Any]) -> None:
-    size = (f"{report.dataset_size} (from the {report.dataset_size_from})" if report.dataset_size_from != "trace"
-            else f"unknown (epochs taken as the {report.dataset_size} distinct examples seen)")
+    origin = {"source": "the data source", "declared": "declared at replay.init: each example once per epoch",
+              "manifest": "the manifest's data"}.get(report.dataset_size_from, report.dataset_size_from)
+    size = (f"{report.dataset_size} ({origin})" if report.dataset_size_from != "trace"
+            else f"unknown, not declared (epochs taken as the {report.dataset_size} distinct examples seen: "
+                 "early repeats can be missed)")
     times = ", ".join(f"{k}x: {v}" for k, v in list(report.times_seen.items())[:8])
     rows = [
         ("steps", f"{report.start}..{report.end - 1} ({report.end - report.start} steps x {report.examples_per_step} examples)"),

@@ -121,6 +121,10 @@ def render(report) -> None:
     if report.cause == "data":
         positions = first.positions if first is not None and first.kind == "data" else r.get("positions") or []
         rows.append(("examples that differ", f"{len(positions)} of the batch: {', '.join(map(str, positions[:24]))}"))
+        p = report.permutation
+        if p is not None:
+            rows.append(("same examples, another order", f"B's batch is a permutation of A's ({p['moved']} of "
+                                                         f"{p['examples']} moved): no new data"))
         for run in ("B", "A"):
             rep = report.repeated(run)
             if rep:
@@ -146,7 +150,14 @@ def render(report) -> None:
                                     f"recorded quantity exceeds {n['factor']:.0f}x the noise floor (largest "
                                     f"{n['max_ratio_below']:.2g}x)"))
     console.print_table(rows, title=f"bisect {report.run_a} vs {report.run_b}")
-    if c.diffs:
+    if c.diffs and report.found_before_trace:
+        # The trace's first difference is a later step than the divergence: never shown as its fields.
+        s = report.first_step
+        there = ("every field its records hold is equal there" if c.compared[0] <= s < c.compared[1]
+                 else "the traces do not record that step")
+        console.status(f"the traces first record a difference at step {c.first_step} ({c.first.kind} "
+                       f"{c.first.name}), after the divergent step {s}: {there}")
+    elif c.diffs:
         console.print_table(
             [(d.kind, d.name, _num(d.a), _num(d.b),
               "" if not d.distance or d.distance.get("nan") else f"abs {d.distance['abs']:.3g} ulp {d.distance['ulp']}")

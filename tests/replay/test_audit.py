@@ -271,3 +271,63 @@ def test_bench_smoke():
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["steps"] == 3000 and result["found_step"] == result["planted_step"] and not result["ok"]
     assert result["seconds"] > 0 and result["epochs"] >= 2
+
+
+# ------------------------------------------------------------------------------ a loop recorded through replay.init
+
+API_N, API_STEPS, API_REFEED = 64, 10, 7  # step 7 re-feeds step 0's examples, shuffled (not a replayed batch)
+
+
+def _api_ids(step: int) -> np.ndarray:
+    fed = 0 if step == API_REFEED else step
+    ids = order_ids(API_N, fed + 1, seed=5)[fed]
+    return ids[::-1].copy() if step == API_REFEED else ids
+
+
+def _api_batch(step: int) -> dict:
+    ids = _api_ids(step)
+    return {"x": np.stack([np.full(4, i, np.float32) for i in ids]) / API_N}
+
+
+def _api_step(state, batch):
+    import jax.numpy as jnp
+
+    loss = jnp.mean((batch["x"] @ state["w"]) ** 2)
+    return {"w": state["w"] * 0.99}, {"loss": loss}
+
+
+def _record_api_run(path: Path, dataset_size: int | None) -> Path:
+    import jax
+    import jax.numpy as jnp
+
+    import replay
+
+    run = replay.init(path, config={}, entrypoint="tests.replay.test_audit:_api_step", dataset_size=dataset_size)
+    step = run.step(batch_axis=0, level="step")(jax.jit(_api_step))
+    state = {"w": jnp.ones((4,), jnp.float32)}
+    for k in range(API_STEPS):
+        state, _ = step(state, _api_batch(k))
+    run.finish()
+    return path
+
+
+def test_a_declared_dataset_size_makes_the_audit_exact(tmp_path):
+    """replay.init(dataset_size=64): every one of the 8 examples step 7 re-feeds is early. Without
+    it, epochs are taken as the distinct examples seen (fewer than 64, as 8 never came), and the
+    audit undercounts -- the report says it does not know the size and what that costs."""
+    declared = audit(_record_api_run(tmp_path / "declared", API_N))
+    assert (declared.dataset_size, declared.dataset_size_from) == (API_N, "declared")
+    assert declared.early_slots.size == B and declared.first_early_repeat_step == API_REFEED
+    (repeat,) = declared.early_repeats()
+    assert repeat.step == API_REFEED and sorted(repeat.first_seen) == [(0, j) for j in range(B)]
+    assert not any("unknown" in n for n in declared.notes)
+
+    unknown = audit(_record_api_run(tmp_path / "unknown", None))
+    assert unknown.dataset_size_from == "trace" and unknown.dataset_size < API_N
+    assert unknown.early_slots[unknown.early_slots // B == API_REFEED].size < B  # undercounted
+    assert any("not declared" in n and "undercounts" in n for n in unknown.notes)
+
+    result = invoke("audit", str(tmp_path / "declared"))
+    assert result.exit_code == 1 and "declared at replay.init" in result.output
+    result = invoke("audit", str(tmp_path / "unknown"))
+    assert "not declared" in result.output

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from replay.contract import config_of
 from replay.bisect_data import SeenBefore, _data_at, seen_before  # noqa: F401 - re-exported
 from traces import Comparison, Run, compare
 
@@ -178,7 +179,7 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 def manifest_diff(a: dict, b: dict) -> list[ManifestDiff]:
     """Config, environment, data and program differences, in that order."""
     diffs: list[ManifestDiff] = []
-    fa, fb = _flatten(a.get("config", {}), "config."), _flatten(b.get("config", {}), "config.")
+    fa, fb = _flatten(config_of(a), "config."), _flatten(config_of(b), "config.")
     for key in list(fa) + [k for k in fb if k not in fa]:
         if key != "config.steps" and fa.get(key) != fb.get(key):
             diffs.append(ManifestDiff(key, fa.get(key), fb.get(key)))
@@ -254,7 +255,7 @@ def bisect(run_a: Run, run_b: Run, refine: bool = True) -> BisectReport:
 def _bits_expected(run_a: Run, run_b: Run) -> bool:
     from replay.contract import evaluate
 
-    mesh = [r.manifest.get("config", {}).get("mesh", {}).get("mesh_invariant", False) for r in (run_a, run_b)]
+    mesh = [config_of(r.manifest).get("mesh", {}).get("mesh_invariant", False) for r in (run_a, run_b)]
     counts = tuple(run_a.manifest.get("invariant_device_counts", ()))
     contract = evaluate(run_a.manifest.get("environment", {}), run_b.manifest.get("environment", {}),
                         None, None, all(mesh), counts)
@@ -290,7 +291,7 @@ def _noise(report: BisectReport, run_a: Run, run_b: Run) -> None:
 
 def _run_steps(run: Run) -> int:
     """The steps the run took: its config's, or what its trace holds."""
-    steps = run.manifest.get("config", {}).get("steps")
+    steps = config_of(run.manifest).get("steps")
     return int(steps) if isinstance(steps, int) else run.trace.end
 
 
@@ -298,7 +299,7 @@ def _trace_vouches(run_a: Run, run_b: Run, c: Comparison) -> bool:
     """True when equal traces mean equal runs: both record their state's fingerprints at every
     step (trace.level=layer, layer_every=1) over every step both took."""
     for run in (run_a, run_b):
-        every = run.manifest.get("config", {}).get("trace", {}).get("layer_every", 1)
+        every = config_of(run.manifest).get("trace", {}).get("layer_every", 1)
         if "state/params" not in run.schema.tensor_names or every != 1:
             return False
     return c.compared[0] == 0 and c.compared[1] >= min(_run_steps(run_a), _run_steps(run_b))

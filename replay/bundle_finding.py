@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from replay.contract import config_of
 from replay.bundle_format import PackError, damage_error, named_as_bundle, open_run
 from replay.bundle_report import _short, _value
 from traces import Run
@@ -79,7 +80,7 @@ def _spike_finding(run: Run, run_path, step: int, data: str | None, status) -> d
     rep = replayables.load(run, data=data)
     env = run.manifest.get("environment", {})
     contract = contractlib.evaluate(env, rep.environment(), run.manifest.get("program_hash"), rep.program_hash(),
-                                    bool(run.manifest.get("config", {}).get("mesh", {}).get("mesh_invariant")),
+                                    bool(config_of(run.manifest).get("mesh", {}).get("mesh_invariant")),
                                     tuple(run.manifest.get("invariant_device_counts", ())))
     report = spikelib.analyze(run, rep, step, contract, window)
     j = report.to_json()

@@ -113,13 +113,20 @@ def pack(run_path: str | os.PathLike, out: str | os.PathLike, steps: tuple[int, 
         staged = traces.TraceReader(stage / TRACE_DIR, run.schema)  # re-read: what the bundle holds
         if (staged.start, staged.end, staged.damage) != (trace_first, last + 1, []):
             raise PackError(f"{out}: the re-written trace does not read back as steps {trace_first}..{last}")
-        examples_meta = None
+        examples_meta, api_files, api_manifest = None, [], {}
+        api_run = "replayable" in run.manifest  # replay.init's: replays from its exported program (replay/record/exported.py)
         if not lite:
             status(f"collecting the batches of steps {checkpoint}..{last}")
-            examples_meta = _write_examples(run, run_path, stage / EXAMPLES, checkpoint, last, staged, data)
+            if api_run:
+                from replay.record.exported import stage_for_bundle
+
+                examples_meta, api_files, api_manifest = stage_for_bundle(run, stage, checkpoint, last, staged)
+            else:
+                examples_meta = _write_examples(run, run_path, stage / EXAMPLES, checkpoint, last, staged, data)
         info = {
             "format_version": FORMAT_VERSION, "lite": lite, "steps": [first, last], "checkpoint": checkpoint,
-            "trace": [trace_first, last], "examples": None if lite else EXAMPLES,
+            "trace": [trace_first, last], "examples": None if lite else api_files[-1].relative_to(stage).as_posix()
+            if api_files else EXAMPLES,
             "example_count": examples_meta["examples"] if examples_meta else 0,
             "packed_from": str(Path(getattr(run, "bundle", None) or run.path).absolute()), "source_status": run.status,
             "source_steps": [trace.start, trace.end - 1], "finding": _json_safe(finding),
@@ -127,7 +134,8 @@ def pack(run_path: str | os.PathLike, out: str | os.PathLike, steps: tuple[int, 
         # The bundle's trace starts at `trace_first`: recorded, so a bundle missing its leading
         # records reads as damaged. The checksum is the bundle's own, computed by write_manifest.
         manifest = {**{k: v for k, v in run.manifest.items() if k != MANIFEST_CHECKSUM},
-                    "checkpoints": [] if lite else [checkpoint], "trace_first_step": trace_first, "bundle": info}
+                    "checkpoints": [] if lite else [checkpoint], "trace_first_step": trace_first, "bundle": info,
+                    **api_manifest}
         _write_manifest(stage / MANIFEST, manifest)
         write_json_atomic(stage / COMPLETE, {"end": last + 1})
         report = render_report(manifest, run.schema, staged, out.name, finding=finding)
@@ -137,14 +145,26 @@ def pack(run_path: str | os.PathLike, out: str | os.PathLike, steps: tuple[int, 
             ("trace", f"steps {trace_first}..{last}, {last - trace_first + 1} records", sorted((stage / TRACE_DIR).iterdir()),
              stage),
         ]
-        if not lite:
+        if not lite and api_run:
+            groups.append(("batch data", examples_meta["detail"], api_files, stage))
+        elif not lite:
             groups.append(("batch data", f"{examples_meta['examples']} examples of {examples_meta['seq_len'] + 1} tokens",
                            [stage / EXAMPLES], stage))
+        if not lite:
             ckpt_dir = run.checkpoint_dir / str(checkpoint)
+            if api_run:  # the folder its manifest names (maybe the user's CheckpointManager's), bundled as checkpoints/C
+                from replay.record.replayable import _checkpoint_dir
+
+                ckpt_dir = _checkpoint_dir(run) / str(checkpoint)
+                if ckpt_dir.is_dir() and ckpt_dir.resolve() != (run.path / "checkpoints" / str(checkpoint)).resolve():
+                    import shutil
+
+                    shutil.copytree(ckpt_dir, stage / "checkpoints" / str(checkpoint))
+                    ckpt_dir = stage / "checkpoints" / str(checkpoint)
             if not ckpt_dir.is_dir():
                 raise PackError(f"{run_path}: checkpoint {checkpoint} is not the folder {ckpt_dir}; "
                                 "pack with --lite, or copy the run with its checkpoints")
-            groups.append(("checkpoint", f"step {checkpoint}", _files_under(ckpt_dir), run.path))
+            groups.append(("checkpoint", f"step {checkpoint}", _files_under(ckpt_dir), ckpt_dir.parent.parent))
         status(f"writing {out}")
         result = _write_bundle(out, groups, lite)
     result.steps, result.checkpoint, result.trace = (first, last), checkpoint, (trace_first, last)
@@ -158,9 +178,12 @@ def _files_under(folder: Path) -> list[Path]:
 
 
 def _checkpoint_for(run: Run, run_path, first: int) -> int:
-    if "replayable" in run.manifest:
-        raise PackError(f"{run_path} was recorded by its own training loop ({run.manifest['replayable']}): a full "
-                        "bundle needs trainer/ batches; pack it with --lite (trace and report)")
+    if "replayable" in run.manifest:  # a loop recorded through replay.init: its exported program and examples
+        from replay.record.exported import pack_refusal
+
+        why = pack_refusal(run.manifest)
+        if why:
+            raise PackError(f"{run_path}: a full bundle cannot be packed: {why}; pack it with --lite (trace and report)")
     from replay.engine import checkpoint_steps, latest_checkpoint
 
     have = checkpoint_steps(run)

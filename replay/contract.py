@@ -218,3 +218,10 @@ def evaluate(recorded_env: dict, here_env: dict, recorded_program: str | None, h
     what = ", ".join(sorted(keys))
     return Contract(False, f"measured only: {what} differ from the recording; distances are reported" + more,
                     diffs, fatal, unchecked, informational)
+
+
+def config_of(manifest: dict) -> dict:
+    """The run's recorded config as a dict: a loop recorded with `config=None` (or any non-dict
+    config) has no trainer sections, which every lookup below must survive."""
+    config = manifest.get("config")
+    return config if isinstance(config, dict) else {}

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from replay.contract import config_of
 from replay.spike_detect import (DECODE_TOKENS, DEFAULT_METRIC, DEFAULT_THRESHOLD, DEFAULT_TOP, DEFAULT_WINDOW, LOG_FLOOR,
                                  MIN_WINDOW, REL_FLOOR, Spike, SpikeInputError, _json_safe, _num, check_metric,
                                  check_window, robust)
@@ -189,7 +190,7 @@ def decode_tokens(run: Run, tokens: np.ndarray) -> str | None:
 
     from trainer import tokenizer
 
-    vocab = run.manifest.get("config", {}).get("model", {}).get("vocab_size")
+    vocab = config_of(run.manifest).get("model", {}).get("vocab_size")
     if vocab != tokenizer.VOCAB_SIZE:
         return None
     parts = []

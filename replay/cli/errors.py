@@ -53,6 +53,9 @@ EXIT_CODES = MappingProxyType({
     "replay.code.CodeNotAllowed": EXIT_BAD_INPUT,
     "replay.code.UserCodeError": EXIT_BAD_INPUT,
     "replay.record.errors.RecordError": EXIT_BAD_INPUT,
+    "replay.record.exported.ExportedProgramError": EXIT_BAD_INPUT,
+    "replay.record.examples_store.ExampleStoreError": EXIT_BAD_INPUT,
+    "replay.record.export.ExportError": EXIT_BAD_INPUT,  # a step jax.export cannot serialize (caught in export.py)
     "trainer.recorder.RecordSchemaError": EXIT_BAD_INPUT,
     # the CLI's own one-line errors (console.fail); the instance's exit_code wins
     "replay.cli.errors.UserError": EXIT_BAD_INPUT,

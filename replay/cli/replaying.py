@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
+from replay.contract import config_of
 from replay.cli import console
 
 
@@ -18,7 +19,7 @@ DAMAGED_REMEDY = "restore the run's files from a copy, or record it again"
 
 def prepare_process(target) -> None:
     """Mesh-invariant runs need their XLA:CPU settings in place before anything starts JAX."""
-    if target.manifest.get("config", {}).get("mesh", {}).get("mesh_invariant"):
+    if config_of(target.manifest).get("mesh", {}).get("mesh_invariant"):
         from trainer import invariant
 
         invariant.prepare_process()
@@ -49,10 +50,14 @@ def load_replayable(target, path: Path, data: str | None, allow_data_change: boo
     replayable = replayables.load(target, allow_code=allow_code, data=data, allow_data_change=allow_data_change,
                                   on_compile=compiling)
     check(replayable.checkpoint_steps())  # a user loop's own checkpoints
-    mesh_invariant = bool(target.manifest.get("config", {}).get("mesh", {}).get("mesh_invariant"))
+    mesh_invariant = bool(config_of(target.manifest).get("mesh", {}).get("mesh_invariant"))
     contract = contractlib.evaluate(target.manifest.get("environment", {}), replayable.environment(),
                                     target.manifest.get("program_hash"), replayable.program_hash(), mesh_invariant,
                                     tuple(target.manifest.get("invariant_device_counts", ())))
+    used = {"exported": "replayed from the exported program", "code": "with your code"}.get(
+        getattr(replayable, "replayed_from", None))
+    if used:
+        contract.line += f"; {used}"
     if contract.fatal:
         console.fail(f"cannot replay {path} here: {contract.fatal[0]}")
     console.status(f"contract: {contract.line}")

@@ -46,6 +46,9 @@ def _bits(x: Any) -> Any:
 
 def unwrap(step: Callable) -> tuple[Callable, dict]:
     """(the Python function, jit options to keep) of a `jax.jit` step; a plain function as is."""
+    if type(step).__name__ == "_JitWrapper" and type(step).__module__.startswith("equinox"):
+        # eqx.filter_jit: its inner jit would refuse the step's taps; keep its donation only.
+        return step.__wrapped__, ({"donate_argnums": (0,)} if getattr(step, "donate_first", False) else {})
     info = getattr(step, "_jit_info", None)
     fn = getattr(step, "__wrapped__", None)
     if info is None or fn is None:
@@ -111,7 +114,8 @@ class Program:
         self.batch = batch_size(batch, self.options.batch_axis)
         jit_options = {k: v for k, v in self.jit_options.items() if k != "out_shardings"}
         jitted = jax.jit(self._program, **jit_options)
-        lowered = jitted.trace(jax.tree.map(spec, state), jax.tree.map(spec, batch)).lower()
+        self.abstract = (jax.tree.map(spec, state), jax.tree.map(spec, batch))  # what replay/record/export.py exports for
+        lowered = jitted.trace(*self.abstract).lower()
         self.program_hash = program_hash(lowered)
         self._compiled = lowered.compile()
 
@@ -129,8 +133,11 @@ class Program:
 
         from replay.record.taps import collecting
 
+        # The step gets its own containers: an in-place step (nnx.merge without copy shares the
+        # State's Variables) must not rewrite what is fingerprinted as the state entering it.
+        leaves, treedef = jax.tree_util.tree_flatten(state)
         with collecting() as taps:
-            out = self.fn(state, batch)
+            out = self.fn(jax.tree_util.tree_unflatten(treedef, leaves), batch)
         _check_taps(taps)
         if not isinstance(out, (tuple, list)) or len(out) != 2:
             raise RecordError(f"the step returned {type(out).__name__}; a recorded step returns (state, metrics)")

@@ -95,5 +95,7 @@ def _checkpoint_dir(run: Run):
     return Path(where) if Path(where).is_absolute() else Path(run.path).absolute() / where
 
 
-def from_run(run: Run, **options: Any) -> LoopReplay:
-    return LoopReplay(run, **options)
+def from_run(run: Run, **options: Any) -> Any:
+    from replay.record.exported import choose  # the user's code, or the exported program (and which, noted)
+
+    return choose(run, LoopReplay, **options)

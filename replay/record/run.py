@@ -31,7 +31,8 @@ class RecordingRun:
     """A run open for recording. Use `replay.init` to make one."""
 
     def __init__(self, path: str | os.PathLike, *, config: Any = None, entrypoint: str | Callable | None = None,
-                 dataset_size: int | None = None, checkpoints: Any = None, resume: bool = False):
+                 dataset_size: int | None = None, checkpoints: Any = None, resume: bool = False,
+                 store_examples: bool = True):
         from replay.record import manifest as manifestlib
         from traces.errors import TraceError
 
@@ -67,6 +68,7 @@ class RecordingRun:
         self._manager = checkpoints if checkpoints is not None else ckpts.open_manager(self._ckpt_dir, read_only=False)
         self._own_manager = checkpoints is None
         self._fingerprints: dict = dict(self._run.manifest.get(ckpts.FINGERPRINTS_KEY) or {})
+        self._store_examples, self._examples = bool(store_examples), None  # replay/record/examples_store.py
 
     # ---------------------------------------------------------------------------- the step
 
@@ -119,7 +121,36 @@ class RecordingRun:
             run.update_manifest(schema=schema.to_json(), program_hash=program.program_hash,
                                 record=program.options.to_json(), trace_first_step=self.next_step)
             run.schema = schema
+            self._record_exported(program)
+        self._open_examples(program, resume=recorded is not None)
         return Recorder(schema, run.writer(), "layer" if schema.tensors else "step")
+
+    def _record_exported(self, program: Any) -> None:
+        """The step as a jax.export program and the example store's layout, into the manifest, so
+        replay needs no user code (replay/record/export.py, examples_store.py; the manifest says
+        why when the step could not be exported, and whether examples are stored)."""
+        import warnings
+
+        from replay.record import examples_store, export
+
+        entry = export.export(self.path, program)
+        if entry.get("error"):
+            warnings.warn(f"replay: {self.path}: recorded without an exported program ({entry['error']}); "
+                          "replaying it will need your code", stacklevel=3)
+        store = (examples_store.layout_of(program.abstract[1], program.options.batch_axis) if self._store_examples
+                 else {"format": examples_store.FORMAT, "enabled": False})
+        self._run.update_manifest(**{export.KEY: entry, examples_store.KEY: store})
+
+    def _open_examples(self, program: Any, resume: bool) -> None:
+        from replay.record import examples_store
+
+        store = self._run.manifest.get(examples_store.KEY)
+        if isinstance(store, dict) and store.get("leaves"):
+            self._examples = examples_store.ExampleWriter(self.path, program.options.batch_axis, resume=resume)
+
+    def _close_examples(self) -> None:
+        if self._examples is not None:
+            self._examples.close()
 
     # ---------------------------------------------------------------------------- checkpoints
 
@@ -167,6 +198,7 @@ class RecordingRun:
             return
         if self._step is not None:
             self._step.flush()
+        self._close_examples()
         self._close_manager()
         self._run.update_manifest(checkpoints=sorted(int(k) for k in self._fingerprints))
         self._run.finish()
@@ -180,6 +212,7 @@ class RecordingRun:
             if self._step is not None:
                 self._step.flush()
         finally:
+            self._close_examples()
             self._close_manager()
             self._run.close()
             self.finished = True
@@ -207,7 +240,8 @@ def _inside(path: Path, folder: Path) -> bool:
 
 
 def init(path: str | os.PathLike, *, config: Any = None, entrypoint: str | Callable | None = None,
-         dataset_size: int | None = None, checkpoints: Any = None, resume: bool = False) -> RecordingRun:
+         dataset_size: int | None = None, checkpoints: Any = None, resume: bool = False,
+         store_examples: bool = True) -> RecordingRun:
     """Starts recording a run into `path` (a new or empty folder), or resumes a crashed one."""
     return RecordingRun(path, config=config, entrypoint=entrypoint, dataset_size=dataset_size,
-                        checkpoints=checkpoints, resume=resume)
+                        checkpoints=checkpoints, resume=resume, store_examples=store_examples)

@@ -40,6 +40,8 @@ class RecordedStep:
                               f"{self.program.batch}; a recorded run feeds the same number every step")
         new_state, metrics, record = self.program(state, batch)
         self._recorder.record(run.next_step, record, hashes)  # writes step k-1's record, fetched now
+        if run._examples is not None:  # rows of examples not stored yet (replay/record/examples_store.py)
+            run._examples.add(batch, hashes)
         run.next_step += 1
         return new_state, metrics
 

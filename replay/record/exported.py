@@ -1,0 +1,261 @@
+"""Replaying an API run from its exported program and example store: no user code runs.
+
+`from_run` (replay/record/replayable.py) picks the program a replay uses:
+
+- a bundle: the exported program, always (nothing shipped in or named by a bundle runs);
+- a run folder: the user's code when its entry point can be imported under the code policy
+  (replay/code.py); the exported program when it cannot (not installed, or in a folder that
+  needs --allow-code) and the run recorded one;
+- the report says which, in its notes: "replayed from the exported program ..." or
+  "replayed with your code ...".
+
+The state is a flat list of leaves in the recorded order (replay/record/export.py says why),
+carried as `FlatState`, a pytree whose leaf paths are the recorded ones, so the full-state
+fingerprint recorded at every save checks the restored state exactly as it checks the user's.
+The batch of step k is rebuilt from the trace's per-example hashes (replay/record/examples_store.py).
+The program hash reported is the recorded one: the exported bytes are those recorded with it
+(their sha256 is in the checksummed manifest), and the replay compares bits, not claims.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from replay.record import checkpoints as ckpts
+from replay.record import examples_store
+from replay.record import export as exportlib
+from traces.errors import TraceError
+
+EXPORTED_NOTE = "replayed from the exported program ({file}), without your code"
+CODE_NOTE = "replayed with your code ({spec})"
+
+
+class ExportedProgramError(TraceError):
+    """The run's exported program is missing, damaged or does not fit this machine (bad input, exit 2: a
+    TraceError, as any damaged file of a run is)."""
+
+
+def _tree():
+    import jax
+
+    @jax.tree_util.register_pytree_with_keys_class
+    class FlatState:
+        """The recorded state's leaves in recorded order, under their recorded tree paths."""
+
+        def __init__(self, paths: tuple[str, ...], leaves: list):
+            self.paths, self.leaves = tuple(paths), list(leaves)
+
+        def tree_flatten_with_keys(self):
+            return [(jax.tree_util.GetAttrKey(p), x) for p, x in zip(self.paths, self.leaves)], self.paths
+
+        def tree_flatten(self):
+            return self.leaves, self.paths
+
+        @classmethod
+        def tree_unflatten(cls, paths, leaves):
+            return cls(paths, list(leaves))
+
+    return FlatState
+
+
+_FLAT: Any = None
+
+
+def flat_state(paths, leaves) -> Any:
+    global _FLAT
+    if _FLAT is None:
+        _FLAT = _tree()
+    return _FLAT(paths, leaves)
+
+
+def usable(manifest: dict) -> str | None:
+    """None when the run recorded an exported program and its examples; else why not."""
+    entry = manifest.get(exportlib.KEY)
+    if not isinstance(entry, dict):
+        return "it recorded no exported program"
+    if entry.get("error"):
+        return f"its step was not exported: {entry['error']}"
+    store = manifest.get(examples_store.KEY)
+    if not isinstance(store, dict) or not store.get("leaves"):
+        return "it recorded no example store (replay.init(store_examples=False)), so its batches need your batch_at"
+    return None
+
+
+class ExportedReplay:
+    def __init__(self, run, data: str | None = None, allow_data_change: bool = False, on_compile=None,
+                 allow_code: bool = False):
+        import jax
+        from jax import export as jexport
+
+        from replay.bundle_format import shown_path
+        from replay.record.replayable import _checkpoint_dir, _unavailable
+
+        if data is not None:
+            raise _unavailable(f"{shown_path(run)}: this run's batches come from its example store; --data does not apply")
+        manifest = run.manifest
+        why = usable(manifest)
+        if why:
+            raise _unavailable(f"{shown_path(run)}: cannot be replayed without its code: {why}")
+        self.run, self.entry = run, manifest[exportlib.KEY]
+        self.shown = shown_path(run)
+        path = Path(run.path) / self.entry["file"]
+        shown_file = f"{self.shown}:{self.entry['file']}" if getattr(run, "bundle", None) else str(path)
+        if not path.is_file():
+            raise ExportedProgramError(f"{shown_file}: the run's exported program is missing; restore it from a copy, "
+                                       "or replay with your code (--allow-code, or the entry point installed)")
+        data_bytes = path.read_bytes()
+        if hashlib.sha256(data_bytes).hexdigest() != self.entry["sha256"]:
+            raise ExportedProgramError(f"{shown_file}: the exported program is damaged (its sha256 differs from the "
+                                       "one recorded in run.json); restore it from a copy, or replay with your code")
+        devices = int(self.entry.get("devices", 1))
+        if devices != 1:
+            raise ExportedProgramError(f"{shown_file}: the step was exported for {devices} devices; a replay from the "
+                                       "exported program runs on one device today: replay with your code")
+        if on_compile is not None:
+            on_compile()
+        try:
+            self.exported = jexport.deserialize(bytearray(data_bytes))
+        except Exception as e:  # noqa: BLE001 - a file whose sha256 holds but jax cannot read: another jax
+            raise ExportedProgramError(f"{shown_file}: jax {jax.__version__} cannot read the exported program "
+                                       f"(written by jax {self.entry.get('jax')}): {type(e).__name__}") from None
+        self._call = jax.jit(self.exported.call)
+        self.paths = tuple(s["path"] for s in self.entry["state"])
+        self.record_keys = list(self.entry["record"])
+        self.examples = examples_store.ExampleReader(Path(run.path), manifest[examples_store.KEY],
+                                                     shown=(f"{self.shown}:{manifest[examples_store.KEY]['file']}"
+                                                            if getattr(run, "bundle", None) else None),
+                                                     complete=run.status == "complete")
+        self._manager = ckpts.open_manager(_checkpoint_dir(run), read_only=True)
+        self.schema = run.schema
+        self.replayed_from = "exported"
+        self.restore_notes: list[str] = [EXPORTED_NOTE.format(file=self.entry["file"])]
+
+    def environment(self) -> dict:
+        from trainer.environment import environment
+
+        return environment()
+
+    def program_hash(self) -> str | None:
+        return self.run.manifest.get("program_hash")
+
+    def checkpoint_steps(self) -> list[int]:
+        return ckpts.steps(self._manager)
+
+    def restore(self, step: int) -> Any:
+        """Checkpoint `step` restored onto its own metadata tree, put in recorded order, verified."""
+        import jax
+
+        from trainer.checkpoint import _WHAT_TO_DO, CheckpointDamagedError, _quiet_orbax
+        from trainer.fingerprint import state_fingerprint
+
+        where = ckpts.directory_of(self._manager) / str(step)
+        if step in ckpts.steps(self._manager):
+            with _quiet_orbax():
+                meta = self._manager.item_metadata(step)
+            meta = getattr(meta, "tree", meta)
+        else:
+            meta = None  # ckpts.restore names the missing step
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        target = None if meta is None else jax.tree.map(
+            lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=device), meta)
+        state = ckpts.restore(self._manager, step, target, None)
+        by_path = {exportlib._path(p): x for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+        specs = {s["path"]: s for s in self.entry["state"]}
+        if set(by_path) != set(specs):
+            extra = sorted(set(by_path) ^ set(specs))[:3]
+            raise CheckpointDamagedError(f"{where}: checkpoint {step} holds other state leaves than the exported "
+                                         f"program takes ({', '.join(extra)}); {_WHAT_TO_DO}")
+        for p, s in specs.items():
+            x = by_path[p]
+            if list(x.shape) != s["shape"] or np.dtype(x.dtype).name != s["dtype"]:
+                raise CheckpointDamagedError(f"{where}: checkpoint {step} leaf {p} is {np.dtype(x.dtype).name}"
+                                             f"{list(x.shape)}, the exported program takes {s['dtype']}{s['shape']}")
+        flat = flat_state(self.paths, [by_path[p] for p in self.paths])
+        expected = (self.run.manifest.get(ckpts.FINGERPRINTS_KEY) or {}).get(str(step))
+        if expected is None:
+            self.restore_notes.append(f"checkpoint {step} has no recorded fingerprint, so it was restored unverified")
+        elif state_fingerprint(flat) != expected:
+            raise CheckpointDamagedError(f"{where}: checkpoint {step} is damaged (its state's fingerprint "
+                                         f"{state_fingerprint(flat)} differs from {expected} recorded when it was "
+                                         f"saved); {_WHAT_TO_DO}")
+        return flat
+
+    def step(self, state: Any, step: int) -> tuple[Any, dict, np.ndarray]:
+        hashes = np.asarray(self.run.trace.read(step).example_hashes, np.uint64)
+        batch = self.examples.batch(step, hashes)
+        out = self._call(*state.leaves, *batch)
+        n = len(self.paths)
+        if len(out) != n + len(self.record_keys):
+            raise ExportedProgramError(f"{self.shown}: the exported program returns {len(out)} values, its signature "
+                                       f"says {n + len(self.record_keys)}")
+        return flat_state(self.paths, list(out[:n])), dict(zip(self.record_keys, out[n:])), hashes
+
+
+def choose(run, with_code, **options: Any) -> Any:
+    """The replayable for an API run: `with_code(run, **options)` (LoopReplay) or ExportedReplay."""
+    from replay.code import CodeNotAllowed, is_bundle_run
+
+    why = usable(run.manifest)
+    if is_bundle_run(run) and why is None:
+        return ExportedReplay(run, **options)
+    try:
+        rep = with_code(run, **options)
+    except CodeNotAllowed as e:
+        if why is not None:  # say both: why the code is not used, and why the exported program cannot stand in
+            raise type(e)(f"{str(e).rstrip('.')}; without that code it cannot be replayed: {why}") from None
+        rep = ExportedReplay(run, **options)
+        rep.restore_notes[0] += f" (the entry point was not imported: {' '.join(str(e).split())[:160]})"
+        return rep
+    rep.replayed_from = "code"
+    rep.restore_notes.insert(0, CODE_NOTE.format(spec=run.manifest.get("entrypoint")))
+    return rep
+
+
+# ---------------------------------------------------------------------------- bundles (replay pack)
+
+
+def pack_refusal(manifest: dict) -> str | None:
+    """Why a full bundle of this loop's run cannot be packed (None: it can)."""
+    from replay.record.manifest import FACTORY
+
+    if manifest.get("replayable") != FACTORY:
+        return (f"it was recorded by its own training loop ({manifest.get('replayable')}), whose batches replay "
+                "cannot carry")
+    return usable(manifest)
+
+
+def stage_for_bundle(run, stage: Path, first: int, last: int, staged) -> tuple[dict, list[Path], dict]:
+    """Writes into `stage` what a bundle of steps first..last replays from: the exported program
+    (copied, its sha256 checked) and the rows of every example those steps feed (from the run's
+    store, each rebuilt batch checked against the trace's hashes). Returns (info for the bundle
+    manifest, the files, manifest entries to override)."""
+    from replay.bundle_format import PackError
+
+    manifest = run.manifest
+    entry, store = manifest[exportlib.KEY], manifest[examples_store.KEY]
+    program = Path(run.path) / entry["file"]
+    data = program.read_bytes() if program.is_file() else b""
+    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise PackError(f"{program}: the exported program is missing or damaged (its sha256 differs from run.json's); "
+                        "pack with --lite, or restore it from a copy")
+    (stage / entry["file"]).parent.mkdir(parents=True, exist_ok=True)
+    (stage / entry["file"]).write_bytes(data)
+    reader = examples_store.ExampleReader(Path(run.path), store)
+    needed: set[int] = set()
+    for rec in staged.records(first, last + 1):
+        needed.update(np.asarray(rec.example_hashes, np.uint64).tolist())
+    try:
+        count = reader.write_subset(stage / store["file"], needed)
+        carried = examples_store.ExampleReader(stage, store)
+        for rec in staged.records(first, last + 1):  # as the replay will rebuild them
+            carried.batch(rec.step, rec.example_hashes)
+    except examples_store.ExampleStoreError as e:
+        raise PackError(str(e)) from None
+    files = [stage / entry["file"], stage / store["file"]]
+    raw = sum(int(np.prod(s["shape"], dtype=np.int64)) * np.dtype(s["dtype"]).itemsize for s in store["leaves"])
+    info = {"examples": count, "detail": f"{count} distinct examples of {raw} bytes, the exported program"}
+    return info, files, {"checkpoint_dir": "checkpoints"}

@@ -1,0 +1,117 @@
+"""What every example's tests check, shared: each example records four runs once per module
+(clean, clean again, the learning rate doubled at LR_AT, step REFEED_AT fed the batch of
+REFEED_AT - 5), and the CLI replays and bisects them in-process."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+
+from tests.cli_util import dir_digest, invoke
+from traces import Run
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+if str(EXAMPLES) not in sys.path:
+    sys.path.insert(0, str(EXAMPLES))  # the examples are "installed": their modules import by name
+
+STEPS, EVERY, LR_AT, REFEED_AT = 30, 10, 17, 23
+BUGS = {"clean": {}, "clean2": {}, "lr": {"lr_bump_at": LR_AT}, "refeed": {"refeed_at": REFEED_AT}}
+
+
+def record_runs(example: ModuleType, root: Path, steps: int = STEPS, **sizes) -> dict[str, Path]:
+    return {name: Path(example.train(example.Config(steps=steps, checkpoint_every=EVERY, **sizes, **bug),
+                                     str(root / name)))
+            for name, bug in BUGS.items()}
+
+
+def replay_lines(example: ModuleType) -> list[str]:
+    return [l for l in Path(example.__file__).read_text().splitlines() if l.rstrip().endswith("# replay")]
+
+
+def check_replay_from_a_checkpoint(run: Path) -> None:
+    """`replay run` of 12..25 restores checkpoint 10, re-runs 10..25 and compares every bit."""
+    before = dir_digest(run)
+    result = invoke("run", str(run), "--steps", "12:25", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["checkpoint"] == 10 and (report["replayed"], report["bit_exact"]) == (14, 14), report
+    assert (report["warmup_replayed"], report["warmup_bit_exact"]) == (2, 2) and report["all_bit_exact"]
+    assert dir_digest(run) == before  # a replay changes nothing in the run
+
+
+def check_replay_catches_another_trace(runs: dict[str, Path], tmp: Path) -> None:
+    """The same replay compares bits: the clean run's code and checkpoints against the lr run's trace differ at LR_AT."""
+    import shutil
+
+    copy = tmp / "mixed"
+    shutil.copytree(runs["clean"], copy)
+    shutil.rmtree(copy / "trace")
+    shutil.copytree(runs["lr"] / "trace", copy / "trace")
+    result = invoke("run", str(copy), "--steps", f"{LR_AT - 2}:{LR_AT + 1}", "--json")
+    assert result.exit_code == 1, result.output
+    first = json.loads(result.stdout)["first_mismatch"]
+    assert first["step"] == LR_AT and first["fields"][0]["kind"] == "update", first
+
+
+def check_bisect_lr(runs: dict[str, Path]) -> None:
+    result = invoke("bisect", str(runs["clean"]), str(runs["lr"]), "--json")
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.stdout)
+    assert (report["first_step"], report["cause"]) == (LR_AT, "update"), report
+
+
+def check_bisect_refeed(runs: dict[str, Path]) -> None:
+    result = invoke("bisect", str(runs["clean"]), str(runs["refeed"]), "--json")
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.stdout)
+    assert (report["first_step"], report["cause"]) == (REFEED_AT, "data"), report
+    b = [e for e in report["examples"] if e["run"] == "B"]
+    assert b and report["repeated_in_b"] == len(b), report["examples"]
+    first_fed = {min(s["step"] for s in e["seen_before"] if s["run"] == "B") for e in b}
+    assert first_fed == {REFEED_AT - 5}, first_fed
+
+
+def check_identical_runs(runs: dict[str, Path]) -> None:
+    """Refinement on (the default): identical runs are identical, exit 0; and the check can fail."""
+    result = invoke("bisect", str(runs["clean"]), str(runs["clean2"]), "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["identical"]
+
+
+def fingerprints(run: Path, step: int) -> dict[str, int]:
+    r = Run.open(run)
+    return dict(zip(r.schema.tensor_names, (int(f) for f in r.trace.read(step).fingerprints)))
+
+
+def state_fingerprints(state) -> list[int]:
+    """The fingerprint the recorder computes of each of a state's leaves, computed here independently."""
+    import jax
+
+    from trainer.fingerprint import fingerprints_and_sums_of_squares
+    from trainer.recorder import lanes_to_uint64
+
+    def bits(x):
+        return jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+
+    lanes, _ = fingerprints_and_sums_of_squares([jax.numpy.asarray(bits(x)) for x in jax.tree.leaves(state)])
+    return [int(f) for f in lanes_to_uint64(np.asarray(lanes))]
+
+
+def check_entering_state_is_the_state_entering(run: Path, example: ModuleType, param: str) -> None:
+    """Step 0's state/ fingerprints are those of the initial state (computed here), not of the
+    updated one; and the parameter `param` changed in the step (state/ != update/)."""
+    cfg = example.Config(**Run.open(run).manifest["config"])
+    fp = fingerprints(run, 0)
+    assert entering(fp) == state_fingerprints(example.make(dataclasses.asdict(cfg)).init())
+    assert fp[f"state/{param}"] != fp[f"update/{param}"]
+    nxt = fingerprints(run, 1)
+    assert all(nxt["state/" + k[7:]] == v for k, v in fp.items() if k.startswith("update/"))
+
+
+def entering(fp: dict[str, int]) -> list[int]:
+    return [v for k, v in fp.items() if k.startswith("state/")]

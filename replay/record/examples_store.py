@@ -6,8 +6,9 @@ trace records for it. The batch of step k is then rebuilt from the trace's hashe
 rebuilt rows are hashed again and must give those hashes (a row that does not is damage, named).
 Size: the distinct examples fed, compressed, not the steps (an epoch of the data at most once).
 Cost while recording: the rows of new examples copied to the host and zstd-compressed (level 3)
-on the step's host thread; `replay.init(..., store_examples=False)` turns it off (then replay
-needs the loop's `batch_at`, i.e. the user's code).
+on the step's host thread. Opt-in, `replay.init(..., store_examples=True)`: without it a replay
+needs the loop's `batch_at`, i.e. the user's code. At pretraining scale the distinct examples are
+the dataset (terabytes), and opening the store scans its frame headers (no index file yet).
 
 File RUN/examples/rows.bin, append-only, one frame per example (integers little-endian):
 

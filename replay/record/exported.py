@@ -81,7 +81,7 @@ def usable(manifest: dict) -> str | None:
         return f"its step was not exported: {entry['error']}"
     store = manifest.get(examples_store.KEY)
     if not isinstance(store, dict) or not store.get("leaves"):
-        return "it recorded no example store (replay.init(store_examples=False)), so its batches need your batch_at"
+        return "it recorded no example store (replay.init(..., store_examples=True) keeps one), so its batches need your batch_at"
     return None
 
 

@@ -32,7 +32,7 @@ class RecordingRun:
 
     def __init__(self, path: str | os.PathLike, *, config: Any = None, entrypoint: str | Callable | None = None,
                  dataset_size: int | None = None, checkpoints: Any = None, resume: bool = False,
-                 store_examples: bool = True):
+                 store_examples: bool = False):
         from replay.record import manifest as manifestlib
         from traces.errors import TraceError
 
@@ -241,7 +241,12 @@ def _inside(path: Path, folder: Path) -> bool:
 
 def init(path: str | os.PathLike, *, config: Any = None, entrypoint: str | Callable | None = None,
          dataset_size: int | None = None, checkpoints: Any = None, resume: bool = False,
-         store_examples: bool = True) -> RecordingRun:
-    """Starts recording a run into `path` (a new or empty folder), or resumes a crashed one."""
+         store_examples: bool = False) -> RecordingRun:
+    """Starts recording a run into `path` (a new or empty folder), or resumes a crashed one.
+
+    store_examples: keep every distinct example's rows in the run (RUN/examples/rows.bin) so a
+      replay needs no user code. Off by default: its disk is the distinct examples fed, which for
+      a pretraining run is the dataset itself (terabytes at a million steps); turn it on for runs
+      you will replay elsewhere or pack into bug reports."""
     return RecordingRun(path, config=config, entrypoint=entrypoint, dataset_size=dataset_size,
                         checkpoints=checkpoints, resume=resume, store_examples=store_examples)

@@ -48,7 +48,7 @@ def record(path: Path, entrypoint=MISSING, steps: int = STEPS, **bug) -> Path:
     """examples/optax_loop.py's train(), with another entry point named in the manifest."""
     cfg = optax_loop.Config(steps=steps, checkpoint_every=5, **bug)
     loop = optax_loop.make(dataclasses.asdict(cfg))
-    run = replay.init(path, config=dataclasses.asdict(cfg), entrypoint=entrypoint)
+    run = replay.init(path, config=dataclasses.asdict(cfg), entrypoint=entrypoint, store_examples=True)
     step = run.step(batch_axis=0, metric_kinds=optax_loop.METRIC_KINDS)(loop.step)
     state = loop.init()
     for k in range(steps):
@@ -131,7 +131,7 @@ def test_a_step_with_typed_keys_in_the_state_records_why_it_was_not_exported(tmp
         noise = jax.random.normal(sub, batch.shape)
         return {"key": key, "w": state["w"] + jnp.mean(batch + noise)}, {"loss": jnp.mean(batch)}
 
-    run = replay.init(tmp_path / "r", config={}, entrypoint=MISSING)
+    run = replay.init(tmp_path / "r", config={}, entrypoint=MISSING, store_examples=True)
     wrapped = run.step(step, level="step")
     state = {"key": jax.random.key(0), "w": jnp.zeros(())}
     with pytest.warns(UserWarning, match="without an exported program"):
@@ -239,7 +239,7 @@ def test_a_full_pack_without_stored_examples_is_refused(tmp_path):
     assert Run.open(tmp_path / "r").manifest["example_store"] == {"format": 1, "enabled": False}
     assert not (tmp_path / "r" / "examples").exists()
     result = invoke("pack", str(tmp_path / "r"), "--steps", "0:1", "-o", str(tmp_path / "b.rpk"))
-    assert result.exit_code == 2 and "store_examples=False" in result.stderr, result.output
+    assert result.exit_code == 2 and "store_examples=True" in result.stderr, result.output
 
 
 # ---------------------------------------------------------------------------- fresh processes, as a user runs it

@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import xxhash
 import zstandard
 
 from traces.errors import TraceError
@@ -72,15 +71,10 @@ def layout_of(batch: Any, batch_axis: int) -> dict:
 
 
 def hashes_of(leaves: list[tuple[str, np.ndarray]]) -> np.ndarray:
-    """replay.record.hashing.example_hashes of the batch these leaves form (same definition;
-    tests/replay/test_exported.py checks that the two agree)."""
-    if len(leaves) == 1 and leaves[0][0] == "batch":
-        rows = leaves[0][1]
-        seed = xxhash.xxh3_64_intdigest(f"{rows.dtype.name}{rows.shape[1:]}".encode())
-        return np.array([xxhash.xxh3_64_intdigest(row, seed=seed) for row in rows], np.uint64)
-    seed = xxhash.xxh3_64_intdigest(";".join(f"{n}={a.dtype.name}{a.shape[1:]}" for n, a in leaves).encode())
-    rows = np.concatenate([a.reshape(a.shape[0], -1).view(np.uint8).reshape(a.shape[0], -1) for _, a in leaves], axis=1)
-    return np.array([xxhash.xxh3_64_intdigest(row, seed=seed) for row in rows], np.uint64)
+    """replay.record.hashing's per-example hashes of the batch these leaves form."""
+    from replay.record.hashing import leaf_hashes
+
+    return leaf_hashes(leaves)
 
 
 def _frame(h: int, raw: bytes, cctx) -> bytes:

@@ -48,6 +48,12 @@ def batch_size(batch: Any, batch_axis: int) -> int:
 def example_hashes(batch: Any, batch_axis: int = 0) -> np.ndarray:
     """uint64[B]: one hash per example (index along `batch_axis`), in batch order."""
     leaves = [(n, np.ascontiguousarray(a.astype(a.dtype.newbyteorder("<"), copy=False))) for n, a in _leaves(batch, batch_axis)]
+    return leaf_hashes(leaves)
+
+
+def leaf_hashes(leaves: list[tuple[str, np.ndarray]]) -> np.ndarray:
+    """uint64[B] of (name, little-endian contiguous array with the examples on axis 0) leaves: the
+    one definition, shared by recording and by the example store's check of rebuilt batches."""
     if len(leaves) == 1 and leaves[0][0] == "batch":  # one array: trainer.data.example_hashes, bit for bit
         rows = leaves[0][1]
         seed = xxhash.xxh3_64_intdigest(f"{rows.dtype.name}{rows.shape[1:]}".encode())

@@ -1,0 +1,180 @@
+"""A small Flax linen decoder-only language model trained with optax, recorded with `replay.init`.
+
+    python examples/linen_lm.py --out /tmp/lm --steps 30   # train, checkpoint every 10, record
+    replay run /tmp/lm --steps 12:25 --allow-code          # restore checkpoint 10, re-run 10..25, compare bits
+    replay bisect /tmp/lm /tmp/other                       # where two runs of it first differ, and why
+
+The lines that exist only for replay end in `# replay`. The model is linen's functional form
+(`model.apply(params, ...)`): a token and position embedding, causal self-attention blocks,
+logits tied to the embedding, no dropout (as in most current LMs). The batch is sharded
+over `jax.devices()` along its batch axis with a NamedSharding (one device works the same), and
+the step is jitted with `donate_argnums=0`. The task is a copy task (the second half of each
+row repeats the first): learnable, though 30 steps only start it (loss ~4.7 to ~4.4).
+
+Batches are a pure function of (seed, step): token rows drawn from a generator seeded with
+(seed, step). A loop that streams its data instead would checkpoint its data iterator with
+the state (e.g. an orbax-checkpointed grain iterator); that is not shown here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import replay
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    seed: int = 0
+    steps: int = 30  # length of the learning-rate schedule, and of the run
+    batch: int = 8
+    seq: int = 16
+    vocab: int = 64
+    d_model: int = 32
+    heads: int = 2
+    layers: int = 1
+    lr: float = 3e-3
+    warmup: int = 5
+    checkpoint_every: int = 10
+    lr_bump_at: int = -1  # an injected bug: step at which the learning rate is doubled (-1: never)
+    refeed_at: int = -1  # an injected bug: step that is fed the batch of step refeed_at - 5 (-1: never)
+
+
+class State(NamedTuple):
+    step: jax.Array  # int32: the next step to run
+    params: Any  # linen's {"params": {...}} collection
+    opt_state: Any
+
+
+class Block(nn.Module):
+    """A pre-norm block: causal self-attention, then an MLP. RMSNorm and no biases keep the state
+    to few leaves; every leaf is fingerprinted in the recorded step, so fewer compile faster."""
+
+    cfg: Config
+
+    @nn.compact
+    def __call__(self, h: jax.Array, mask: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        h = h + nn.MultiHeadDotProductAttention(num_heads=cfg.heads, use_bias=False, name="attn")(
+            nn.RMSNorm(name="norm_attn")(h), mask=mask)
+        m = nn.Dense(4 * cfg.d_model, use_bias=False, name="mlp_in")(nn.RMSNorm(name="norm_mlp")(h))
+        m = nn.Dense(cfg.d_model, use_bias=False, name="mlp_out")(nn.gelu(m))
+        return h + m
+
+
+class LM(nn.Module):
+    cfg: Config
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        embed = nn.Embed(cfg.vocab, cfg.d_model, name="embed")
+        pos = self.param("pos", nn.initializers.normal(0.02), (cfg.seq, cfg.d_model))
+        h = embed(tokens) + pos[: tokens.shape[-1]]
+        mask = nn.make_causal_mask(tokens)
+        for i in range(cfg.layers):
+            h = Block(cfg, name=f"block_{i}")(h, mask)
+        return embed.attend(nn.RMSNorm(name="norm_out")(h))  # logits tied to the embedding
+
+
+def sharding(*spec: str) -> NamedSharding:
+    """On a mesh of every device, one "batch" axis: sharding("batch") splits axis 0 over the
+    devices (the batch must divide by the device count); sharding() replicates."""
+    return NamedSharding(Mesh(np.array(jax.devices()), ("batch",)), PartitionSpec(*spec))
+
+
+# A copy task: each row is 9 random tokens followed by its first 8 again, so the last half of
+# every row is predictable from the first. 64**9 possible rows: no two steps share a row by chance.
+def batch_at(cfg: Config, step: int) -> dict:
+    if step == cfg.refeed_at:
+        step -= 5
+    rng = np.random.default_rng([cfg.seed, 2, step])
+    half = rng.integers(0, cfg.vocab, (cfg.batch, cfg.seq // 2 + 1))
+    rows = np.concatenate([half, half[:, : cfg.seq // 2]], axis=1).astype(np.int32)
+    host = {"inputs": rows[:, :-1], "targets": rows[:, 1:]}
+    return jax.device_put(host, sharding("batch"))
+
+
+def schedule(cfg: Config) -> optax.Schedule:
+    # Warm up from lr / warmup, not 0: a zero rate would leave step 0's parameters unchanged.
+    base = optax.warmup_cosine_decay_schedule(cfg.lr / cfg.warmup, cfg.lr, cfg.warmup, max(cfg.steps, cfg.warmup + 1))
+    return lambda step: jnp.where(step == cfg.lr_bump_at, 2.0, 1.0) * base(step)
+
+
+def optimizer(cfg: Config) -> optax.GradientTransformation:
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule(cfg), weight_decay=1e-4))
+
+
+def init_state(cfg: Config) -> State:
+    params = LM(cfg).init(jax.random.key(cfg.seed, impl="threefry2x32"), jnp.zeros((1, cfg.seq), jnp.int32))
+    state = State(jnp.zeros((), jnp.int32), params, optimizer(cfg).init(params))
+    # Replicated, as the step's outputs are: a state placed elsewhere would compile the step twice.
+    return jax.device_put(state, sharding())
+
+
+def train_step(state: State, batch: dict, cfg: Config) -> tuple[State, dict]:
+    def loss_fn(params):
+        logits = LM(cfg).apply(params, batch["inputs"])
+        token_loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+        example_loss = jnp.mean(token_loss, axis=-1)
+        return jnp.mean(example_loss), example_loss
+
+    (loss, example_loss), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    replay.tap(grads, "grad")  # replay
+    updates, opt_state = optimizer(cfg).update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": jnp.asarray(schedule(cfg)(state.step), jnp.float32),
+               "example_loss": example_loss}
+    return State(state.step + 1, params, opt_state), metrics
+
+
+@replay.entrypoint  # replay
+def make(config: dict) -> replay.Loop:
+    cfg = Config(**config)
+    step = jax.jit(functools.partial(train_step, cfg=cfg), donate_argnums=0)
+    init = jax.jit(functools.partial(init_state, cfg))  # one compile, not one per initializer op run eagerly
+    return replay.Loop(step=step, batch_at=functools.partial(batch_at, cfg), init=init)
+
+
+METRIC_KINDS = {"grad_norm": "backward", "lr": "update"}
+
+
+def train(cfg: Config, out: str) -> str:
+    loop = make(dataclasses.asdict(cfg))
+    run = replay.init(out, config=dataclasses.asdict(cfg), entrypoint=make)  # replay
+    step = run.step(batch_axis=0, metric_kinds=METRIC_KINDS)(loop.step)  # replay
+    state = loop.init()
+    for k in range(cfg.steps):
+        if k % cfg.checkpoint_every == 0:
+            run.save(k, state)  # replay
+        state, metrics = step(state, loop.batch_at(k))
+        if k % 5 == 4 or k == cfg.steps - 1:
+            print(f"step {k:5d}  loss {float(metrics['loss']):.5f}")
+    run.save(cfg.steps, state)  # replay
+    run.finish()  # replay
+    return out
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="the run directory to create")
+    parser.add_argument("--steps", type=int, default=Config.steps)
+    parser.add_argument("--seed", type=int, default=Config.seed)
+    parser.add_argument("--checkpoint-every", type=int, default=Config.checkpoint_every)
+    parser.add_argument("--lr-bump-at", type=int, default=-1, help="inject a bug: double the learning rate at this step")
+    parser.add_argument("--refeed-at", type=int, default=-1, help="inject a bug: feed this step the batch of 5 steps before")
+    args = parser.parse_args()
+    cfg = Config(seed=args.seed, steps=args.steps, checkpoint_every=args.checkpoint_every, lr_bump_at=args.lr_bump_at,
+                 refeed_at=args.refeed_at)
+    path = train(cfg, args.out)
+    print(f"recorded {args.steps} steps in {path}; verify them with: replay run {path} --steps 0:{args.steps - 1}")

@@ -90,6 +90,15 @@ def spec(x: Any) -> Any:
     return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
 
 
+def _without_one_device_sharding(x: Any) -> Any:
+    import jax
+
+    sharding = getattr(x, "sharding", None)
+    if sharding is not None and len(sharding.device_set) == 1:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return x
+
+
 class Program:
     """`step` wrapped so that it also returns its record: (state, metrics, record)."""
 
@@ -116,7 +125,12 @@ class Program:
         jitted = jax.jit(self._program, **jit_options)
         self.abstract = (jax.tree.map(spec, state), jax.tree.map(spec, batch))  # what replay/record/export.py exports for
         lowered = jitted.trace(*self.abstract).lower()
-        self.program_hash = program_hash(lowered)
+        # The hash is of the program as lowered for shapes and dtypes plus any layout across devices:
+        # a one-device sharding (a committed array at record time, none for the eval_shape state at
+        # replay) changes the text, not the program, and must not make a replay "measured only".
+        hashed = jax.tree.map(_without_one_device_sharding, self.abstract)
+        same = all(a.sharding is b.sharding for a, b in zip(jax.tree.leaves(hashed), jax.tree.leaves(self.abstract)))
+        self.program_hash = program_hash(lowered if same else jitted.trace(*hashed).lower())
         self._compiled = lowered.compile()
 
     def __call__(self, state: Any, batch: Any) -> tuple[Any, Any, dict]:

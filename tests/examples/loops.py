@@ -41,6 +41,9 @@ def check_replay_from_a_checkpoint(run: Path) -> None:
     report = json.loads(result.stdout)
     assert report["checkpoint"] == 10 and (report["replayed"], report["bit_exact"]) == (14, 14), report
     assert (report["warmup_replayed"], report["warmup_bit_exact"]) == (2, 2) and report["all_bit_exact"]
+    # Same machine, same program: the contract promises the bits (a program hash that changed between
+    # recording and replay, e.g. through a one-device sharding in the lowering, would withdraw that).
+    assert report["contract"]["expect_bits"], report["contract"]
     assert dir_digest(run) == before  # a replay changes nothing in the run
 
 

@@ -27,7 +27,7 @@ from tests.cli_util import invoke
 from traces import Run, TraceWriter
 
 STEPS, PER_SEGMENT = 20, 4
-TRACE_CASES, MANIFEST_CASES, CHECKPOINT_CASES = 48, 40, 8
+TRACE_CASES, MANIFEST_CASES, CHECKPOINT_CASES = 48, 40, 4  # checkpoint: material damages wanted
 VOUCHING_WORDS = re.compile(r"\b(identical|bit-exact|complete)\b", re.IGNORECASE)
 
 
@@ -246,17 +246,20 @@ def test_random_checkpoint_data_damage_is_never_vouched_for(trained, tmp_path):
     """Orbax's chunks carry no checksum: without the recorded state fingerprint a flipped bit in
     them restores silently, and the replay would call the difference a divergence. Each damage
     is judged material or not by restoring with orbax alone and comparing every leaf's bytes;
-    a material one must be refused, and most of these must be material."""
+    a material one must be refused, and CHECKPOINT_CASES material ones must be seen."""
     a, b = trained
     intact = _restored_leaves(b, 10)
     assert intact is not None
     rng = random.Random(7)
-    material = 0
-    for case in range(CHECKPOINT_CASES):
+    material = attempts = 0
+    # orbax names its data files at random, so which bytes a seeded flip hits differs between runs:
+    # damage until CHECKPOINT_CASES material ones were seen (bounded), judging every one.
+    while material < CHECKPOINT_CASES and attempts < 4 * CHECKPOINT_CASES:
+        case, attempts = attempts, attempts + 1
         damaged = _copy(b, tmp_path / f"c{case}")
-        files = _data_files(damaged / "checkpoints" / "10")
+        files = sorted(_data_files(damaged / "checkpoints" / "10"), key=lambda p: (p.stat().st_size, p.name))
         # Half the cases hit the chunk file that holds the parameters' bytes (the largest).
-        target = max(files, key=lambda p: p.stat().st_size) if case % 2 == 0 else rng.choice(files)
+        target = files[-1] if case % 2 == 0 else rng.choice(files)
         data = bytearray(target.read_bytes())
         at = rng.randrange(len(data))
         data[at] ^= 1 << rng.randrange(8)
@@ -270,4 +273,4 @@ def test_random_checkpoint_data_damage_is_never_vouched_for(trained, tmp_path):
             _refused(result, "checkpoints/10: checkpoint 10 is damaged", after_status=True)
         except AssertionError as e:
             raise AssertionError(f"case {case} (bit flip at byte {at} of {target}): {e}") from None
-    assert material >= CHECKPOINT_CASES // 2, material
+    assert material >= CHECKPOINT_CASES, (material, attempts)

@@ -173,7 +173,7 @@ def audit(run: traces.Run | str | os.PathLike, steps: tuple[int | None, int | No
     start, stop = audited_steps(run, steps)
     hashes = read_example_hashes(run, start, stop)
     # one note however many segments the damage made unreachable
-    notes = ([f"the trace is damaged, only steps up to {reader.end - 1} were audited: {_describe_damage(reader.damage)}"]
+    notes = ([f"the trace is damaged, only steps up to {reader.end - 1} were audited: {traces.describe_damage(reader.damage)}"]
              if reader.damage else [])
     copies, why = (None, None) if source is False else source_copies(run.manifest, force=bool(source))
     n, origin = dataset_size_and_origin(run.manifest)
@@ -198,17 +198,10 @@ def audited_steps(run: traces.Run, steps: tuple[int | None, int | None]) -> tupl
         raise NothingToAudit(f"{run.path}: no recorded step to audit: its trace holds no step yet")
     asked = ":".join("" if x is None else str(x) for x in steps)
     held = f"{reader.start}..{reader.end - 1}"
-    held = f"readable steps {held} (the rest is damaged: {_describe_damage(reader.damage)})" if reader.damage \
+    held = f"readable steps {held} (the rest is damaged: {traces.describe_damage(reader.damage)})" if reader.damage \
         else f"recorded steps {held}"
     raise NothingToAudit(f"{run.path}: steps {asked} are outside the {held}; give a range within "
                          f"{reader.start}:{reader.end}")
-
-
-def _describe_damage(damage: list) -> str:
-    describe = getattr(traces, "describe_damage", None)
-    if describe is not None:
-        return describe(damage)
-    return str(damage[0]) + (f" (and {len(damage) - 1} more)" if len(damage) > 1 else "")
 
 
 def audit_hashes(hashes_SxB: np.ndarray, start_step: int = 0, dataset_size: int | None = None,

@@ -20,17 +20,7 @@ from replay.bundle_format import (EXAMPLES, FORMAT_VERSION, HEADER_SIZE, REPORT,
                                   _encode_header, damage_error, open_run)
 from replay.bundle_report import render_report
 from traces import Run
-from traces.run import COMPLETE, MANIFEST, TRACE_DIR, write_json_atomic
-
-MANIFEST_CHECKSUM = "manifest_sha256"  # traces.run.write_manifest's key
-
-
-def _write_manifest(path: Path, manifest: dict) -> None:
-    """run.json with its checksum (traces.run.write_manifest), so the unpacked run's manifest verifies."""
-    import traces.run
-
-    writer = getattr(traces.run, "write_manifest", None)
-    (writer or write_json_atomic)(path, manifest)
+from traces.run import COMPLETE, MANIFEST, TRACE_DIR, write_json_atomic, write_manifest
 
 
 @dataclass
@@ -133,10 +123,10 @@ def pack(run_path: str | os.PathLike, out: str | os.PathLike, steps: tuple[int, 
         }
         # The bundle's trace starts at `trace_first`: recorded, so a bundle missing its leading
         # records reads as damaged. The checksum is the bundle's own, computed by write_manifest.
-        manifest = {**{k: v for k, v in run.manifest.items() if k != MANIFEST_CHECKSUM},
+        manifest = {**run.manifest,
                     "checkpoints": [] if lite else [checkpoint], "trace_first_step": trace_first, "bundle": info,
                     **api_manifest}
-        _write_manifest(stage / MANIFEST, manifest)
+        write_manifest(stage / MANIFEST, manifest)
         write_json_atomic(stage / COMPLETE, {"end": last + 1})
         report = render_report(manifest, run.schema, staged, out.name, finding=finding)
         (stage / REPORT).write_text(report)

@@ -121,7 +121,7 @@ def _found_damage(run, verify: bool, known: list) -> list:
     plus, with `verify`, every record's checksum (the run's full check when traces has one)."""
     if not verify:
         return list(known)
-    full = run.verify() if callable(getattr(run, "verify", None)) else run.trace.verify()
+    full = run.verify()
     seen = {(d.path, d.offset, d.reason) for d in full}
     return list(full) + [d for d in known if (d.path, d.offset, d.reason) not in seen]
 

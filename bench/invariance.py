@@ -43,7 +43,7 @@ def _worker(args: argparse.Namespace) -> None:
 
     from trainer import invariant, loop, mesh as meshlib
     from trainer.config import apply_overrides, get_preset
-    from trainer.recorder import to_record
+    from replay.record.recorder import to_record
 
     sets = [f"steps={args.steps}", f"trace.level={args.level}", "trace.layer_every=1"]
     if args.mode != "plain":

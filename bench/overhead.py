@@ -16,8 +16,14 @@ one sample of that level's sustained step time. Each round visits every level, i
 rotated from round to round, so drift and machine noise hit all levels alike. The first
 `--warmup-rounds` rounds are discarded; the overheads are ratios of medians minus one.
 
+Then the same three levels for a user's own loop recorded through the public API
+(`replay.init` + `run.step`, issue 11): by default examples/linen_lm.py, a linen LM, at a size
+whose step is a real LM step on this CPU (bench/_api_lanes.py; `--api-set KEY=VALUE` changes
+its config, `--api-example ''` skips it). Its figures are under "api", with the same budgets.
+
 Prints one JSON object on its last line: step_overhead, layer_overhead (budgets from issue 3:
-<= 0.01 and <= 0.03), the median seconds per step of each level, and how they were measured.
+<= 0.01 and <= 0.03), the median seconds per step of each level, and how they were measured;
+"api" holds the user loop's; "within_budget" is true only when both are.
 Wall time is what the budgets are about; the same ratios in process CPU time (cpu_*) and the
 load average are printed too, because on a shared machine other processes' load moves wall
 time far more than recording does.
@@ -42,7 +48,7 @@ from trainer.data import DataError
 from trainer.config import ConfigError, apply_overrides, get_preset
 from trainer.loop import build
 from trainer.mesh import MeshError
-from trainer.recorder import Recorder
+from replay.record.recorder import Recorder
 from trainer.step import LEVELS, tensor_schema
 
 BUDGETS = {"step_overhead": 0.01, "layer_overhead": 0.03}
@@ -142,15 +148,49 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup-rounds", type=int, default=1, help="rounds run first and discarded")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="config override, as for `replay train` (repeatable)")
+    parser.add_argument("--api-example", default="linen_lm",
+                        help="an example in examples/ to measure through the recording API ('' to skip)")
+    parser.add_argument("--api-set", dest="api_overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="an override of that example's Config (repeatable)")
+    parser.add_argument("--api-rounds", type=int, default=0, help="measured rounds of the example (default: --rounds)")
+    parser.add_argument("--api-steps-per-round", type=int, default=2, help="example steps per level per round")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.steps_per_round < 1 or args.warmup_rounds < 0:
         parser.error("--rounds and --steps-per-round must be >= 1, --warmup-rounds >= 0")
     try:
+        api_config = _api_config(args.api_overrides)
+        if args.api_example:
+            from bench import _api_lanes
+
+            _api_lanes.check_config(args.api_example, api_config)  # bad input fails before minutes of measuring
         result = measure(args.preset, args.rounds, args.steps_per_round, args.warmup_rounds, args.overrides)
-    except (ConfigError, DataError, MeshError) as e:  # bad input: one line, exit 2, as `replay train`
+    except (ConfigError, DataError, MeshError, ValueError) as e:  # bad input: one line, exit 2, as `replay train`
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    if args.api_example:
+        from bench import _api_lanes
+
+        with tempfile.TemporaryDirectory(prefix="replay-bench-overhead-api-") as tmp:
+            result["api"] = _api_lanes.measure(args.api_example, api_config, args.api_rounds or args.rounds,
+                                               args.api_steps_per_round, args.warmup_rounds, Path(tmp), BUDGETS)
+        result["trainer_within_budget"] = result["within_budget"]
+        result["within_budget"] = result["within_budget"] and result["api"]["within_budget"]
+        result["identical_training"] = result["identical_training"] and result["api"]["identical_training"]
     print(json.dumps(result))
+
+
+# An LM step of a real shape for this CPU (~0.3 s): the trainer's probe LM's width and sequence.
+API_CONFIG = {"batch": 16, "seq": 128, "vocab": 256, "d_model": 128, "heads": 4, "layers": 2, "steps": 10**6}
+
+
+def _api_config(overrides: list[str]) -> dict:
+    config = dict(API_CONFIG)
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--api-set {item!r}: expected KEY=VALUE")
+        config[key] = int(value) if value.lstrip("-").isdigit() else float(value)
+    return config
 
 
 if __name__ == "__main__":

@@ -120,7 +120,7 @@ def make(config: dict) -> replay.Loop:
 
 def train(cfg: Config, out: str) -> str:
     loop = make(dataclasses.asdict(cfg))
-    run = replay.init(out, config=dataclasses.asdict(cfg), entrypoint=make)  # replay
+    run = replay.init(out, config=dataclasses.asdict(cfg), entrypoint=make, store_examples=True)  # replay
     step = run.step(batch_axis=0, rng=["key"], metric_kinds={"grad_norm": "backward"})(loop.step)  # replay
     state = loop.init()
     for k in range(cfg.steps):

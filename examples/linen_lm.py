@@ -11,9 +11,11 @@ over `jax.devices()` along its batch axis with a NamedSharding (one device works
 the step is jitted with `donate_argnums=0`. The task is a copy task (the second half of each
 row repeats the first): learnable, though 30 steps only start it (loss ~4.7 to ~4.4).
 
-Batches are a pure function of (seed, step): token rows drawn from a generator seeded with
-(seed, step). A loop that streams its data instead would checkpoint its data iterator with
-the state (e.g. an orbax-checkpointed grain iterator); that is not shown here.
+The data is a grain pipeline (`grain.MapDataset` -> `IterDataset`), consumed as an iterator,
+as streaming loops do; its state is checkpointed by orbax with the train state:
+`run.save(k, state, data=it)` saves `it.get_state()` in checkpoint k's orbax step, and replay
+restores it with the checkpoint it starts from (`replay.Loop(data=...)`). Batch i of the stream
+is a pure function of (seed, i): token rows drawn from a generator seeded with (seed, i).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import functools
 from typing import Any, NamedTuple
 
 import flax.linen as nn
+import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -94,15 +97,23 @@ def sharding(*spec: str) -> NamedSharding:
 
 
 # A copy task: each row is 9 random tokens followed by its first 8 again, so the last half of
-# every row is predictable from the first. 64**9 possible rows: no two steps share a row by chance.
-def batch_at(cfg: Config, step: int) -> dict:
-    if step == cfg.refeed_at:
-        step -= 5
-    rng = np.random.default_rng([cfg.seed, 2, step])
+# every row is predictable from the first. 64**9 possible rows: no two batches share a row by chance.
+def batch_rows(cfg: Config, index: int) -> dict:
+    rng = np.random.default_rng([cfg.seed, 2, index])
     half = rng.integers(0, cfg.vocab, (cfg.batch, cfg.seq // 2 + 1))
     rows = np.concatenate([half, half[:, : cfg.seq // 2]], axis=1).astype(np.int32)
-    host = {"inputs": rows[:, :-1], "targets": rows[:, 1:]}
-    return jax.device_put(host, sharding("batch"))
+    return {"inputs": rows[:, :-1], "targets": rows[:, 1:]}
+
+
+def dataset(cfg: Config) -> grain.IterDataset:
+    """The stream of batches, sharded along the batch axis; its iterator's state is its position."""
+    def source(i: int) -> int:  # the injected data-loader bug: batch refeed_at repeats batch refeed_at - 5
+        return i - 5 if i == cfg.refeed_at else i
+
+    return (grain.MapDataset.range(1 << 40).map(source).map(functools.partial(batch_rows, cfg))
+            # Batches this small cost less than prefetch threads would; grain's default prefetches.
+            .to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+            .map(lambda batch: jax.device_put(batch, sharding("batch"))))
 
 
 def schedule(cfg: Config) -> optax.Schedule:
@@ -143,7 +154,7 @@ def make(config: dict) -> replay.Loop:
     cfg = Config(**config)
     step = jax.jit(functools.partial(train_step, cfg=cfg), donate_argnums=0)
     init = jax.jit(functools.partial(init_state, cfg))  # one compile, not one per initializer op run eagerly
-    return replay.Loop(step=step, batch_at=functools.partial(batch_at, cfg), init=init)
+    return replay.Loop(step=step, data=lambda: iter(dataset(cfg)), init=init)
 
 
 METRIC_KINDS = {"grad_norm": "backward", "lr": "update"}
@@ -151,16 +162,16 @@ METRIC_KINDS = {"grad_norm": "backward", "lr": "update"}
 
 def train(cfg: Config, out: str) -> str:
     loop = make(dataclasses.asdict(cfg))
-    run = replay.init(out, config=dataclasses.asdict(cfg), entrypoint=make)  # replay
+    run = replay.init(out, config=dataclasses.asdict(cfg), entrypoint=make, store_examples=True)  # replay
     step = run.step(batch_axis=0, metric_kinds=METRIC_KINDS)(loop.step)  # replay
-    state = loop.init()
+    state, batches = loop.init(), loop.data()
     for k in range(cfg.steps):
         if k % cfg.checkpoint_every == 0:
-            run.save(k, state)  # replay
-        state, metrics = step(state, loop.batch_at(k))
+            run.save(k, state, data=batches)  # replay
+        state, metrics = step(state, next(batches))
         if k % 5 == 4 or k == cfg.steps - 1:
             print(f"step {k:5d}  loss {float(metrics['loss']):.5f}")
-    run.save(cfg.steps, state)  # replay
+    run.save(cfg.steps, state, data=batches)  # replay
     run.finish()  # replay
     return out
 

@@ -9,7 +9,7 @@ and the CLI's commands that only read runs stay light):
     run.finish()
     replay.tap(grads, "grad")                   # inside the step: fingerprint what it computes
     @replay.entrypoint
-    def make(config) -> replay.Loop: ...        # the replay side: step, batch_at, init
+    def make(config) -> replay.Loop: ...        # the replay side: step, batch_at or data, init
 
 See README.md, "Your own training loop".
 """

@@ -9,7 +9,7 @@
         reduction order differ by backend, so the contract never promises bits there
 
 What can change a step's bits depends on the backend, so each compares its own keys
-(trainer/environment.py records them all), besides backend, device kind, device and process
+(replay/record/environment.py records them all), besides backend, device kind, device and process
 count, the package versions and the PRNG settings:
 
     cpu: cpu_model, cpu_isa, cpu_affinity, xla_cpu_pool, cpu_count, xla_flags. XLA:CPU's code

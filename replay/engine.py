@@ -17,7 +17,7 @@ from replay.bisect import finite_json
 from replay.contract import Contract
 from traces import FieldDiff, Run, diff_records
 from traces.schema import METRIC_DTYPES
-from trainer.recorder import to_record
+from replay.record.recorder import to_record
 
 
 class ReplayInputError(ValueError):

@@ -188,7 +188,7 @@ class _LoopSide:
     def own(self) -> tuple[Any, Any]:
         """(new state, StepRecord) of the run's own step program."""
         if "own" not in self._cache:
-            from trainer.recorder import to_record
+            from replay.record.recorder import to_record
 
             rep = self.r.rep
             state, metrics, hashes = rep.step(_copy(self.raw), self.step)
@@ -206,6 +206,16 @@ class _LoopSide:
         if "taps" not in self._cache:
             self._cache["taps"] = self._recompute_taps()
         return self._cache["taps"]
+
+    def step_and_inputs(self) -> tuple[Callable, tuple] | None:
+        """(the user's step function, (a copy of the state entering the step, its batch)), or None
+        when the replay runs without the user's code."""
+        rep = self.r.rep
+        program, loop = getattr(rep, "program", None), getattr(rep, "loop", None)
+        fn = getattr(program, "fn", None)
+        if fn is None or loop is None:
+            return None
+        return fn, (_copy(self.raw), rep.batch(self.step))
 
     def _recompute_taps(self) -> list[tuple[str, str, Any]] | None:
         from replay.code import call_user
@@ -227,7 +237,7 @@ class _LoopSide:
 
         # An exception while tracing it is the user's step's: name their function, not this wrapper.
         instrumented.__module__, instrumented.__qualname__ = fn.__module__, getattr(fn, "__qualname__", "step")
-        batch = call_user(loop.batch_at, self.step)
+        batch = rep.batch(self.step)
         trees, metrics = call_user(jax.jit(instrumented), _copy(self.raw), batch)
         out = [(name, kind, tree) for (name, kind), tree in zip(kinds, trees)]
         # Outputs that are neither scalar metrics nor per-example ones, as run.step records them.

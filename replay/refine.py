@@ -242,7 +242,7 @@ def _reproduces(side: _Side) -> bool | None:
     run = side.r.run
     if side.step not in run.trace:
         return None
-    from trainer.recorder import to_record
+    from replay.record.recorder import to_record
 
     _, metrics, hashes = side.after()
     try:
@@ -340,6 +340,7 @@ def refine_loop_step(ra: Replayer, rb: Replayer, step: int, states: tuple[Any, A
         return out
     kind, name = first
     out.update(cause=kind, layer=name, first_intermediate=name)
+    out["op"] = _first_op(a, b, out["notes"])
     if focus is not None and focus[1] != name.removesuffix(" (fingerprint)"):
         out["notes"].append(f"recomputed, the first field to differ at step {step} is {name}; the trace's is {focus[1]}")
     out.update(distances={k: detail.get(k) for k in ("max_abs", "max_rel", "max_ulp")},
@@ -347,6 +348,23 @@ def refine_loop_step(ra: Replayer, rb: Replayer, step: int, states: tuple[Any, A
                shape=detail["shape"], dtype_a=detail["dtype_a"], dtype_b=detail["dtype_b"], at=detail.get("at"),
                a_value=detail.get("a_value"), b_value=detail.get("b_value"))
     return out
+
+
+def _first_op(a: _LoopSide, b: _LoopSide, notes: list[str]) -> dict | None:
+    """The first op of the step whose outputs differ (replay/first_op.py), each run with its own
+    code; None (with a note) when a run replays without its code or the comparison fails."""
+    from replay.code import call_user
+    from replay.first_op import first_differing_op
+
+    sa, sb = a.step_and_inputs(), b.step_and_inputs()
+    if sa is None or sb is None:
+        notes.append("the first differing op is not named: a run replays from its exported program, without its code")
+        return None
+    try:
+        return call_user(first_differing_op, sa[0], sb[0], sa[1], sb[1])
+    except Exception as e:  # noqa: BLE001 - the finding above stands without the op
+        notes.append(f"the first differing op could not be found ({type(e).__name__}: {' '.join(str(e).split())[:160]})")
+        return None
 
 
 def _loop_reproduces(side: _LoopSide) -> bool | None:

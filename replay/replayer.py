@@ -25,7 +25,7 @@ class ReplayUnavailable(Exception):
     """A run that cannot be replayed here (missing checkpoint, data, code): bad input, exit 2.
 
     Only what the input explains becomes one: a damaged checkpoint stays the checkpoint's own
-    error (trainer.checkpoint.CheckpointDamagedError), and anything unexpected stays itself (a bug)."""
+    error (replay.record.orbax_io.CheckpointDamagedError), and anything unexpected stays itself (a bug)."""
 
 
 def _input_errors() -> tuple[type[BaseException], ...]:
@@ -40,7 +40,7 @@ def _input_errors() -> tuple[type[BaseException], ...]:
 
 
 def _checkpoint_error() -> type[BaseException]:
-    from trainer.checkpoint import CheckpointError
+    from replay.record.orbax_io import CheckpointError
 
     return CheckpointError
 
@@ -123,7 +123,7 @@ class Replayer:
 
     def checkpoints(self) -> list[int]:
         if self._ckpts is None:
-            from trainer.checkpoint import CheckpointDamagedError, CheckpointError
+            from replay.record.orbax_io import CheckpointDamagedError, CheckpointError
 
             try:
                 steps = list(self.rep.checkpoint_steps())
@@ -184,7 +184,7 @@ def _comparable(state: Any) -> Any:
 
 @jax.jit
 def _device_fingerprints(arrays: list) -> Any:
-    from trainer.fingerprint import fingerprint_lanes
+    from replay.record.fingerprint import fingerprint_lanes
 
     return [fingerprint_lanes(x) for x in arrays]
 

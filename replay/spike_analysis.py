@@ -145,7 +145,7 @@ class _Capture:
     def step(self, state: Any, step: int):
         import jax
 
-        from trainer.recorder import to_record
+        from replay.record.recorder import to_record
 
         keep = step >= self.keep_from
         fn = self.layer_step if keep and self.layer_step is not None else self.inner.step

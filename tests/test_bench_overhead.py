@@ -15,7 +15,7 @@ import numpy as np
 
 from traces.fingerprint import fingerprint
 from trainer.config import get_preset
-from trainer.fingerprint import fingerprints_and_sums_of_squares, lanes_to_int
+from replay.record.fingerprint import fingerprints_and_sums_of_squares, lanes_to_int
 from trainer.step import compile_step, init_state
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_overhead_bench_reports_every_level():
     out = subprocess.run(
         [sys.executable, "-m", "bench.overhead", "--preset", "tiny", "--rounds", "2", "--steps-per-round", "2",
-         "--warmup-rounds", "1", "--set", "model.n_layers=1"],
+         "--warmup-rounds", "1", "--set", "model.n_layers=1", "--api-set", "batch=4", "--api-set", "seq=8",
+         "--api-set", "d_model=16", "--api-set", "layers=1", "--api-rounds", "2"],
         cwd=ROOT, capture_output=True, text=True, check=True, timeout=600,
     )
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -38,12 +39,25 @@ def test_overhead_bench_reports_every_level():
     assert (result["budget_step_overhead"], result["budget_layer_overhead"]) == (0.01, 0.03)
     assert isinstance(result["within_budget"], bool)
     assert result["identical_training"] is True  # the three levels trained bit-identically
+    api = result["api"]  # the user loop through replay.init / run.step, measured in the same run
+    assert api["loop"] == "examples/linen_lm.py" and api["config"]["d_model"] == 16 and api["rounds"] == 2
+    for key in ("step_overhead", "layer_overhead", "cpu_step_overhead", "cpu_layer_overhead"):
+        assert isinstance(api[key], float), key
+    assert (api["budget_step_overhead"], api["budget_layer_overhead"]) == (0.01, 0.03)
+    assert api["identical_training"] is True  # wrapped or not, the example's step computed the same bits
+    assert result["within_budget"] == (result["trainer_within_budget"] and api["within_budget"])
 
 
 def test_overhead_bench_rejects_an_unknown_preset():
     out = subprocess.run([sys.executable, "-m", "bench.overhead", "--preset", "nope", "--rounds", "1"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "nope" in out.stderr
+
+
+def test_overhead_bench_rejects_an_unknown_example_field_before_measuring():
+    out = subprocess.run([sys.executable, "-m", "bench.overhead", "--preset", "tiny", "--api-set", "nope=1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "nope" in out.stderr and out.stderr.count("\n") == 1
 
 
 def test_fused_pass_gives_the_reference_fingerprint_and_sum_of_squares():

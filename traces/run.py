@@ -177,7 +177,7 @@ class Run:
         if path.exists() and (not path.is_dir() or any(path.iterdir())):
             raise NotARunError(f"{path}: already exists and is not empty; choose a new --out or resume it with --resume")
         path.mkdir(parents=True, exist_ok=True)
-        lock_fd = _take_lock(path)
+        lock_fd = take_lock(path)
         full = {"format_version": FORMAT_VERSION, **manifest, "schema": schema.to_json(), TRACE_FIRST_STEP: int(first_step)}
         (path / CHECKPOINT_DIR).mkdir(exist_ok=True)
         (path / TRACE_DIR).mkdir(exist_ok=True)
@@ -190,7 +190,7 @@ class Run:
         path = Path(path)
         notes: list[str] = []
         manifest = read_manifest(path, notes)
-        lock_fd = _take_lock(path)
+        lock_fd = take_lock(path)
         (path / INCOMPLETE).touch()
         (path / COMPLETE).unlink(missing_ok=True)
         return cls(path, manifest, lock_fd, notes)
@@ -301,16 +301,26 @@ class Run:
             self.close()
 
 
-def _take_lock(path: Path) -> int:
-    fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+def take_lock(path: Path, create: bool = True) -> int | None:
+    """Holds RUN/.lock (an exclusive flock) and returns its descriptor; RunLockedError when a live
+    writer holds it. A writer (create=True) creates the file and writes its pid into it for
+    `status`; create=False only holds an existing lock without writing anything (a trainer
+    checking a run it has not touched yet) and returns None when the run has no lock file."""
+    try:
+        fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644) if create else os.open(path / LOCK, os.O_RDONLY)
+    except FileNotFoundError:
+        if create:
+            raise
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
         os.close(fd)
         raise RunLockedError(f"{path}: is being written by {holder}; wait for it to finish or stop it first") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
+    if create:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
     return fd
 
 

@@ -5,6 +5,7 @@ step k. So "replay steps a..b" restores `latest_at_or_before(a)` and re-runs fro
 
     ckpt = Checkpointer(run.checkpoint_dir, keep=cfg.checkpoint.keep)      # the trainer
     ckpt.save(state)                        # returns once the checkpoint is on disk
+    ckpt.save(state, wait=False)            # returns once orbax holds the bytes; written meanwhile
     ckpt = Checkpointer(path, create=False)                                # replay: read-only
     state = ckpt.restore(k, mesh.sharded_abstract_state(cfg, mesh))        # any device count
 
@@ -13,30 +14,35 @@ shardings; it is built from `jax.eval_shape` of the state constructor (trainer/m
 which also keeps optax's NamedTuples that a target read from checkpoint metadata would lose.
 Restored bytes are identical to the saved ones on any layout (tested 8 devices <-> 1).
 
+Asynchronous saves (wait=False) never overlap: a save first waits for the one in flight, so at
+most one is being written; wait() and close() wait too, and a failure of a save in flight is
+raised there, naming its step (CheckpointDiskFullError carries it as `.step`). The caller may
+donate the state to the next step at once: what is written is the state as it was at save()
+(tested with a donating jit). On CPU orbax reads the buffers through zero-copy host views until
+the write ends, so meanwhile JAX copies instead of donating (one more state in memory; measured).
+Orbax writes a checkpoint into a temporary folder
+and renames it when complete, and prunes old checkpoints (keep) only after that: a crash while
+a save is in flight leaves every earlier checkpoint usable, and steps() lists only complete ones.
+A run's manifest should record a checkpoint's fingerprint only once steps() lists it.
+
 Read-only use (create=False) never writes, creates or deletes anything in the directory:
 no root directory, no metadata, no cleanup of temporary or old checkpoints.
 In a multi-process run every process must call save() and restore() (orbax coordinates the
 processes and writes each array shard once).
 
-Integrity: the trainer records `state_fingerprint(state)` (trainer/fingerprint.py) of every state it
+Integrity: the trainer records `state_fingerprint(state)` (replay/record/fingerprint.py) of every state it
 saves in the run manifest ("checkpoint_fingerprints"); restore(..., fingerprint=) recomputes it on
 device and raises CheckpointDamagedError on a mismatch. Orbax stores array chunks with no checksum
 (zstd without frame checksums), so a flipped bit in a chunk restores silently; only this catches it.
 Unreadable chunk files (truncated, zeroed, missing) are CheckpointDamagedError too.
 Orbax reports through absl logging, asyncio and unraisable-exception hooks from its threads;
-all of that is kept off the terminal here (see _quiet_orbax): failures become one-line errors.
+all of that is kept off the terminal (replay/record/orbax_io.py): failures become one-line errors.
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
-import errno
-import logging
-import os
-import re
-import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -44,17 +50,10 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-
-class CheckpointError(ValueError):
-    """A missing or unusable checkpoint; the message is one line for users."""
-
-
-class CheckpointDamagedError(CheckpointError):
-    """A checkpoint whose files cannot be read, or whose state differs from the one saved."""
-
-
-class CheckpointDiskFullError(CheckpointError):
-    """The disk filled up while a checkpoint was being saved; the checkpoint was not completed."""
+from replay.record.orbax_io import (  # one home for these, shared with the recording API
+    _WHAT_TO_DO, CheckpointDamagedError, CheckpointDiskFullError, CheckpointError, _is_disk_full, _quiet_orbax,
+    _read_failure, disk_of,
+)
 
 
 FINGERPRINTS_KEY = "checkpoint_fingerprints"  # run manifest: {"<step>": "<16 hex>"}
@@ -96,29 +95,66 @@ class Checkpointer:
         with _quiet_orbax():  # orbax warns that read-only is read-only
             self._manager = ocp.CheckpointManager(self.path, options=options,
                                                   item_handlers=ocp.StandardCheckpointHandler())
+        self._pending: int | None = None  # the step of an asynchronous save not yet waited for
+        self._failed = False  # a save failed: orbax's manager re-raises it from then on
 
     # ------------------------------------------------------------------------ writing
 
-    def save(self, state: Any) -> bool:
-        """Save `state` as checkpoint `state.step` and wait until it is on disk, so a step that
-        steps() lists is complete. All processes must call it. Returns False (and writes
-        nothing) if that step is already saved: the state at step k is a pure function of
-        the run, so the existing checkpoint stands."""
+    def save(self, state: Any, wait: bool = True) -> bool:
+        """Save `state` as checkpoint `state.step`. All processes must call it. Returns False (and
+        writes nothing) if that step is already saved: the state at step k is a pure function of
+        the run, so the existing checkpoint stands.
+
+        wait=True returns once the checkpoint is on disk. wait=False returns once orbax holds a
+        host copy of the state, and the write goes on in the background until the next save,
+        wait() or close(), which wait for it (and raise its failure) before anything else. The
+        wait before a save is what keeps saves from overlapping; it costs the step loop nothing
+        while saves take less time than the steps between them."""
         if self.read_only:
             raise CheckpointError(f"{self.path}: opened read-only (create=False); cannot save a checkpoint")
         k = _step_of(state)
+        self.wait()
         if k in self.steps():
             return False
         try:
             with _quiet_orbax():
                 self._manager.save(k, args=ocp.args.StandardSave(state), force=True)
+                if wait:
+                    self._manager.wait_until_finished()
+        except Exception as e:
+            self._failed = True
+            if _is_disk_full(e):
+                raise self._disk_full(k) from None
+            raise
+        self._pending = None if wait else k
+        return True
+
+    def wait(self) -> int | None:
+        """Blocks until the asynchronous save in flight is on disk; returns its step (None when
+        there was none). Its failure is raised here: CheckpointDiskFullError for a full disk."""
+        k, self._pending = self._pending, None
+        if k is None:
+            return None
+        try:
+            with _quiet_orbax():
                 self._manager.wait_until_finished()
         except Exception as e:
+            self._failed = True
             if _is_disk_full(e):
-                raise CheckpointDiskFullError(f"{disk_of(self.path)} is full: checkpoint {k} could not be "
-                                              f"saved in {self.path}") from None
+                raise self._disk_full(k) from None
             raise
-        return True
+        return k
+
+    @property
+    def pending(self) -> int | None:
+        """The step of the asynchronous save in flight (not yet waited for), or None."""
+        return self._pending
+
+    def _disk_full(self, step: int) -> CheckpointDiskFullError:
+        error = CheckpointDiskFullError(f"{disk_of(self.path)} is full: checkpoint {step} could not be "
+                                        f"saved in {self.path}")
+        error.step = step  # an asynchronous save's failure surfaces at a later save: which one failed
+        return error
 
     # ------------------------------------------------------------------------ reading
 
@@ -142,6 +178,8 @@ class Checkpointer:
         fingerprint: the state_fingerprint recorded when it was saved; the restored state's is
         computed on device and must equal it (CheckpointDamagedError otherwise). None skips
         the check (the caller says the restore is unverified). All processes must call it."""
+        if step == self._pending:
+            self.wait()
         steps = self.steps()
         if step not in steps:
             have = _list(steps) if steps else "none"
@@ -161,7 +199,7 @@ class Checkpointer:
             raise CheckpointDamagedError(f"{where}: checkpoint {step} is damaged (it holds the state after "
                                          f"step {got}); {_WHAT_TO_DO}")
         if fingerprint is not None:
-            from trainer.fingerprint import state_fingerprint
+            from replay.record.fingerprint import state_fingerprint
 
             actual = state_fingerprint(state)
             if actual != fingerprint:
@@ -198,118 +236,20 @@ class Checkpointer:
     # ------------------------------------------------------------------------ lifetime
 
     def close(self) -> None:
-        with _quiet_orbax():
-            self._manager.wait_until_finished()
-            self._manager.close()
+        """Waits for the save in flight (raising its failure) and releases orbax's threads."""
+        try:
+            self.wait()
+        finally:
+            # After a failed save orbax re-raises that failure from every wait, close included:
+            # it was reported once (where it surfaced), and is not the close's own.
+            with contextlib.suppress(Exception) if self._failed else contextlib.nullcontext(), _quiet_orbax():
+                self._manager.close()
 
     def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-_WHAT_TO_DO = "restore from another checkpoint or re-create the run"
-
-
-def _read_failure(exc: BaseException) -> str:
-    """A short reason from orbax's exception chain: TensorStore's status and the leaf it read."""
-    texts = []
-    while exc is not None:
-        texts.append(" ".join(str(exc).split()))
-        exc = exc.__cause__ or exc.__context__
-    for text in reversed(texts):  # the innermost error says what TensorStore found
-        m = re.search(r'\b([A-Z_]{5,}): (.*)', text)
-        if m:
-            status, detail = m.groups()
-            leaf = re.search(r'Error reading "([^"/]+)', detail)
-            detail = re.sub(r"\[tensorstore_spec=.*", "", detail)
-            detail = detail.rsplit('": ', 1)[-1] if leaf else re.sub(r'"[^"]*"', "", detail)
-            where = f"cannot read {leaf.group(1)}" if leaf else "cannot read it"
-            return f"{where}: {status} {detail[:120].rstrip(' ;:')}"
-    return f"cannot read it: {texts[-1][:160]}" if texts else "cannot read it"
-
-
-def _is_disk_full(exc: BaseException) -> bool:
-    while exc is not None:
-        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-            return True
-        text = str(exc)
-        if "No space left on device" in text or "os_error_code='28'" in text:  # TensorStore's ValueError
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
-def disk_of(path: str | os.PathLike) -> str:
-    """'the disk holding PATH (DEVICE mounted at MOUNT)', from /proc/self/mounts where there is one."""
-    path = os.path.realpath(path)
-    best = ("", "")
-    try:
-        with open("/proc/self/mounts") as f:
-            for line in f:
-                device, mount = line.split()[:2]
-                inside = path == mount or path.startswith(mount.rstrip("/") + "/")
-                if inside and len(mount) >= len(best[1]):
-                    best = (device, mount)
-    except OSError:
-        pass
-    where = f" ({best[0]} mounted at {best[1]})" if best[1] else ""
-    return f"the disk holding {path}{where}"
-
-
-@contextlib.contextmanager
-def _quiet_orbax():
-    """Keeps orbax's chatter off the terminal while it works: absl logs from its threads, and the
-    unraisable errors a failed read or write leaves behind (see _drop_orbax_leftovers). The
-    failure itself still propagates as an exception, which callers turn into one line."""
-    _drop_orbax_leftovers()
-    loggers = [logging.getLogger(name) for name in ("absl", "asyncio")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.CRITICAL + 1)
-    try:
-        yield
-    except BaseException:
-        import gc
-
-        # Orbax's un-awaited coroutines warn when collected, as late as interpreter exit.
-        warnings.filterwarnings("ignore", message="coroutine '.*' was never awaited", category=RuntimeWarning)
-        gc.collect()
-        raise
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
-
-
-def _from_orbax(unraisable: Any) -> bool:
-    """An unraisable error left by a failed orbax operation: its un-awaited read and write
-    coroutines, and TensorStore callbacks posting to orbax's closed event loops."""
-    if isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(unraisable.exc_value):
-        return True
-    code = getattr(unraisable.object, "cr_code", None)
-    tb = unraisable.exc_traceback
-    files = [code.co_filename] if code is not None else []
-    while tb is not None:
-        files.append(tb.tb_frame.f_code.co_filename)
-        tb = tb.tb_next
-    return any(f"{os.sep}orbax{os.sep}" in f for f in files)
-
-
-def _drop_orbax_leftovers() -> None:
-    """Orbax's leftovers surface from its threads and whenever they are collected, as late as
-    interpreter exit (hundreds of lines after a full disk): drop those, and only those."""
-    if getattr(sys.unraisablehook, "_drops_orbax", False):
-        return
-    previous = sys.unraisablehook
-
-    def hook(unraisable: Any) -> None:
-        if not _from_orbax(unraisable):
-            previous(unraisable)
-
-    hook._drops_orbax = True  # type: ignore[attr-defined]
-    sys.unraisablehook = hook
-    logging.getLogger("asyncio").addFilter(lambda record: "exception was never retrieved" not in record.getMessage())
 
 
 def _shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:

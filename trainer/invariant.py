@@ -98,11 +98,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
+from replay.record.environment import pool_threads
 from trainer.config import Config, ConfigError
 
 POOL_THREADS = 8  # the XLA:CPU intra-op pool size mesh-invariant mode pins (PJRT_NPROC)
 POOL_ENV = "PJRT_NPROC"  # read by XLA's DefaultThreadPoolSize() when the CPU client is created
-POOL_THREAD_NAME = "tf_XLAEigen"  # how the intra-op pool's threads are named (Linux comm)
 # XLA:CPU lets LLVM fuse a multiply and an add into one FMA wherever both land in one fused
 # kernel, and which ops share a kernel depends on the whole program, which changes with the
 # device count. Capping the instruction set at AVX (no FMA) makes every op round on its own.
@@ -117,25 +117,6 @@ BATCH_AXES = ("data", "fsdp")  # as trainer.mesh.BATCH_AXES (not imported: mesh 
 
 # ------------------------------------------------------------------ process settings (XLA:CPU)
 
-def pool_threads() -> int | None:
-    """Threads in this process's XLA:CPU intra-op pool, or None when it cannot be known
-    (no backend started yet, or no /proc to count threads in)."""
-    from jax._src import xla_bridge
-
-    if not xla_bridge.backends_are_initialized():
-        return None
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        return None
-    n = 0
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                n += f.read().strip() == POOL_THREAD_NAME
-        except OSError:
-            continue
-    return n or None
 
 
 def _flag_values(flags: str, name: str) -> list[str]:

@@ -14,7 +14,6 @@ compile, so a second writer is refused at once.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import time
 from dataclasses import dataclass, field
@@ -24,18 +23,21 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from replay.record.environment import environment, peak_flops, program_hash
+from replay.record.fingerprint import state_fingerprint
+from replay.record.orbax_io import CheckpointDiskFullError
+from replay.record.recorder import Recorder, gather_example_hashes
 from traces import Run, Schema, TraceWriter
-from traces.errors import DiskFullError, RunLockedError, disk_full_message
-from traces.run import LOCK
+from traces.errors import DiskFullError, disk_full_message
+from traces.run import LOCK, take_lock
 from trainer import data, invariant, mesh as meshlib, model, rng
-from trainer.checkpoint import FINGERPRINTS_KEY, CheckpointDiskFullError, Checkpointer, recorded_fingerprint
+from trainer.checkpoint import FINGERPRINTS_KEY, Checkpointer, recorded_fingerprint
 from trainer.config import Config, ConfigError, MeshConfig, config_diff, from_dict, to_dict
-from trainer.environment import environment, peak_flops, program_hash
-from trainer.recorder import Recorder, gather_example_hashes, make_schema
 from trainer.faults import FaultPlan
-from trainer.fingerprint import state_fingerprint
 from trainer.optim import make_optimizer
-from trainer.step import compile_step, tensor_schema
+from trainer.step import METRICS, compile_step, tensor_schema
+
+RNG_WORDS = 2  # a threefry2x32 key
 
 
 @dataclass
@@ -113,6 +115,12 @@ class Built:
         return jax.jit(make_optimizer(self.cfg.optimizer).init, out_shardings=shardings)(params)
 
 
+def make_schema(global_batch: int, level: str, tensors: tuple[tuple[str, str], ...] = ()) -> Schema:
+    """The trace schema of a trainer run: step-level fields always, tensors at the layer level."""
+    return Schema(examples_per_step=global_batch, rng_words=RNG_WORDS, metrics=METRICS,
+                  tensors=tensors if level == "layer" else (), example_metrics=("loss",))
+
+
 def build(cfg: Config, source: data.TokenSource | None = None, mesh_cfg: MeshConfig | None = None,
           on_compile: Callable[[], None] | None = None, faults: FaultPlan | None = None) -> Built:
     """Validates the config against the data and devices, then lowers and compiles the step."""
@@ -188,9 +196,10 @@ def prepare(cfg: Config, out: str | Path, *, resume: bool = False, preset: str |
     out = Path(out)
     if not resume and out.exists() and (not out.is_dir() or any(out.iterdir())):
         if (out / LOCK).exists():
-            _release(_lock(out))  # a live writer: say so rather than "already exists"
+            _release(take_lock(out, create=False))  # a live writer: say so rather than "already exists"
         raise ConfigError(f"{out} already exists; choose a new --out, or continue it with --resume {out}")
-    lock_fd = _lock(out) if resume and jax.process_index() == 0 else None
+    # From before the compile, writing nothing: bad input must leave the run as it was.
+    lock_fd = take_lock(out, create=False) if resume and jax.process_index() == 0 else None
     resumed = None
     try:
         # A damaged checkpoint is refused before the compile, and before the run is touched.
@@ -218,22 +227,6 @@ def prepare(cfg: Config, out: str | Path, *, resume: bool = False, preset: str |
         manifest["invariant"] = {"n_microbatches": cfg.mesh.n_microbatches, "pool_threads": invariant.pool_threads(),
                                  "settings_problem": invariant.settings_problem()}
     return Prepared(out, resume, built, manifest, lock_fd, resumed)
-
-
-def _lock(path: Path) -> int | None:
-    """Holds RUN/.lock (the flock Run.resume takes) without writing anything: RunLockedError when
-    a live writer holds it. None for a run without a lock file (Run.resume will create it)."""
-    try:
-        fd = os.open(path / LOCK, os.O_RDONLY)
-    except FileNotFoundError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
-        os.close(fd)
-        raise RunLockedError(f"{path}: is being written by {holder}; wait for it to finish or stop it first") from None
-    return fd
 
 
 def _release(fd: int | None) -> None:

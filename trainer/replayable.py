@@ -54,6 +54,11 @@ def load(run: Run, *, allow_code: bool | None = None, **options: Any) -> Replaya
 
     if allow_code is None:  # not passed down: the command's --allow-code (replay.code.allowing)
         allow_code = code_allowed()
+    if run.manifest.get("recorded_by") == "replay.torch" and "replayable" not in run.manifest:
+        from replay.replayer import ReplayUnavailable
+
+        raise ReplayUnavailable(f"{run.path}: recorded by a PyTorch loop (replay.torch), which has no JAX program to "
+                                "replay; compare its trace without replaying (replay bisect --no-refine)")
     target = run.manifest.get("replayable", TRAINER_FACTORY)
     factory = import_entrypoint(run, target, allow_code=allow_code, search_path=run.manifest.get("replayable_path"))
     if factory is from_run:
@@ -154,7 +159,7 @@ class TrainerReplay:
         self.restore_notes: list[str] = []  # one line per unverified checkpoint, for the report
 
     def environment(self) -> dict:
-        from trainer.environment import environment
+        from replay.record.environment import environment
 
         return environment()
 

@@ -24,7 +24,7 @@ import optax
 
 from trainer import model, rng
 from trainer.config import Config
-from trainer.fingerprint import fingerprint_lanes, fingerprints_and_sums_of_squares
+from replay.record.fingerprint import fingerprint_lanes, fingerprints_and_sums_of_squares
 from trainer.optim import applied_lr, make_optimizer
 
 LEVELS = ("off", "step", "layer")

@@ -117,6 +117,10 @@ def render(report) -> None:
     if r.get("first_intermediate"):
         rows.append(("first intermediate that differs" if r.get("cause") == "forward" else "first tensor that differs",
                      r["first_intermediate"]))
+    op = r.get("op") or {}
+    if op.get("op"):
+        rows.append(("first op that differs", f"{op['op']} at {op.get('where')}"))
+        rows.append(("why", str(op.get("reason"))))
     first = c.first
     if report.cause == "data":
         positions = first.positions if first is not None and first.kind == "data" else r.get("positions") or []

@@ -38,9 +38,10 @@ EXIT_CODES = MappingProxyType({
     "replay.bundle_format.NotABundleError": EXIT_BAD_INPUT,
     "replay.bundle_format.BundleCorruptError": EXIT_BAD_INPUT,
     "replay.bundle_format.NewerBundleError": EXIT_BAD_INPUT,
-    # the trainer's inputs: config, data, mesh, checkpoints, planted faults
-    "trainer.checkpoint.CheckpointError": EXIT_BAD_INPUT,
-    "trainer.checkpoint.CheckpointDamagedError": EXIT_BAD_INPUT,
+    # a missing, unusable or damaged checkpoint (any loop's)
+    "replay.record.orbax_io.CheckpointError": EXIT_BAD_INPUT,
+    "replay.record.orbax_io.CheckpointDamagedError": EXIT_BAD_INPUT,
+    # the trainer's inputs: config, data, mesh, planted faults
     "trainer.config.ConfigError": EXIT_BAD_INPUT,
     "trainer.data.DataError": EXIT_BAD_INPUT,
     "trainer.mesh.MeshError": EXIT_BAD_INPUT,
@@ -56,7 +57,7 @@ EXIT_CODES = MappingProxyType({
     "replay.record.exported.ExportedProgramError": EXIT_BAD_INPUT,
     "replay.record.examples_store.ExampleStoreError": EXIT_BAD_INPUT,
     "replay.record.export.ExportError": EXIT_BAD_INPUT,  # a step jax.export cannot serialize (caught in export.py)
-    "trainer.recorder.RecordSchemaError": EXIT_BAD_INPUT,
+    "replay.record.recorder.RecordSchemaError": EXIT_BAD_INPUT,
     # the CLI's own one-line errors (console.fail); the instance's exit_code wins
     "replay.cli.errors.UserError": EXIT_BAD_INPUT,
     # a path the user gave that cannot be read or written as asked

@@ -13,6 +13,13 @@ The state is a flat list of leaves in the recorded order (replay/record/export.p
 carried as `FlatState`, a pytree whose leaf paths are the recorded ones, so the full-state
 fingerprint recorded at every save checks the restored state exactly as it checks the user's.
 The batch of step k is rebuilt from the trace's per-example hashes (replay/record/examples_store.py).
+Typed PRNG keys travel as their raw words (export.py): a key orbax restores as a typed key has
+its impl checked against the recorded one and its words fed. A program exported for N devices
+runs on N: the mesh recorded in the manifest entry (axis names, shape, axis types, device ids)
+is rebuilt over this process's devices, every input (restored state, rebuilt batch) is put on
+its recorded sharding there, and another device count is refused before anything compiles, in
+one line naming both counts (exit 2). Cost per replayed step: reading its trace record and its
+examples' frames, one call of the program; independent of the run's length.
 The program hash reported is the recorded one: the exported bytes are those recorded with it
 (their sha256 is in the checksummed manifest), and the replay compares bits, not claims.
 """
@@ -111,10 +118,7 @@ class ExportedReplay:
         if hashlib.sha256(data_bytes).hexdigest() != self.entry["sha256"]:
             raise ExportedProgramError(f"{shown_file}: the exported program is damaged (its sha256 differs from the "
                                        "one recorded in run.json); restore it from a copy, or replay with your code")
-        devices = int(self.entry.get("devices", 1))
-        if devices != 1:
-            raise ExportedProgramError(f"{shown_file}: the step was exported for {devices} devices; a replay from the "
-                                       "exported program runs on one device today: replay with your code")
+        self.mesh = device_mesh(self.entry, shown_file)  # before any compile: a wrong device count is one line
         if on_compile is not None:
             on_compile()
         try:
@@ -123,6 +127,18 @@ class ExportedReplay:
             raise ExportedProgramError(f"{shown_file}: jax {jax.__version__} cannot read the exported program "
                                        f"(written by jax {self.entry.get('jax')}): {type(e).__name__}") from None
         self._call = jax.jit(self.exported.call)
+        # Where each flat input goes: its recorded sharding on the rebuilt mesh (an input left to
+        # the compiler: replicated on it), or the first device for a one-device program.
+        if self.mesh is None:
+            self.in_shardings = [jax.sharding.SingleDeviceSharding(jax.devices()[0])] * len(self.exported.in_avals)
+        else:
+            replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+            try:
+                self.in_shardings = [s or replicated for s in self.exported.in_shardings_jax(self.mesh)]
+            except ValueError as e:  # a mesh that does not match the exported one: the manifest and program disagree
+                raise ExportedProgramError(f"{shown_file}: the exported program's shardings do not fit the mesh its "
+                                           f"manifest entry records ({' '.join(str(e).split())[:200]}); replay with "
+                                           "your code") from None
         self.paths = tuple(s["path"] for s in self.entry["state"])
         self.record_keys = list(self.entry["record"])
         self.examples = examples_store.ExampleReader(Path(run.path), manifest[examples_store.KEY],
@@ -135,7 +151,7 @@ class ExportedReplay:
         self.restore_notes: list[str] = [EXPORTED_NOTE.format(file=self.entry["file"])]
 
     def environment(self) -> dict:
-        from trainer.environment import environment
+        from replay.record.environment import environment
 
         return environment()
 
@@ -149,22 +165,22 @@ class ExportedReplay:
         """Checkpoint `step` restored onto its own metadata tree, put in recorded order, verified."""
         import jax
 
-        from trainer.checkpoint import _WHAT_TO_DO, CheckpointDamagedError, _quiet_orbax
-        from trainer.fingerprint import state_fingerprint
+        from replay.record.fingerprint import state_fingerprint
+        from replay.record.orbax_io import _WHAT_TO_DO, CheckpointDamagedError
 
         where = ckpts.directory_of(self._manager) / str(step)
-        if step in ckpts.steps(self._manager):
-            with _quiet_orbax():
-                meta = self._manager.item_metadata(step)
-            meta = getattr(meta, "tree", meta)
-        else:
-            meta = None  # ckpts.restore names the missing step
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        target = None if meta is None else jax.tree.map(
-            lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=device), meta)
+        # None for a missing or unreadable step: ckpts.restore names what is wrong
+        meta = ckpts.state_metadata(self._manager, step) if step in ckpts.steps(self._manager) else None
+        specs = {s["path"]: s for s in self.entry["state"]}
+        where_to = dict(zip(self.paths, self.in_shardings))
+        target = None if meta is None else jax.tree_util.tree_map_with_path(
+            lambda p, m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=where_to.get(exportlib._path(p),
+                                                                                           self.in_shardings[0])), meta)
         state = ckpts.restore(self._manager, step, target, None)
         by_path = {exportlib._path(p): x for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
-        specs = {s["path"]: s for s in self.entry["state"]}
+        for p, x in list(by_path.items()):
+            if exportlib._is_key(x):  # orbax gives a typed key back for one it stored (export.py's docstring)
+                by_path[p] = key_words(x, specs.get(p), f"{where}: checkpoint {step} leaf {p}")
         if set(by_path) != set(specs):
             extra = sorted(set(by_path) ^ set(specs))[:3]
             raise CheckpointDamagedError(f"{where}: checkpoint {step} holds other state leaves than the exported "
@@ -174,7 +190,8 @@ class ExportedReplay:
             if list(x.shape) != s["shape"] or np.dtype(x.dtype).name != s["dtype"]:
                 raise CheckpointDamagedError(f"{where}: checkpoint {step} leaf {p} is {np.dtype(x.dtype).name}"
                                              f"{list(x.shape)}, the exported program takes {s['dtype']}{s['shape']}")
-        flat = flat_state(self.paths, [by_path[p] for p in self.paths])
+        flat = flat_state(self.paths, [jax.device_put(by_path[p], sh) for p, sh in zip(self.paths, self.in_shardings)])
+        # (device_put: a key's words, or a leaf orbax placed otherwise, go where the program takes them)
         expected = (self.run.manifest.get(ckpts.FINGERPRINTS_KEY) or {}).get(str(step))
         if expected is None:
             self.restore_notes.append(f"checkpoint {step} has no recorded fingerprint, so it was restored unverified")
@@ -185,14 +202,50 @@ class ExportedReplay:
         return flat
 
     def step(self, state: Any, step: int) -> tuple[Any, dict, np.ndarray]:
+        import jax
+
         hashes = np.asarray(self.run.trace.read(step).example_hashes, np.uint64)
         batch = self.examples.batch(step, hashes)
-        out = self._call(*state.leaves, *batch)
         n = len(self.paths)
+        out = self._call(*state.leaves, *(jax.device_put(x, sh) for x, sh in zip(batch, self.in_shardings[n:])))
         if len(out) != n + len(self.record_keys):
             raise ExportedProgramError(f"{self.shown}: the exported program returns {len(out)} values, its signature "
                                        f"says {n + len(self.record_keys)}")
         return flat_state(self.paths, list(out[:n])), dict(zip(self.record_keys, out[n:])), hashes
+
+
+def device_mesh(entry: dict, shown_file: str) -> Any:
+    """The mesh the exported program runs on (None: one device), rebuilt from the manifest entry.
+    A program partitioned for N devices runs on N, so another device count is refused here."""
+    import jax
+
+    devices, have = int(entry.get("devices", 1)), jax.device_count()
+    if devices == 1:
+        return None
+    if devices != have:
+        raise ExportedProgramError(
+            f"{shown_file}: the step was exported for {devices} devices and this process has {have}; replay it on "
+            f"{devices} devices (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={devices}), or replay with "
+            "your code (--allow-code), whose results on another device count are measured, not promised bit-exact")
+    mesh = entry.get("mesh") or {"axes": ["devices"], "shape": [devices], "axis_types": ["Auto"], "device_ids": []}
+    by_id = {d.id: d for d in jax.devices()}
+    ids = mesh.get("device_ids") or []
+    chosen = [by_id[i] for i in ids] if len(ids) == devices and all(i in by_id for i in ids) else jax.devices()
+    types = tuple(getattr(jax.sharding.AxisType, t) for t in mesh.get("axis_types") or ["Auto"] * len(mesh["axes"]))
+    grid = np.array(chosen, dtype=object).reshape(mesh["shape"])
+    return jax.sharding.Mesh(grid, tuple(mesh["axes"]), axis_types=types)
+
+
+def key_words(x: Any, spec: dict | None, where: str) -> Any:
+    """The raw uint32 words of a restored typed key, after checking its impl is the recorded one."""
+    import jax
+
+    impl = str(jax.random.key_impl(x))
+    if spec is None or spec.get("key") != impl:
+        want = "not a key" if spec is None or "key" not in spec else f"a {spec['key']} key"
+        raise ExportedProgramError(f"{where} is a {impl} PRNG key; the exported program takes {want} there: the "
+                                   "checkpoint is not the one this program was recorded with")
+    return jax.random.key_data(x)
 
 
 def choose(run, with_code, **options: Any) -> Any:

@@ -9,6 +9,7 @@ same rows give the same hashes whichever loop fed them.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -17,15 +18,21 @@ import xxhash
 from replay.record.errors import RecordError
 
 
+_names: dict = {}  # batch treedef -> leaf names
+
+
 def _leaves(batch: Any, batch_axis: int) -> list[tuple[str, np.ndarray]]:
     import jax
 
-    flat = jax.tree_util.tree_flatten_with_path(batch)[0]
-    if not flat:
+    leaves, treedef = jax.tree_util.tree_flatten(batch)
+    if not leaves:
         raise RecordError("the batch has no arrays; pass the step's batch (a pytree of arrays with a batch axis)")
+    names = _names.get(treedef)
+    if names is None:  # once per batch structure: paths are slow to build, and every step has the same
+        names = _names[treedef] = [jax.tree_util.keystr(path, simple=True, separator=".") or "batch"
+                                   for path, _ in jax.tree_util.tree_flatten_with_path(batch)[0]]
     out = []
-    for path, leaf in flat:
-        name = jax.tree_util.keystr(path, simple=True, separator=".") or "batch"
+    for name, leaf in zip(names, leaves):
         if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
             raise RecordError(f"batch leaf {name} is a {type(leaf).__name__}, not an array with batch axis "
                               f"{batch_axis}; make it an array, or keep it out of the batch")
@@ -33,7 +40,7 @@ def _leaves(batch: Any, batch_axis: int) -> list[tuple[str, np.ndarray]]:
         if a.ndim <= batch_axis:
             raise RecordError(f"batch leaf {name} has shape {list(a.shape)}, without batch axis {batch_axis}; "
                               "every batch leaf needs it (set run.step(batch_axis=...))")
-        out.append((name, np.moveaxis(a, batch_axis, 0)))
+        out.append((name, np.moveaxis(a, batch_axis, 0) if batch_axis else a))
     sizes = {n: a.shape[0] for n, a in out}
     if len(set(sizes.values())) != 1:
         raise RecordError(f"the batch leaves disagree on the batch size along axis {batch_axis}: "
@@ -56,10 +63,28 @@ def leaf_hashes(leaves: list[tuple[str, np.ndarray]]) -> np.ndarray:
     one definition, shared by recording and by the example store's check of rebuilt batches."""
     if len(leaves) == 1 and leaves[0][0] == "batch":  # one array: trainer.data.example_hashes, bit for bit
         rows = leaves[0][1]
-        seed = xxhash.xxh3_64_intdigest(f"{rows.dtype.name}{rows.shape[1:]}".encode())
-        return np.array([xxhash.xxh3_64_intdigest(row, seed=seed) for row in rows], np.uint64)
-    seed = xxhash.xxh3_64_intdigest(";".join(f"{n}={a.dtype.name}{a.shape[1:]}" for n, a in leaves).encode())
+        seed = _seed(f"{rows.dtype.name}{rows.shape[1:]}")
+        return _row_hashes(rows.reshape(rows.shape[0], -1).view(np.uint8), seed)
+    seed = _seed(";".join(f"{n}={a.dtype.name}{a.shape[1:]}" for n, a in leaves))
     # One contiguous row of bytes per example (the leaves' rows side by side): the hash of the
     # concatenation, one xxh3 call per example rather than one per leaf and example.
     rows = np.concatenate([a.reshape(a.shape[0], -1).view(np.uint8).reshape(a.shape[0], -1) for _, a in leaves], axis=1)
-    return np.array([xxhash.xxh3_64_intdigest(row, seed=seed) for row in rows], np.uint64)
+    return _row_hashes(rows, seed)
+
+
+@functools.lru_cache(maxsize=256)
+def _seed(layout: str) -> int:
+    return xxhash.xxh3_64_intdigest(layout.encode())
+
+
+def _row_hashes(rows: np.ndarray, seed: int) -> np.ndarray:
+    """xxh3_64 of each row of a C-contiguous uint8 [B, W] array. Slices of one memoryview are
+    ~3x cheaper to hash than numpy row views (measured: 0.21 vs 0.61 us a row at 1,024 x 260 B),
+    and this runs on the host every step."""
+    b = rows.shape[0]
+    w = rows.shape[1] if rows.ndim == 2 else 0
+    if b == 0:
+        return np.zeros((0,), np.uint64)
+    mv = memoryview(np.ascontiguousarray(rows)).cast("B")
+    h = xxhash.xxh3_64_intdigest
+    return np.array([h(mv[i:i + w], seed) for i in range(0, w * b, w)] if w else [h(b"", seed)] * b, np.uint64)

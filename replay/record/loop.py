@@ -3,8 +3,10 @@
 The manifest names the factory ("module:function"); `replay run` imports it under the code
 policy of replay/code.py, calls it with the recorded config, wraps `Loop.step` exactly as
 `run.step` wrapped it while training, restores checkpoints onto the Loop's state and feeds
-`batch_at(k)`. Using the same factory to build the training loop (as examples/optax_loop.py
-does) keeps training and replay on one definition.
+`batch_at(k)`, or, for a loop whose data is an iterator checkpointed with the state, the
+iterator from `data()` restored to the state saved with the checkpoint it starts from
+(replay/record/data_iterator.py). Using the same factory to build the training loop (as
+examples/optax_loop.py does) keeps training and replay on one definition.
 """
 
 from __future__ import annotations
@@ -22,21 +24,33 @@ class Loop:
     """What replay needs to re-run a recorded loop.
 
     step: the (jitted) train step, (state, batch) -> (state, metrics), as `run.step` wrapped it.
-    batch_at: step -> the batch of that step (a pure function of the config and the step).
+    The batches, one of:
+      batch_at: step -> the batch of that step (a pure function of the config and the step);
+      data: () -> a fresh data iterator with grain's get_state()/set_state(state), whose state
+        the run saved with every checkpoint (`run.save(k, state, data=it)`). Replay restores
+        the state saved with the checkpoint it starts from and takes next(it) for each step.
     init: () -> the initial state; or abstract_state: its shapes and dtypes (a tree of
       jax.ShapeDtypeStruct). Checkpoints are restored onto it, so give one of the two.
     """
 
     step: Callable[[Any, Any], tuple[Any, Any]]
-    batch_at: Callable[[int], Any]
+    batch_at: Callable[[int], Any] | None = None
     init: Callable[[], Any] | None = None
     abstract_state: Any = None
+    data: Callable[[], Any] | None = None
 
     def __post_init__(self):
         if not callable(self.step):
-            raise RecordError("replay.Loop(step=...): the train step must be a function (state, batch) -> (state, metrics)")
-        if not callable(self.batch_at):
+            raise RecordError("replay.Loop(step=...): the train step must be a function "
+                              "(state, batch) -> (state, metrics)")
+        if (self.batch_at is None) == (self.data is None):
+            raise RecordError("replay.Loop: give exactly one of batch_at= (a function step -> batch) and data= (a "
+                              "function returning a fresh data iterator whose state run.save(..., data=) checkpoints)")
+        if self.batch_at is not None and not callable(self.batch_at):
             raise RecordError("replay.Loop(batch_at=...): must be a function step -> batch")
+        if self.data is not None and not callable(self.data):
+            raise RecordError(f"replay.Loop(data=...): must be a function () -> a fresh data iterator, not the "
+                              f"{type(self.data).__name__} itself (e.g. data=lambda: iter(dataset))")
         if self.init is None and self.abstract_state is None:
             raise RecordError("replay.Loop: give init= (a function returning the initial state) or abstract_state= "
                               "(its jax.ShapeDtypeStructs): checkpoints are restored onto it")

@@ -55,7 +55,7 @@ def git_commit(where: Path) -> dict | None:
 
 
 def build(config: Any, entrypoint: str | Callable, dataset_size: int | None, checkpoint_dir: str) -> dict:
-    from trainer.environment import environment
+    from replay.record.environment import environment
 
     try:
         config = json.loads(json.dumps(config))

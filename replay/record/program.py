@@ -2,10 +2,19 @@
 
 The user's function is traced inside the wrapper's own `jax.jit` (a `jax.jit` step is unwrapped
 to its Python function, keeping its donation and shardings), so the record costs no extra
-dispatch and reads only values the step has on device anyway: fingerprints of the state
-entering the step (computed in the same program, so a donated state is read before it is
-reused), of every tapped tree, of non-scalar outputs and of the new state, plus the RNG words
-and the metrics as float32. Only the record (8 bytes per tensor, the metrics) reaches the host.
+dispatch and reads only values the step has on device anyway: fingerprints of every tapped
+tree, of non-scalar outputs and of the new state, plus the RNG words and the metrics as
+float32, packed into one vector (replay/record/packed.py), so only one small buffer a step
+reaches the host.
+
+The state entering step k+1 is the state step k returned in a plain loop, so at the layer level
+the program takes the entering state's fingerprint rows as an input and returns the new state's:
+when the loop feeds back exactly the arrays it got (checked by identity, leaf by leaf), the rows
+come from the previous step and the state is fingerprinted once a step, not twice; otherwise (the
+first step, a restore, a loop that edits its state between steps) a small separate program
+fingerprints the state before the step may donate it. Either way the record holds the
+fingerprints of the state actually fed. The exported program (replay/record/export.py) is the
+one-step form, which fingerprints the entering state itself.
 
 The schema is derived while tracing: scalar outputs are metrics, float `[B]` outputs
 per-example metrics, other outputs forward tensors. The same wrapping of the run's
@@ -90,6 +99,25 @@ def spec(x: Any) -> Any:
     return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
 
 
+def _replicated(abstract: tuple) -> Any:
+    """A sharding replicated over the program's devices, for the small rows chained from step to
+    step; None when the inputs' layout does not say one (the program then measures the entering
+    state itself, every step)."""
+    import jax
+
+    shardings = [getattr(x, "sharding", None) for x in jax.tree.leaves(abstract)]
+    named = [s for s in shardings if isinstance(s, jax.sharding.NamedSharding)]
+    if named:
+        return jax.sharding.NamedSharding(named[0].mesh, jax.sharding.PartitionSpec())
+    placed = [s for s in shardings if s is not None]  # None: a host array, placed on the default device
+    if not placed:
+        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    if all(isinstance(s, jax.sharding.SingleDeviceSharding) for s in placed) \
+            and len({next(iter(s.device_set)) for s in placed}) == 1:
+        return placed[0]
+    return None
+
+
 def _without_one_device_sharding(x: Any) -> Any:
     import jax
 
@@ -109,6 +137,9 @@ class Program:
         self.program_hash: str | None = None
         self.batch: int | None = None
         self._compiled = None
+        self._rep = None  # the sharding of the chained rows
+        self._entering = None  # jitted: the rows of a state entering a step, when they are not chained
+        self._last_new = self._last_update = None  # the new state's leaves and rows of the last call
 
     # ---------------------------------------------------------------------------- building
 
@@ -117,34 +148,87 @@ class Program:
         import jax
 
         from replay.record.hashing import batch_size
-        from trainer.environment import program_hash
+        from replay.record.environment import program_hash
 
         check_state(state)
         self.batch = batch_size(batch, self.options.batch_axis)
-        jit_options = {k: v for k, v in self.jit_options.items() if k != "out_shardings"}
-        jitted = jax.jit(self._program, **jit_options)
         self.abstract = (jax.tree.map(spec, state), jax.tree.map(spec, batch))  # what replay/record/export.py exports for
-        lowered = jitted.trace(*self.abstract).lower()
+        n_state = len(jax.tree.leaves(state))
+        rep = self._rep = _replicated(self.abstract) if self.options.level == "layer" and n_state else None
+        lowered = None
+        if rep is not None:
+            entering = jax.ShapeDtypeStruct((n_state, 3), np.uint32, sharding=rep)
+            lowered, jitted, args = self._lower(self._chained_program, (*self.abstract, entering), rep)
+            out_state = jax.tree.structure(lowered.out_info[0])
+            if out_state != jax.tree.structure(self.abstract[0]):
+                lowered = None  # the step returns another state structure: no update rows to chain from
+            else:
+                self._entering = jax.jit(_entering_rows, out_shardings=rep)
+        if lowered is None:
+            self._entering = None
+            lowered, jitted, args = self._lower(self._program, self.abstract, None)
         # The hash is of the program as lowered for shapes and dtypes plus any layout across devices:
         # a one-device sharding (a committed array at record time, none for the eval_shape state at
         # replay) changes the text, not the program, and must not make a replay "measured only".
-        hashed = jax.tree.map(_without_one_device_sharding, self.abstract)
-        same = all(a.sharding is b.sharding for a, b in zip(jax.tree.leaves(hashed), jax.tree.leaves(self.abstract)))
+        hashed = jax.tree.map(_without_one_device_sharding, args)
+        same = all(a.sharding is b.sharding for a, b in zip(jax.tree.leaves(hashed), jax.tree.leaves(args)))
         self.program_hash = program_hash(lowered if same else jitted.trace(*hashed).lower())
         self._compiled = lowered.compile()
+        self._last_new = self._last_update = None
 
-    def __call__(self, state: Any, batch: Any) -> tuple[Any, Any, dict]:
+    def _lower(self, fn: Callable, args: tuple, rep: Any) -> tuple[Any, Any, tuple]:
+        import jax
+
+        jit_options = {k: v for k, v in self.jit_options.items() if k != "out_shardings"}
+        if rep is not None and "in_shardings" in jit_options:
+            jit_options["in_shardings"] = (*jit_options["in_shardings"], rep)
+        jitted = jax.jit(fn, **jit_options)
+        return jitted.trace(*args).lower(), jitted, args
+
+    def __call__(self, state: Any, batch: Any) -> tuple[Any, Any, Any]:
+        """(new state, the step's metrics, its record: a PackedRecord on device)."""
+        import jax
+
         try:
-            return self._compiled(state, batch)
+            if self._entering is None:
+                return self._compiled(state, batch)
+            leaves = jax.tree_util.tree_leaves(state)
+            last = self._last_new
+            if last is None or len(last) != len(leaves) or any(a is not b for a, b in zip(leaves, last)):
+                # Not the state this program returned last (the first step, a restore, or a loop that
+                # changed the state between steps): fingerprint it now, before the step may donate it.
+                entering = self._entering(state)
+            else:
+                entering = self._last_update
+            new_state, metrics, record, update = self._compiled(state, batch, entering)
         except (TypeError, ValueError) as e:
             if "compiled" not in str(e) and "types" not in str(e):
                 raise
             raise RecordError(f"the step's inputs differ from the first step's in shape, dtype or layout ({_brief(e)}); "
                               "a recorded step keeps the same input shapes every step") from None
+        # Held, not copied: the leaves the caller holds anyway, so the next call can tell whether it
+        # is fed exactly this state (then the state entering it is this step's update, fingerprinted).
+        self._last_new, self._last_update = jax.tree_util.tree_leaves(new_state), update
+        return new_state, metrics, record
 
-    def _program(self, state: Any, batch: Any) -> tuple[Any, Any, dict]:
+    def _program(self, state: Any, batch: Any) -> tuple[Any, Any, Any]:
+        """The step and its whole record, the state entering it fingerprinted in the same program
+        (what replay/record/export.py exports: a replay of one step at a time)."""
+        new_state, metrics, record, _ = self._step_and_record(state, batch, None)
+        return new_state, metrics, record
+
+    def _chained_program(self, state: Any, batch: Any, entering: Any) -> tuple[Any, Any, Any, Any]:
+        """The recorded program at the layer level: the state entering the step comes fingerprinted
+        (`entering`, uint32[S, 3]: lanes and RMS bits per state leaf), from the previous step's
+        update when the loop feeds the state it got back, which is every step of a plain loop, so
+        the whole state is fingerprinted once per step, not twice. Also returns the new state's
+        rows for the next step."""
+        return self._step_and_record(state, batch, entering)
+
+    def _step_and_record(self, state: Any, batch: Any, entering: Any) -> tuple[Any, Any, Any, Any]:
         import jax
 
+        from replay.record.packed import pack
         from replay.record.taps import collecting
 
         # The step gets its own containers: an in-place step (nnx.merge without copy shares the
@@ -162,16 +246,19 @@ class Program:
             new_state = jax.lax.with_sharding_constraint(new_state, sh[0])
             metrics = jax.lax.with_sharding_constraint(metrics, sh[1])
         try:
-            record, self.schema = self._record(state, new_state, metrics, taps)
+            record, self.schema, update = self._record(state, new_state, metrics, taps, entering)
+            if entering is not None and update is not None:
+                update = jax.lax.with_sharding_constraint(update, self._rep)
         except jax.errors.UnexpectedTracerError:
             raise RecordError("a replay.tap inside a function JAX transforms on its own (the loss function of "
                               "jax.grad, scan, vmap, an inner jit) cannot be recorded; return that value from it "
                               "(has_aux=True) and tap it at the step's top level") from None
-        return new_state, metrics, record
+        return new_state, metrics, pack(record), update
 
     # ---------------------------------------------------------------------------- the record
 
-    def _record(self, state: Any, new_state: Any, metrics: Any, taps: list) -> tuple[dict, Schema]:
+    def _record(self, state: Any, new_state: Any, metrics: Any, taps: list,
+                entering: Any) -> tuple[dict, Schema, Any]:
         import jax
         import jax.numpy as jnp
 
@@ -221,15 +308,20 @@ class Program:
             dup = next((n for n in tnames if tnames.count(n) > 1), None)
             if dup:
                 raise RecordError(f"two recorded tensors are both named {dup!r}; rename the tap")
-            from trainer.fingerprint import fingerprints_and_sums_of_squares
-
-            lanes, ss = fingerprints_and_sums_of_squares([jnp.asarray(x) for _, _, x in tensors])
-            sizes = jnp.asarray([max(1, int(np.prod(np.shape(x)))) for _, _, x in tensors], jnp.float32)
-            record["fingerprints"], record["rms"] = lanes, jnp.sqrt(ss / sizes)
+            n_state = sum(1 for _, k, _ in tensors if k == "state")
+            if entering is not None:  # the state entering the step arrives fingerprinted
+                lanes, rms = _measure([x for _, k, x in tensors if k != "state"])
+                state_lanes, state_rms = entering[:, :2], jax.lax.bitcast_convert_type(entering[:, 2], jnp.float32)
+                record["fingerprints"] = jnp.concatenate([state_lanes, lanes])
+                record["rms"] = jnp.concatenate([state_rms, rms])
+            else:
+                record["fingerprints"], record["rms"] = _measure([x for _, _, x in tensors])
+            # The new state's rows, for the next step's `entering` (the last rows: update comes last).
+            update = _rows(record["fingerprints"][-n_state:], record["rms"][-n_state:]) if n_state else None
         schema = Schema(examples_per_step=B, rng_words=int(record["rng"].shape[0]),
                         metrics=tuple(zip(trace_names, kinds)), tensors=tuple((n, k) for n, k, _ in tensors),
                         example_metrics=tuple(n for n, _ in examples))
-        return record, schema
+        return record, schema, (update if o.level == "layer" else None)
 
     def _rng_words(self, state: Any, taps: list) -> Any:
         """uint32 words of every typed key in the state, the uint32 leaves run.step(rng=...) names,
@@ -255,6 +347,33 @@ class Program:
                     raise RecordError(f"replay.tap({name!r}) as rng: {x.dtype} is neither a typed key nor uint32 words")
                 words.append(bits.reshape(-1))
         return jnp.concatenate(words) if words else jnp.zeros((0,), jnp.uint32)
+
+
+def _measure(xs: list) -> tuple[Any, Any]:
+    """uint32[T, 2] fingerprint lanes and float32[T] RMS of tensors, in one fused pass each."""
+    import jax.numpy as jnp
+
+    from replay.record.fingerprint import fingerprints_and_sums_of_squares
+
+    lanes, ss = fingerprints_and_sums_of_squares([jnp.asarray(x) for x in xs])
+    sizes = jnp.asarray([max(1, int(np.prod(np.shape(x)))) for x in xs], jnp.float32)
+    return lanes, jnp.sqrt(ss / sizes)
+
+
+def _rows(lanes: Any, rms: Any) -> Any:
+    """uint32[T, 3]: lanes and the RMS's bits side by side (what `entering` carries)."""
+    import jax
+    import jax.numpy as jnp
+
+    return jnp.concatenate([lanes, jax.lax.bitcast_convert_type(rms, jnp.uint32)[:, None]], axis=1)
+
+
+def _entering_rows(state: Any) -> Any:
+    """The rows of the state entering a step, measured on its own (the first step, a restore)."""
+    import jax
+
+    xs = [_bits(x) for x in jax.tree_util.tree_leaves(state)]
+    return _rows(*_measure(xs))
 
 
 def _check_taps(taps: list) -> None:

@@ -7,6 +7,11 @@ bundle), calls it with the recorded config, and wraps the Loop's step exactly as
 did while recording (the recorded step options), so the program, its hash and its schema are
 the recorded ones when the code is. Every call into the user's code goes through
 replay.code.call_user: an exception there is the user's (exit 2), named.
+
+The batch of step k is `batch(k)`: the Loop's `batch_at(k)`, or the next batch of its data
+iterator, restored with the checkpoint the replay started from (replay/record/data_iterator.py:
+steps in order cost one `next` each; a step out of order re-iterates from the newest checkpoint
+at or before it).
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from typing import Any
 import numpy as np
 
 from replay.record import checkpoints as ckpts
+from replay.record import data_iterator
+from replay.record.data_iterator import IteratorFeed, next_batch
 from replay.record.hashing import example_hashes
 from replay.record.loop import MARK, Loop
 from replay.record.options import StepOptions
@@ -35,7 +42,8 @@ class LoopReplay:
         from replay.code import call_user, function_name, import_entrypoint
 
         if data is not None:
-            raise _unavailable(f"{run.path}: this run's batches come from its loop's batch_at; --data does not apply")
+            raise _unavailable(f"{run.path}: this run's batches come from its loop (batch_at or its data iterator); "
+                               "--data does not apply")
         manifest = run.manifest
         spec = manifest.get("entrypoint")
         if not isinstance(spec, str):
@@ -49,12 +57,13 @@ class LoopReplay:
             raise _unavailable(f"{function_name(make)} returned {type(loop).__name__}, not a replay.Loop")
         self.loop, self._call = loop, call_user
         self.options = StepOptions.from_json(manifest.get("record") or {})
-        self._manifest = manifest
+        self._manifest, self._shown = manifest, run.path
         self._manager = ckpts.open_manager(_checkpoint_dir(run), read_only=True)
         self.restore_notes: list[str] = []
         self._abstract = call_user(loop.state_shapes)
-        first = run.first_step or 0
-        batch = call_user(loop.batch_at, first)
+        self._feed = None if loop.data is None else IteratorFeed(loop.data, self.checkpoint_steps, self._restore_data)
+        # The step compiles for the batches' shapes: a fresh iterator's first batch has them.
+        batch = call_user(loop.batch_at, run.first_step or 0) if self._feed is None else next_batch(self._feed.fresh())
         if on_compile is not None:
             on_compile()
         self.program = Program(loop.step, self.options)
@@ -65,7 +74,7 @@ class LoopReplay:
                                       "(different outputs, taps or state): its records are compared field by field")
 
     def environment(self) -> dict:
-        from trainer.environment import environment
+        from replay.record.environment import environment
 
         return environment()
 
@@ -79,10 +88,28 @@ class LoopReplay:
         fingerprint = (self._manifest.get(ckpts.FINGERPRINTS_KEY) or {}).get(str(step))
         if fingerprint is None and not any(str(step) in n for n in self.restore_notes):
             self.restore_notes.append(f"checkpoint {step} has no recorded fingerprint, so it was restored unverified")
-        return ckpts.restore(self._manager, step, self._abstract, fingerprint)
+        state = ckpts.restore(self._manager, step, self._abstract, fingerprint)
+        if self._feed is not None:
+            self._feed.restore(step)
+        return state
+
+    def _restore_data(self, step: int) -> Any:
+        if not ckpts.is_composite(self._manager, step):
+            raise _unavailable(f"checkpoint {step} of {self._shown} holds no data iterator state (it was saved with "
+                               "run.save(k, state), without data=), so the Loop's data= cannot be set to it; give the "
+                               "Loop batch_at, or record with run.save(k, state, data=it)")
+        fingerprint = (self._manifest.get(data_iterator.FINGERPRINTS_KEY) or {}).get(str(step))
+        note = f"the data iterator state of checkpoint {step} has no recorded fingerprint: it was restored unverified"
+        if fingerprint is None and note not in self.restore_notes:
+            self.restore_notes.append(note)
+        return ckpts.restore_data(self._manager, step, fingerprint)
+
+    def batch(self, step: int) -> Any:
+        """The batch step `step` is fed: batch_at(step), or the data iterator's (see the module doc)."""
+        return self._call(self.loop.batch_at, step) if self._feed is None else self._feed.batch(step)
 
     def step(self, state: Any, step: int) -> tuple[Any, dict, np.ndarray]:
-        batch = self._call(self.loop.batch_at, step)
+        batch = self.batch(step)
         hashes = example_hashes(batch, self.options.batch_axis)
         state, _, record = self.program(state, batch)
         return state, record, hashes

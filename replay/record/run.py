@@ -8,6 +8,9 @@
         state, metrics = step(state, batch_at(k))
     run.finish()                                  # COMPLETE; a crash leaves the run INCOMPLETE
 
+A loop fed by a data iterator (grain's get_state/set_state) saves its state with each
+checkpoint, `run.save(k, state, data=it)`, and resumes with `run.restore(like, k, data=it)`.
+
 The run directory is the one traces/run.py defines. Its trace schema is derived from the
 step's outputs on the first call, so run.json is written with a placeholder schema at init
 and completed then (with the program hash and the step options replay needs).
@@ -20,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from replay.record import checkpoints as ckpts
+from replay.record import data_iterator
 from replay.record.errors import RecordError
 from replay.record.options import StepOptions
 from traces import Run, Schema
@@ -68,6 +72,7 @@ class RecordingRun:
         self._manager = checkpoints if checkpoints is not None else ckpts.open_manager(self._ckpt_dir, read_only=False)
         self._own_manager = checkpoints is None
         self._fingerprints: dict = dict(self._run.manifest.get(ckpts.FINGERPRINTS_KEY) or {})
+        self._data_fingerprints: dict = dict(self._run.manifest.get(data_iterator.FINGERPRINTS_KEY) or {})
         self._store_examples, self._examples = bool(store_examples), None  # replay/record/examples_store.py
 
     # ---------------------------------------------------------------------------- the step
@@ -106,7 +111,7 @@ class RecordingRun:
 
     def _start_recording(self, program: Any) -> Any:
         """The first step was traced: complete the manifest, open the trace writer."""
-        from trainer.recorder import Recorder
+        from replay.record.recorder import Recorder
 
         schema, run = program.schema, self._run
         recorded = run.manifest.get("record")
@@ -154,8 +159,13 @@ class RecordingRun:
 
     # ---------------------------------------------------------------------------- checkpoints
 
-    def save(self, step: int, state: Any) -> None:
-        """Checkpoint `step` = the state entering step `step` (before the step runs on it)."""
+    def save(self, step: int, state: Any, data: Any = None) -> None:
+        """Checkpoint `step` = the state entering step `step` (before the step runs on it).
+
+        data: the data iterator (grain's protocol: get_state()/set_state(state)) positioned at
+          the batch of step `step`; its state is saved in the same orbax step and fingerprinted,
+          so replay and `run.restore(..., data=it)` resume it there. Give it to every save of a
+          run or to none (replay/record/data_iterator.py)."""
         if self.finished:
             raise RecordError(f"{self.path}: the run is finished; save checkpoints before run.finish()")
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
@@ -166,27 +176,56 @@ class RecordingRun:
         from replay.record.program import check_state
 
         check_state(state)
+        if data is not None:
+            data_iterator.check_iterator(data, f"run.save({step}, state, data=...)")
+            _one_process(f"run.save({step}, state, data=...)")
+        self._check_data_style(step, data is not None)
         if step in ckpts.steps(self._manager):
             return  # the state entering a step is a pure function of the run: the saved one stands
         if self._step is None:
             self.next_step = step
-        self._fingerprints[str(step)] = ckpts.save(self._manager, step, state)
-        self._run.update_manifest(**{ckpts.FINGERPRINTS_KEY: self._fingerprints,
-                                     "checkpoints": ckpts.steps(self._manager)})
+        stored = None if data is None else data_iterator.payload(data)
+        self._fingerprints[str(step)] = ckpts.save(self._manager, step, state, stored)
+        entries = {ckpts.FINGERPRINTS_KEY: self._fingerprints, "checkpoints": ckpts.steps(self._manager)}
+        if stored is not None:
+            self._data_fingerprints[str(step)] = data_iterator.fingerprint(stored)
+            entries[data_iterator.FINGERPRINTS_KEY] = self._data_fingerprints
+        self._run.update_manifest(**entries)
 
-    def restore(self, like: Any, step: int | None = None) -> Any:
+    def _check_data_style(self, step: int, with_data: bool) -> None:
+        """One layout per run: every checkpoint holds the iterator's state, or none does."""
+        if not self._fingerprints or with_data == bool(self._data_fingerprints):
+            return
+        first = min(int(k) for k in self._fingerprints)
+        if with_data:
+            raise RecordError(f"run.save({step}, state, data=...): checkpoint {first} of this run was saved without "
+                              "data=; give data= to every run.save of a run, or to none")
+        raise RecordError(f"run.save({step}, state): this run's checkpoints hold its data iterator's state (checkpoint "
+                          f"{first} was saved with data=); give data= here too")
+
+    def restore(self, like: Any, step: int | None = None, data: Any = None) -> Any:
         """Checkpoint `step` (default: the latest) restored onto the structure of `like` and verified;
         the wrapped step continues from there (resuming a crashed run re-records, and checks, the
-        steps already in its trace)."""
+        steps already in its trace). data: the run's data iterator, set to the state saved with
+        the checkpoint (required when the checkpoint holds one, so the resumed run is fed from there)."""
         from replay.record.program import spec
 
         have = ckpts.steps(self._manager)
         if not have:
             raise RecordError(f"{self.path}: no checkpoint to restore")
         step = have[-1] if step is None else step
+        if data is not None:
+            data_iterator.check_iterator(data, f"run.restore(like, {step}, data=...)")
+        if step in have and ckpts.is_composite(self._manager, step) != (data is not None):
+            raise RecordError(f"run.restore(like, {step}, data=it): checkpoint {step} holds the data iterator's state; "
+                              "pass the iterator so it resumes there" if data is None else
+                              f"run.restore(like, {step}, data=...): checkpoint {step} was saved without data=, so it "
+                              "holds no data iterator state to restore")
         import jax
 
         state = ckpts.restore(self._manager, step, jax.tree.map(spec, like), self._fingerprints.get(str(step)))
+        if data is not None:
+            data.set_state(ckpts.restore_data(self._manager, step, self._data_fingerprints.get(str(step))))
         self.next_step = step
         return state
 
@@ -219,7 +258,7 @@ class RecordingRun:
 
     def _close_manager(self) -> None:
         if self._own_manager:
-            from trainer.checkpoint import _quiet_orbax
+            from replay.record.orbax_io import _quiet_orbax
 
             with _quiet_orbax():
                 self._manager.wait_until_finished()
@@ -232,6 +271,14 @@ class RecordingRun:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.finish() if exc_type is None else self.close()
+
+
+def _one_process(call: str) -> None:
+    import jax
+
+    if jax.process_count() > 1:  # orbax's JsonSave writes process 0's value only
+        raise RecordError(f"{call}: a run of {jax.process_count()} processes has one data iterator per host, and "
+                          "saving their states with the checkpoint is not supported yet; give the loop batch_at")
 
 
 def _inside(path: Path, folder: Path) -> bool:

@@ -2,7 +2,7 @@
 
 Call k (counted from the run's first step, or from the checkpoint `run.restore` resumed from)
 hashes the batch on the host, dispatches the one compiled program (the user's step plus its
-record, replay/record/program.py) and hands the record to trainer.recorder.Recorder, which
+record, replay/record/program.py) and hands the record to replay.record.recorder.Recorder, which
 fetches step k's record only after step k+1 has been dispatched: the host never waits for the
 device to record. The wrapper returns exactly what the user's step returns.
 """

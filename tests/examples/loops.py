@@ -47,6 +47,21 @@ def check_replay_from_a_checkpoint(run: Path) -> None:
     assert dir_digest(run) == before  # a replay changes nothing in the run
 
 
+def check_replay_without_code(run: Path) -> None:
+    """The run's exported program and example store replay 12..25 bit for bit, no user code used
+    (the fresh-process, module-not-importable form is tests/replay/test_exported*.py's)."""
+    from replay.contract import evaluate
+    from replay.engine import replay as run_replay
+    from replay.record.exported import ExportedReplay
+
+    r = Run.open(run)
+    assert "error" not in r.manifest["exported"] and r.manifest["example_store"].get("enabled") is not False, r.manifest["exported"]
+    rep = ExportedReplay(r)
+    contract = evaluate(r.manifest["environment"], rep.environment(), r.manifest["program_hash"], rep.program_hash())
+    report = run_replay(r, rep, 12, 25, contract).to_json()
+    assert report["all_bit_exact"] and (report["replayed"], report["bit_exact"]) == (14, 14), report
+
+
 def check_replay_catches_another_trace(runs: dict[str, Path], tmp: Path) -> None:
     """The same replay compares bits: the clean run's code and checkpoints against the lr run's trace differ at LR_AT."""
     import shutil
@@ -66,6 +81,10 @@ def check_bisect_lr(runs: dict[str, Path]) -> None:
     assert result.exit_code == 1, result.output
     report = json.loads(result.stdout)
     assert (report["first_step"], report["cause"]) == (LR_AT, "update"), report
+    # The first op that differs (replay/first_op.py): the schedule's `step == lr_bump_at`, an op whose
+    # inputs are the same in both runs except for the constant the config baked in.
+    op = report["refinement"]["op"]
+    assert op["op"] == "eq" and op["first_differing_input"] is None and "constant" in op["reason"], op
 
 
 def check_bisect_refeed(runs: dict[str, Path]) -> None:
@@ -95,8 +114,8 @@ def state_fingerprints(state) -> list[int]:
     """The fingerprint the recorder computes of each of a state's leaves, computed here independently."""
     import jax
 
-    from trainer.fingerprint import fingerprints_and_sums_of_squares
-    from trainer.recorder import lanes_to_uint64
+    from replay.record.fingerprint import fingerprints_and_sums_of_squares
+    from replay.record.recorder import lanes_to_uint64
 
     def bits(x):
         return jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x

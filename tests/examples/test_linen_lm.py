@@ -1,10 +1,15 @@
 """examples/linen_lm.py (a Flax linen decoder-only LM, optax, the batch sharded with a
-NamedSharding, a donated jitted step) records, replays bit-exactly from a checkpoint, and
-bisect names injected bugs. (The entering-state check of the NNX test is left out: the step is
-functional, nothing can alias its input, and it would add ~3.5 s of compiles to a ~25 s module.)"""
+NamedSharding, a donated jitted step, a grain data iterator whose state orbax checkpoints with
+the train state) records, replays bit-exactly from a checkpoint, and bisect names injected bugs.
+A replay whose iterator was not restored, or restored from a damaged state, is caught. (The
+entering-state check of the NNX test is left out: the step is functional, nothing can alias its
+input, and it would add ~3.5 s of compiles to a ~30 s module.)"""
 
 from __future__ import annotations
 
+import json
+
+from tests.cli_util import invoke
 from tests.examples import loops
 
 import linen_lm  # noqa: E402  (importable: tests/examples/loops.py puts examples/ on the path)
@@ -23,18 +28,37 @@ def test_lines_only_for_replay_are_few():
     assert 0 < len(loops.replay_lines(linen_lm)) <= 12, loops.replay_lines(linen_lm)
 
 
-def test_the_batch_is_sharded_along_its_batch_axis_and_a_pure_function_of_the_step():
+def test_the_batches_are_sharded_along_the_batch_axis_and_a_pure_function_of_the_position():
     import numpy as np
     from jax.sharding import NamedSharding
 
     cfg = linen_lm.Config()
-    batch = linen_lm.batch_at(cfg, 3)
-    for x in batch.values():
+    stream = iter(linen_lm.dataset(cfg))
+    batches = [next(stream) for _ in range(5)]
+    for x in batches[3].values():
         assert isinstance(x.sharding, NamedSharding) and x.sharding.spec[0] == "batch"
         assert x.shape == (cfg.batch, cfg.seq)
-    again, other = linen_lm.batch_at(cfg, 3), linen_lm.batch_at(cfg, 4)
-    assert all(np.array_equal(batch[k], again[k]) for k in batch)
-    assert not np.array_equal(batch["inputs"], other["inputs"])
+    resumed = iter(linen_lm.dataset(cfg))  # a fresh iterator set to the state after 3 batches
+    position = iter(linen_lm.dataset(cfg))
+    for _ in range(3):
+        next(position)
+    resumed.set_state(position.get_state())
+    again = next(resumed)
+    assert all(np.array_equal(batches[3][k], again[k]) for k in again)
+    assert not np.array_equal(batches[3]["inputs"], batches[4]["inputs"])
+
+
+def test_each_checkpoint_holds_the_iterator_state_in_the_same_orbax_step(runs):
+    import json
+
+    from traces import Run
+
+    manifest = Run.open(runs["clean"]).manifest
+    for k in (0, 10, 20, 30):
+        stored = json.loads((runs["clean"] / "checkpoints" / str(k) / "data" / "metadata").read_text())
+        assert stored["value"] == {"next_index": k}, stored
+        assert (runs["clean"] / "checkpoints" / str(k) / "state").is_dir()
+    assert sorted(manifest["data_state_fingerprints"], key=int) == ["0", "10", "20", "30"]
 
 
 def test_the_state_and_taps_reach_the_record(runs):
@@ -48,6 +72,10 @@ def test_the_state_and_taps_reach_the_record(runs):
 
 def test_replay_is_bit_exact_from_a_checkpoint(runs):
     loops.check_replay_from_a_checkpoint(runs["clean"])
+
+
+def test_replay_without_the_user_code_is_bit_exact(runs):
+    loops.check_replay_without_code(runs["clean"])
 
 
 def test_a_replay_against_another_trace_is_caught(runs, tmp_path):
@@ -64,3 +92,35 @@ def test_bisect_names_a_refed_batch_as_data_and_where_it_was_first_fed(runs):
 
 def test_bisect_of_identical_runs_exits_0(runs):
     loops.check_identical_runs(runs)
+
+
+def test_a_replay_whose_iterator_is_not_restored_is_caught_as_data(runs, monkeypatch):
+    """Had replay not restored the iterator state saved with checkpoint 10 (a fresh iterator, at
+    batch 0), the replay from it would be fed other batches: caught at step 10 as data, not
+    reported bit-exact."""
+    from replay.record.data_iterator import IteratorFeed
+
+    def fresh_instead(self, step):
+        self._it, self.position, self._last = self.fresh(), step, None
+
+    monkeypatch.setattr(IteratorFeed, "restore", fresh_instead)
+    result = invoke("run", str(runs["clean"]), "--steps", "12:13", "--json")
+    assert result.exit_code == 1, result.output
+    first = json.loads(result.stdout)["first_mismatch"]
+    assert first["step"] == 10 and first["fields"][0]["kind"] == "data", first
+
+
+@pytest.mark.parametrize("damage", ["another position", "unreadable"])
+def test_a_damaged_iterator_state_is_refused(runs, tmp_path, damage):
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(runs["clean"], copy)
+    stored = copy / "checkpoints" / "10" / "data" / "metadata"
+    text = stored.read_text()
+    damaged = text.replace('"next_index": 10', '"next_index": 0') if damage == "another position" else text[:20]
+    assert damaged != text
+    stored.write_text(damaged)
+    result = invoke("run", str(copy), "--steps", "12:13", "--json")
+    assert result.exit_code == 2, result.output
+    assert "data iterator state of checkpoint 10" in result.output, result.output

@@ -44,6 +44,10 @@ def test_replay_is_bit_exact_from_a_checkpoint(runs):
     loops.check_replay_from_a_checkpoint(runs["clean"])
 
 
+def test_replay_without_the_user_code_is_bit_exact(runs):
+    loops.check_replay_without_code(runs["clean"])
+
+
 def test_a_replay_against_another_trace_is_caught(runs, tmp_path):
     loops.check_replay_catches_another_trace(runs, tmp_path)
 

@@ -12,7 +12,7 @@ from replay.cli.app import app
 from traces import Run
 from trainer.config import get_preset, to_dict
 from trainer.data import write_token_file
-from trainer.recorder import make_schema
+from trainer.loop import make_schema
 from tests.cli_util import assert_one_line_error, dir_digest
 
 

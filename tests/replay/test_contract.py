@@ -1,5 +1,5 @@
 """The determinism contract's backend-specific keys (replay/contract.py) and what
-trainer/environment.py records for them. Pure dicts, no training."""
+replay/record/environment.py records for them. Pure dicts, no training."""
 
 from __future__ import annotations
 
@@ -127,7 +127,7 @@ def test_mesh_invariant_counts_still_keep_the_bits():
 
 
 def test_environment_records_the_new_keys_here():
-    from trainer.environment import environment
+    from replay.record.environment import environment
 
     env = environment()
     assert env["backend"] == "cpu"  # the test machine
@@ -144,7 +144,7 @@ def test_environment_records_the_new_keys_here():
 def test_gpu_description_reads_jaxlib_versions_and_survives_without_them(monkeypatch):
     from jax._src import lib
 
-    from trainer import environment as envmod
+    from replay.record import environment as envmod
 
     assert envmod.nvidia_driver("NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar 5 2024") \
         == "550.54.15"

@@ -250,7 +250,7 @@ def test_a_bug_in_the_refinement_replay_exits_3(tmp_path, monkeypatch):
 
 def test_a_damaged_checkpoint_in_the_refinement_is_named_as_itself(tmp_path, monkeypatch):
     import replay.refine
-    from trainer.checkpoint import CheckpointDamagedError
+    from replay.record.orbax_io import CheckpointDamagedError
 
     def damaged(*args, **kwargs):
         raise CheckpointDamagedError(f"{tmp_path}/B/checkpoints/10: checkpoint 10 is damaged: fingerprint mismatch")
@@ -264,7 +264,7 @@ def test_a_damaged_checkpoint_in_the_refinement_is_named_as_itself(tmp_path, mon
 
 def test_replayer_lets_a_damaged_checkpoint_and_a_bug_through(tmp_path, monkeypatch):
     from replay import replayer
-    from trainer.checkpoint import CheckpointDamagedError
+    from replay.record.orbax_io import CheckpointDamagedError
 
     class Rep:
         built = None

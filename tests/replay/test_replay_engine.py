@@ -83,7 +83,7 @@ def test_a_flipped_parameter_bit_in_a_checkpoint_is_caught(recorded, tmp_path):
     divergence"; the same state with its own fingerprint recorded is caught by the trace (exit 1)."""
     from traces.run import write_manifest
     from trainer.checkpoint import FINGERPRINTS_KEY
-    from trainer.fingerprint import state_fingerprint
+    from replay.record.fingerprint import state_fingerprint
 
     path, _, cfg = recorded
     copy = tmp_path / "run"

@@ -21,7 +21,7 @@ from replay.replayer import _copy, first_state_difference, state_fingerprints
 from tests.cli_util import assert_error_line, invoke
 from tests.replay.tinyruns import copy_loop, load_copy, record
 from traces import Schema
-from trainer.recorder import RecordSchemaError, to_record
+from replay.record.recorder import RecordSchemaError, to_record
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from replay.cli.app import app
 from traces import Run, Schema
-from trainer.recorder import to_record
+from replay.record.recorder import to_record
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 if str(EXAMPLES) not in sys.path:
@@ -154,6 +154,8 @@ def test_bisect_names_the_learning_rate_bug_at_its_step(runs):
     report = json.loads(result.stdout)
     assert report["first_step"] == 17, report
     assert report["cause"] == "update", report
+    op = report["refinement"]["op"]  # the schedule's `step == lr_bump_at`: the constant the config changed
+    assert (op["op"], op["first_differing_input"]) == ("eq", None) and "optax_loop.py:" in op["where"], op
 
 
 def test_bisect_names_a_refed_batch_as_data(runs):

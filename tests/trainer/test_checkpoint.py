@@ -19,9 +19,10 @@ import pytest
 
 from trainer import mesh as M
 from trainer import step
-from trainer.checkpoint import CheckpointError, Checkpointer
+from replay.record.orbax_io import CheckpointError
+from trainer.checkpoint import Checkpointer
 from trainer.config import apply_overrides, get_preset
-from trainer.fingerprint import state_fingerprint
+from replay.record.fingerprint import state_fingerprint
 
 ROOT = Path(__file__).resolve().parents[2]
 CFG = get_preset("tiny")
@@ -184,7 +185,7 @@ import jax, numpy as np
 from trainer import mesh as M, step
 from trainer.checkpoint import Checkpointer
 from trainer.config import apply_overrides, get_preset
-from trainer.fingerprint import state_fingerprint
+from replay.record.fingerprint import state_fingerprint
 mode, ckdir, npz = sys.argv[1], sys.argv[2], sys.argv[3]
 assert jax.device_count() == 8, jax.device_count()
 cfg = apply_overrides(get_preset("tiny"), ["mesh.data=1", "mesh.fsdp=-1"])

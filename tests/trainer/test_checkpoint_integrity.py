@@ -20,9 +20,10 @@ from tests.cli_util import assert_one_line_error, dir_digest, invoke
 from traces import Run
 from traces.run import write_manifest
 from trainer import mesh as M
-from trainer.checkpoint import CheckpointDamagedError, Checkpointer
+from replay.record.orbax_io import CheckpointDamagedError
+from trainer.checkpoint import Checkpointer
 from trainer.config import get_preset
-from trainer.fingerprint import state_fingerprint
+from replay.record.fingerprint import state_fingerprint
 from trainer.loop import train
 
 CFG = get_preset("tiny")  # 20 steps, checkpoints 0, 10, 20
@@ -174,7 +175,7 @@ def test_resume_from_an_unverified_checkpoint_says_so(run_copy):
 
 
 def test_a_resume_that_does_not_reproduce_a_recorded_step_exits_1(run_copy, monkeypatch):
-    import trainer.recorder as recorder
+    import replay.record.recorder as recorder
 
     shutil.rmtree(run_copy / "checkpoints" / "20")  # resume from 10: steps 10..19 are re-recorded
     real = recorder.to_record

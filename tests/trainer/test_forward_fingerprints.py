@@ -23,7 +23,8 @@ import pytest
 from traces.fingerprint import fingerprint
 from trainer import data, invariant, model, rng, step as steplib
 from trainer.config import apply_overrides, get_preset
-from trainer.recorder import make_schema, to_record
+from replay.record.recorder import to_record
+from trainer.loop import make_schema
 
 STEPS = 2
 CONFIGS = {"plain": get_preset("tiny"),

@@ -9,7 +9,7 @@ import pytest
 from traces.fingerprint import fingerprint
 from trainer import model, rng
 from trainer.config import apply_overrides, get_preset
-from trainer.recorder import lanes_to_uint64
+from replay.record.recorder import lanes_to_uint64
 from trainer.step import METRICS, compile_step, get_path, init_state, tensor_schema
 
 CFG = get_preset("tiny")

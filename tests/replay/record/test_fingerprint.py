@@ -13,10 +13,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from replay.record.fingerprint import fingerprint_lanes, fingerprint_tree, lanes_to_int, tree_to_ints
 from traces.fingerprint import fingerprint
-from trainer.fingerprint import fingerprint_lanes, fingerprint_tree, lanes_to_int, tree_to_ints
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DTYPES = [np.float32, ml_dtypes.bfloat16, np.float16, np.int32, np.uint32, np.int8, np.uint8,
           np.bool_, ml_dtypes.float8_e4m3fn]
 SHAPES = [(), (1,), (7,), (3, 5), (2, 3, 4), (1, 13, 1), (0, 4)]
@@ -98,8 +98,8 @@ def test_rejects_what_it_cannot_do_exactly():
 _SHARDED = textwrap.dedent("""
     import numpy as np, jax, jax.numpy as jnp, ml_dtypes
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    from replay.record.fingerprint import fingerprint_lanes, fingerprint_tree, lanes_to_int, tree_to_ints
     from traces.fingerprint import fingerprint
-    from trainer.fingerprint import fingerprint_lanes, fingerprint_tree, lanes_to_int, tree_to_ints
     assert jax.device_count() == 8, jax.devices()
     rng = np.random.default_rng(0)
     def rand(shape, dt):

@@ -4,11 +4,12 @@ Everything here can change the bits a step computes, so all of it is recorded; w
 `replay.contract` compares depends on the backend. XLA:CPU results depend on the CPU (its ISA
 decides vector widths and FMA; Eigen blocks a matmul by the caches of the model) and on the
 intra-op pool size, which is max(PJRT_NPROC or the schedulable CPUs, local devices)
-(trainer/invariant.py). On GPU the driver, CUDA runtime, cuDNN and the libraries the plugin
+(trainer/invariant.py pins it). On GPU the driver, CUDA runtime, cuDNN and the libraries the plugin
 loads choose the kernels. On TPU the chip and the libtpu build do.
 
 It runs at every train start and every replay, so it only reads a few small /proc files and
 asks jaxlib for versions it already has; every probe is guarded and gives None when it fails.
+Its cost does not depend on the run: nothing here grows with the step count.
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ import sys
 from importlib import metadata
 
 import jax
-
-from trainer import rng
 
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy")
 # Packages whose code or libraries run a GPU step: the JAX plugin, cuBLAS, cuDNN, NCCL (all-reduce
@@ -39,6 +38,9 @@ NUMERIC_ISA = frozenset({
     "avx_vnni_int8", "avx_ne_convert", "amx_tile", "amx_bf16", "amx_int8", "amx_fp16", "amx_complex",
     "asimd", "asimdhp", "fphp", "asimddp", "asimdfhm", "fcma", "sve", "sve2", "svebf16", "bf16", "i8mm", "sme",
 })
+
+
+POOL_THREAD_NAME = "tf_XLAEigen"  # how XLA:CPU's intra-op pool threads are named (Linux comm)
 
 
 def _version(name: str) -> str | None:
@@ -85,12 +87,31 @@ def cpu_description() -> dict:
     }
 
 
+def pool_threads() -> int | None:
+    """Threads in this process's XLA:CPU intra-op pool, or None when it cannot be known
+    (no backend started yet, or no /proc to count threads in)."""
+    from jax._src import xla_bridge
+
+    if not xla_bridge.backends_are_initialized():
+        return None
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    n = 0
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                n += f.read().strip() == POOL_THREAD_NAME
+        except OSError:
+            continue
+    return n or None
+
+
 def cpu_pool_size(local_devices: int, affinity: int | None) -> int | None:
     """Threads in XLA:CPU's intra-op pool: counted where /proc shows them, else computed the way
     XLA sizes it (max(PJRT_NPROC or the schedulable CPUs, local devices))."""
     try:
-        from trainer.invariant import pool_threads
-
         counted = pool_threads()
     except Exception:  # noqa: BLE001 -- a probe: any failure means "could not count"
         counted = None
@@ -145,6 +166,15 @@ def _platform_version(device) -> str | None:
         return None
 
 
+def random_settings() -> dict:
+    """JAX settings that change random values; recorded in the manifest, checked on replay."""
+    return {
+        "jax_threefry_partitionable": bool(jax.config.jax_threefry_partitionable),
+        "jax_default_prng_impl": str(jax.config.jax_default_prng_impl),
+        "key_impl": "threefry2x32",
+    }
+
+
 def environment() -> dict:
     devices = jax.devices()  # starts the backend first: the pool is counted after it exists
     backend = jax.default_backend()
@@ -164,7 +194,7 @@ def environment() -> dict:
         "platform": platform.platform(),
         "platform_version": _platform_version(devices[0]),
         "machine": platform.machine(),
-        "random": rng.random_settings(),
+        "random": random_settings(),
         "argv": sys.argv[1:],
     }
     if backend == "gpu":

@@ -5,9 +5,9 @@ them to the host, so the host never blocks the device on recording. Only process
 every process gathers its slice of the per-example hashes, so the record holds what each
 host really fed, in global order.
 
-This is also the public entry point for training loops that are not `trainer/`: build a
-schema with `make_schema`, then call `Recorder.record(step, metrics, example_hashes)` with
-the metrics dict your step returns (see trainer/step.py for the keys).
+One recording path: `run.step` (replay/record/step.py) and the trainer (trainer/loop.py) both
+hand their step's metrics to `Recorder.record`. Cost: one record held per step, O(1) in the
+run's length.
 """
 
 from __future__ import annotations
@@ -16,23 +16,21 @@ from dataclasses import dataclass
 
 import jax
 import numpy as np
+import xxhash
 
 from traces import Schema, StepRecord, TraceWriter
-from trainer.data import batch_hash
-from trainer.step import METRICS
 
-RNG_WORDS = 2  # a threefry2x32 key
+# FORMAT.md: batch_hash is xxh3-64 over the batch size and the per-example hashes, in global order.
+_BATCH_HASH_TAG = xxhash.xxh3_64_intdigest(b"replay.data.batch_hash.v1")
 
 
-def make_schema(global_batch: int, level: str, tensors: tuple[tuple[str, str], ...] = ()) -> Schema:
-    """The trace schema of a run: step-level fields always, tensors at the layer level."""
-    return Schema(
-        examples_per_step=global_batch,
-        rng_words=RNG_WORDS,
-        metrics=METRICS,
-        tensors=tensors if level == "layer" else (),
-        example_metrics=("loss",),
-    )
+def batch_hash(example_hashes_B: np.ndarray) -> int:
+    """One uint64 over the per-example hashes in global order, and their count."""
+    hashes = np.ascontiguousarray(example_hashes_B, dtype="<u8")
+    h = xxhash.xxh3_64(seed=_BATCH_HASH_TAG)
+    h.update(np.uint64(hashes.shape[0]).astype("<u8").tobytes())
+    h.update(hashes)
+    return h.intdigest()
 
 
 def lanes_to_uint64(lanes_Tx2: np.ndarray) -> np.ndarray:

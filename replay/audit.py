@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import traces
+from replay import audit_scan
 from traces import columns
+from traces.sorting import stable_argsort
 
 AUTO_SOURCE_MAX_EXAMPLES = 1 << 20  # hashing the source costs ~1 us per window: auto only when cheap
 _WINDOW_CHUNK_TOKENS = 1 << 24
@@ -171,13 +173,12 @@ def audit(run: traces.Run | str | os.PathLike, steps: tuple[int | None, int | No
         raise traces.SchemaError(f"{run.path}: the trace records no per-example hashes, so there is nothing to audit")
     reader = run.trace
     start, stop = audited_steps(run, steps)
-    hashes = read_example_hashes(run, start, stop)
     # one note however many segments the damage made unreachable
     notes = ([f"the trace is damaged, only steps up to {reader.end - 1} were audited: {traces.describe_damage(reader.damage)}"]
              if reader.damage else [])
     copies, why = (None, None) if source is False else source_copies(run.manifest, force=bool(source))
     n, origin = dataset_size_and_origin(run.manifest)
-    report = audit_hashes(hashes, start, n, copies, size_from=origin or "manifest")
+    report = audit_trace(reader, start, stop, n, copies, size_from=origin or "manifest")
     report.notes[:0] = notes + ([why] if why else [])
     if not report.ok and copies is None:
         report.notes.append("without the data source, an example seen twice may also be a window the corpus holds "
@@ -206,165 +207,69 @@ def audited_steps(run: traces.Run, steps: tuple[int | None, int | None]) -> tupl
 
 def audit_hashes(hashes_SxB: np.ndarray, start_step: int = 0, dataset_size: int | None = None,
                  copies: tuple[np.ndarray, np.ndarray] | None = None, size_from: str = "manifest") -> AuditReport:
-    """The audit of a (steps, B) uint64 block recorded from `start_step` on.
+    """The audit of a (steps, B) uint64 block recorded from `start_step` on, held in memory.
 
     One stable argsort groups equal hashes with their slots ascending; everything after is
-    vectorised, and the per-duplicate work only runs on entries that repeat in an epoch.
+    vectorised (replay/audit_scan.py), and the per-duplicate work only runs on entries that
+    repeat in an epoch. `audit_trace` is the same audit of a trace, in bounded memory.
     """
     S, B = hashes_SxB.shape
-    M = S * B
-    if M == 0:
+    if S * B == 0:
         raise ValueError("no examples to audit")
-    flat = np.ascontiguousarray(hashes_SxB, dtype=np.uint64).ravel()
+    H = np.ascontiguousarray(hashes_SxB, dtype=np.uint64)
     base = start_step * B
-    gs, hs = _stable_argsort(flat)
-    gs += base  # the order becomes the global slots, in place
-    new_h = np.r_[True, hs[1:] != hs[:-1]]
-    h_start = np.flatnonzero(new_h)
-    seen = np.diff(np.r_[h_start, M])
-    D = int(h_start.size)
-    notes: list[str] = []
+    distinct = lambda: int(np.unique(H).size)  # noqa: E731
+    N, size_from, notes = _epoch_size(distinct, dataset_size, copies, size_from)
+    parts = audit_scan.memory_parts(H, base, N, copies)
+    replayed = audit_scan.replayed_batches(audit_scan.memory_keys(H), lambda steps: H[steps], base, N, B)
+    return _report(start_step, S, B, N, size_from, notes, parts, replayed, copies)
+
+
+def audit_trace(reader: traces.TraceReader, start: int, stop: int, dataset_size: int | None = None,
+                copies: tuple[np.ndarray, np.ndarray] | None = None, size_from: str = "manifest") -> AuditReport:
+    """`audit_hashes` of steps start..stop-1 of a trace, read a hash range at a time from the
+    segments' indexes: memory bounded by the range, not the run (replay/audit_scan.py). The
+    segments' checksums are checked first (reading them once): the verdict vouches for them."""
+    B = reader.schema.examples_per_step
+    S = stop - start
+    if S * B == 0:
+        raise ValueError("no examples to audit")
+
+    def distinct() -> int:
+        return sum(int(np.unique(hs).size) for hs, _ in audit_scan.trace_partitions(reader, start, stop))
+
+    reader.check_bytes(start, stop)  # the verdict vouches for the records: their checksums first
+    N, size_from, notes = _epoch_size(distinct, dataset_size, copies, size_from)
+    parts = [audit_scan.analyze(hs, gs, N, B, copies) for hs, gs in audit_scan.trace_partitions(reader, start, stop)]
+    replayed = audit_scan.replayed_batches(audit_scan.trace_keys(reader, start, stop),
+                                           audit_scan.trace_rows(reader, start), start * B, N, B)
+    return _report(start, S, B, N, size_from, notes, parts, replayed, copies)
+
+
+def _epoch_size(distinct, dataset_size: int | None, copies, size_from: str) -> tuple[int, str, list[str]]:
+    """(N, where it came from, notes): the source's, the declared or manifest's, else the
+    distinct examples the trace shows (`distinct()`, computed only then)."""
     if copies is not None:
-        N, size_from = dataset_size or D, "source"
-    elif dataset_size is not None:
-        N = dataset_size
-    else:
-        N, size_from = D, "trace"
-        notes.append(f"the dataset size is unknown (not declared: replay.init(dataset_size=N) records it); epochs are "
-                     f"taken as the {D} distinct examples the trace shows, which undercounts: an example fed again "
-                     f"more than {D} examples after it was first fed, before the whole dataset was, is not counted "
-                     "as early, and with repeats in the trace D is smaller than the dataset")
-    if D > N:
-        notes.append(f"the trace holds {D} distinct examples, more than the dataset's {N}: "
+        return dataset_size or distinct(), "source", []
+    if dataset_size is not None:
+        return dataset_size, size_from, []
+    D = distinct()
+    return D, "trace", [f"the dataset size is unknown (not declared: replay.init(dataset_size=N) records it); epochs are "
+                        f"taken as the {D} distinct examples the trace shows, which undercounts: an example fed again "
+                        f"more than {D} examples after it was first fed, before the whole dataset was, is not counted "
+                        "as early, and with repeats in the trace D is smaller than the dataset"]
+
+
+def _report(start: int, S: int, B: int, N: int, size_from: str, notes: list[str], parts, replayed, copies) -> AuditReport:
+    fields = audit_scan.combine(parts, B, N, start * B, S * B, *replayed, copies)
+    if fields["distinct"] > N:
+        notes.append(f"the trace holds {fields['distinct']} distinct examples, more than the dataset's {N}: "
                      "its data is not (only) the recorded source")
-    es = gs // N
-    new_he = new_h | np.r_[True, es[1:] != es[:-1]]
-    again = np.flatnonzero(~new_he)  # sorted positions of second-or-later sightings within an epoch
-    starts = np.flatnonzero(new_he)
-    he_start = starts[np.searchsorted(starts, again) - 1]  # the (hash, epoch) group each repeat belongs to
-    rank = again - he_start
-    allowed, duplicates = _allowed_copies(hs, gs, again, B, copies)
-    early = rank >= allowed
-    replayed, replay_first = _replayed_batches(flat.reshape(S, B), base, N)
-    # np.unique keeps the first index of each slot: an in-epoch first sighting wins over a replay's.
-    early_slots, keep = np.unique(np.r_[gs[again[early]], replayed], return_index=True)
-    first_seen = np.r_[gs[he_start[early]], replay_first][keep]
-    dup_slots = np.setdiff1d(gs[again[~early]], early_slots)
-    e0, e1 = base // N, (base + M - 1) // N
-    epochs = np.arange(e0, e1 + 1)
-    lo, hi = np.maximum(epochs * N, base), np.minimum((epochs + 1) * N, base + M)
-    count = lambda slots: np.bincount(slots // N - e0, minlength=epochs.size)  # noqa: E731
-    per_epoch = {
-        "epoch": epochs, "first_step": lo // B, "last_step": (hi - 1) // B, "slots": hi - lo,
-        "complete": (hi - lo) == N, "distinct": hi - lo - count(gs[again]),
-        "early": count(early_slots), "duplicate": count(dup_slots),
-    }
-    times, how_many = np.unique(seen, return_counts=True)
-    return AuditReport(
-        start=start_step, end=start_step + S, examples_per_step=B, dataset_size=int(N), dataset_size_from=size_from,
-        examples_seen=M, distinct=D, times_seen={int(t): int(c) for t, c in zip(times, how_many)},
-        early_slots=early_slots, first_seen_slots=first_seen, duplicate_slots=dup_slots, duplicates=duplicates,
-        replayed_batches=replayed.size // B, per_epoch=per_epoch, notes=notes,
-    )
+    return AuditReport(start=start, end=start + S, examples_per_step=B, dataset_size=int(N), dataset_size_from=size_from,
+                       examples_seen=S * B, notes=notes, **fields)
 
 
-def _stable_argsort(flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """np.argsort(flat, kind="stable") and flat in that order, about 3x faster.
-
-    A stable argsort of 16M uint64 is numpy's slow merge sort. Instead the slot index is
-    packed into the low bits of each hash and the keys go through numpy's SIMD value sort.
-    Different hashes that agree on the remaining high bits can interleave; those few
-    buckets are re-sorted exactly afterwards.
-    """
-    bits = max(1, (flat.size - 1).bit_length())
-    if bits > 40:  # the key would keep fewer than 24 hash bits: too many clashes to fix up
-        order = np.argsort(flat, kind="stable")
-        return order, flat[order]
-    low = np.uint64((1 << bits) - 1)
-    key = flat & ~low
-    key |= np.arange(flat.size, dtype=np.uint64)
-    key.sort()
-    order = (key & low).view(np.int64)  # slots < 2**40: the bits are the same as int64
-    hs = flat[order]
-    high = key
-    high &= ~low  # in place: fresh full-size arrays are a large part of the cost
-    clash = np.flatnonzero((high[1:] == high[:-1]) & (hs[1:] != hs[:-1]))
-    if clash.size:
-        bucket = np.cumsum(np.r_[True, high[1:] != high[:-1]]) - 1
-        at = np.flatnonzero(np.isin(bucket, bucket[clash]))
-        fix = np.lexsort((order[at], hs[at]))  # by full hash, then slot; buckets keep their place
-        order[at], hs[at] = order[at][fix], hs[at][fix]
-    return order, hs
-
-
-def _replayed_batches(H: np.ndarray, base: int, N: int) -> tuple[np.ndarray, np.ndarray]:
-    """Slots of steps whose whole batch repeats an earlier step's in order, and the slots they repeat.
-
-    A fresh permutation per epoch practically never deals the same ordered batch twice, so
-    this catches replayed data even across an epoch boundary, and when N is unknown and the
-    epochs are only a guess. Skipped when the data is so small that it could happen by
-    chance: (pairs of steps) / (N)_B, the expected count, above 1e-6.
-    """
-    S, B = H.shape
-    none = np.empty(0, np.int64), np.empty(0, np.int64)
-    if S < 2 or B > N or 2 * np.log10(S) - np.log10(N - np.arange(B, dtype=np.float64)).sum() > -6:
-        return none
-    mix = np.random.default_rng(B).integers(0, 2**63, B, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
-    key = np.zeros(S, np.uint64)
-    for j in range(B):  # a wrapping weighted sum: equal rows give equal keys; rare clashes are checked below
-        key += H[:, j] * mix[j]
-    order, ks = _stable_argsort(key)
-    again = np.flatnonzero(ks[1:] == ks[:-1]) + 1
-    if not again.size:
-        return none
-    starts = np.flatnonzero(np.r_[True, ks[1:] != ks[:-1]])
-    later, first = order[again], order[starts[np.searchsorted(starts, again) - 1]]
-    same = (H[later] == H[first]).all(axis=1)
-    cols = np.arange(B)
-    return (base + later[same, None] * B + cols).ravel(), (base + first[same, None] * B + cols).ravel()
-
-
-def _allowed_copies(hs, gs, again, B, copies) -> tuple[np.ndarray, list[dict]]:
-    """How many sightings per epoch each repeated entry's hash may have, and the evidence.
-
-    From the source: its exact number of copies. From the trace: copies of a hash seen at
-    several positions of one batch. A batch where many different examples repeat is not
-    taken as evidence: that is the signature of hosts reading the same slice (a sampler
-    bug), while duplicate windows are rare, or one window (padding) repeated many times.
-    """
-    allowed = np.ones(again.size, dtype=np.int64)
-    if again.size == 0:
-        return allowed, []
-    if copies is not None:
-        distinct, n = copies
-        at = np.clip(np.searchsorted(distinct, hs[again]), 0, max(distinct.size - 1, 0))
-        found = distinct[at] == hs[again] if distinct.size else np.zeros(again.size, bool)
-        allowed[found] = n[at[found]]
-        known = np.unique(hs[again][allowed > 1])
-        at = np.searchsorted(distinct, known)
-        return allowed, [{"hash": int(h), "copies": int(c), "evidence": "source"} for h, c in zip(known, n[at])]
-    same_step = again[gs[again] // B == gs[again - 1] // B]  # new_he is False there, so same hash and epoch
-    if same_step.size == 0:
-        return allowed, []
-    # A (hash, epoch, step) group of k sits at k adjacent sorted places, k - 1 of them in same_step.
-    run_start = np.flatnonzero(np.r_[True, np.diff(same_step) != 1])
-    run_ends = np.r_[run_start[1:], same_step.size]
-    first, size = same_step[run_start], run_ends - run_start + 1
-    run_steps = gs[first] // B
-    steps_u, per_step = np.unique(run_steps, return_counts=True)
-    plausible = per_step[np.searchsorted(steps_u, run_steps)] <= max(1, B // 8)
-    if not plausible.any():
-        return allowed, []
-    qh, qsize, qstep = hs[first][plausible], size[plausible], run_steps[plausible]
-    sort = np.lexsort((-qsize, qh))
-    qh, qsize, qstep = qh[sort], qsize[sort], qstep[sort]
-    keep = np.r_[True, qh[1:] != qh[:-1]]  # the largest same-step count per hash
-    qh, qsize, qstep = qh[keep], qsize[keep], qstep[keep]
-    at = np.clip(np.searchsorted(qh, hs[again]), 0, qh.size - 1)
-    hit = qh[at] == hs[again]
-    allowed[hit] = qsize[at[hit]]
-    return allowed, [{"hash": int(h), "copies": int(c), "evidence": f"{int(c)} copies in the batch of step {int(s)}"}
-                     for h, c, s in zip(qh, qsize, qstep)]
+_stable_argsort = stable_argsort  # tests pin its clash handling
 
 
 def permutation(a: np.ndarray, b: np.ndarray) -> dict | None:

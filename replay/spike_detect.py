@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from traces import Run
+from traces import Run, columns
 
 DEFAULT_WINDOW = 50
 DEFAULT_THRESHOLD = 6.0
@@ -49,28 +49,37 @@ def robust(values: np.ndarray, floor: float = 0.0) -> tuple[float, float]:
     return med, max(MAD_SCALE * float(np.median(np.abs(v - med))), floor, 1e-12)
 
 
+ROLLING_CHUNK = 8192  # windows scored at once: bounds the (chunk, window) working arrays (~3 MB each)
+
+
 def rolling_scores(values_N: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(baseline, spread, score) of each value against the `window` values before it (NaN for
-    the first `window`, and where fewer than MIN_WINDOW of them are finite)."""
+    the first `window`, and where fewer than MIN_WINDOW of them are finite).
+
+    Scored ROLLING_CHUNK windows at a time, so memory is 3 floats a step plus a bounded working
+    set (a whole-run window matrix would be 400 bytes a step at --window 50)."""
     v = np.asarray(values_N, np.float64)
     n = v.size
     base, spread, score = (np.full(n, np.nan) for _ in range(3))
     if n <= window:
         return base, spread, score
     finite = np.where(np.isfinite(v), v, np.nan)
-    win = np.lib.stride_tricks.sliding_window_view(finite, window)[:-1]  # win[i] = v[i : i+window], before i+window
-    enough = np.sum(np.isfinite(win), axis=1) >= MIN_WINDOW
-    with np.errstate(all="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN windows: masked out below
-        med = np.nanmedian(win, axis=1)
-        mad = np.nanmedian(np.abs(win - med[:, None]), axis=1)
-    sp = np.maximum(np.maximum(MAD_SCALE * mad, REL_FLOOR * np.abs(med)), 1e-12)
-    med[~enough], sp[~enough] = np.nan, np.nan
-    base[window:], spread[window:] = med, sp
-    with np.errstate(all="ignore"):
-        s = (v[window:] - med) / sp
-    s[~np.isfinite(v[window:]) & enough] = np.inf  # a NaN or inf loss is always a spike
-    score[window:] = s
+    windows = np.lib.stride_tricks.sliding_window_view(finite, window)[:-1]  # row i = v[i : i+window], before i+window
+    for lo in range(0, windows.shape[0], ROLLING_CHUNK):
+        win = windows[lo : lo + ROLLING_CHUNK]
+        at = slice(window + lo, window + lo + win.shape[0])
+        enough = np.sum(np.isfinite(win), axis=1) >= MIN_WINDOW
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN windows: masked out below
+            med = np.nanmedian(win, axis=1)
+            mad = np.nanmedian(np.abs(win - med[:, None]), axis=1)
+        sp = np.maximum(np.maximum(MAD_SCALE * mad, REL_FLOOR * np.abs(med)), 1e-12)
+        med[~enough], sp[~enough] = np.nan, np.nan
+        base[at], spread[at] = med, sp
+        with np.errstate(all="ignore"):
+            s = (v[at] - med) / sp
+        s[~np.isfinite(v[at]) & enough] = np.inf  # a NaN or inf loss is always a spike
+        score[at] = s
     return base, spread, score
 
 
@@ -150,17 +159,21 @@ def check_metric(run: Run, name: str = DEFAULT_METRIC) -> int:
 
 
 def _loss_curve(run: Run, name: str = DEFAULT_METRIC) -> tuple[np.ndarray, np.ndarray]:
+    """The metric's column, read from the segments' indexes (traces.columns): at 1.4M steps
+    ~75 MB of index columns read and 4 bytes a step held, no record decoded."""
     trace = run.trace
-    index = check_metric(run, name)
+    check_metric(run, name)
     if len(trace) == 0:
         raise SpikeInputError(f"{run.path}: the trace holds no steps (was it recorded with trace.level=off?)")
     steps = np.arange(trace.start, trace.end)
-    return steps, np.array([rec.metrics[index] for rec in trace.records()], np.float64)
+    return steps, columns.metric(trace, name).astype(np.float64)
 
 
 def scan(run: Run, window: int = DEFAULT_WINDOW, threshold: float = DEFAULT_THRESHOLD,
          metric: str = DEFAULT_METRIC) -> Scan:
-    """Every recorded step whose `metric` (the loss) scores at least `threshold` against the previous window."""
+    """Every recorded step whose `metric` (the loss) scores at least `threshold` against the previous window.
+
+    Vectorised over the run: ~0.5 s a million steps at --window 50, memory ~40 bytes a step."""
     check_window(window, threshold)
     steps, loss = _loss_curve(run, metric)
     if steps.size <= window:
@@ -168,14 +181,12 @@ def scan(run: Run, window: int = DEFAULT_WINDOW, threshold: float = DEFAULT_THRE
                               f"of --window {window} previous steps: pass a smaller --window (at least {MIN_WINDOW})")
     base, spread, score = rolling_scores(loss, window)
     result = Scan(str(run.path), window, threshold, (int(steps[window]), int(steps[-1])))
-    best = None
-    for i in range(window, steps.size):
-        if np.isnan(score[i]):
-            continue
-        spike = Spike(int(steps[i]), float(loss[i]), float(base[i]), float(spread[i]), float(score[i]))
-        if best is None or spike.score > best.score:
-            best = spike
-        if spike.score >= threshold:
-            result.spikes.append(spike)
-    result.max_score = best
+
+    def spike(i: int) -> Spike:
+        return Spike(int(steps[i]), float(loss[i]), float(base[i]), float(spread[i]), float(score[i]))
+
+    scored = ~np.isnan(score)
+    result.spikes = [spike(i) for i in np.flatnonzero(scored & (score >= threshold)).tolist()]
+    if scored.any():
+        result.max_score = spike(int(np.flatnonzero(scored)[np.argmax(score[scored])]))  # the first of the highest
     return result

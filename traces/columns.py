@@ -1,77 +1,163 @@
-"""Columns of a trace: one field of many records at once, without decoding whole records.
+"""Columns of a trace: one field of many records at once, streamed segment by segment.
 
-Reading the per-example hashes of a million steps record by record costs seconds; every
-record starts with the same fixed prefix (step, flags, rng, batch hash, example hashes, see
-FORMAT.md), so decompressing the frames and slicing that prefix is about ten times faster.
-Checksums are still checked: a sealed segment's whole, an unsealed one's frame by frame.
+The scalar fields (flags, rng, batch hash, metrics) come from each segment's index: ~50
+bytes a step, never the records; at 1.4M steps a metric column reads ~75 MB of index
+columns and holds 4 bytes a step. The per-example fields (example hashes, per-example
+metrics) and the layer fields (fingerprints, RMS) are in the records only: a chunk of
+frames is read at once, each frame's checksum checked, decompressed, and decoded by numpy
+for all records of the chunk together (one structured view per record layout), so memory
+is bounded by the chunk (CHUNK_RECORDS records), whatever the run's length.
 """
 
 from __future__ import annotations
 
-import zlib
-from pathlib import Path
+from typing import Iterator
 
 import numpy as np
-import zstandard
 
-from traces.errors import TraceCorruptError
-from traces.trace import _FRAME, HEADER_SIZE, TraceReader, _decompressor
+from traces.index import StepColumns, record_prefix
+from traces.schema import FLAG_EXAMPLE_METRICS, FLAG_LAYER, METRIC_DTYPES, Schema
+from traces.trace import FRAME_HEAD, TraceReader, corrupt
+
+CHUNK_RECORDS = 1024  # ~12 MB of frames at 1,024 examples a step
 
 
-def read_example_hashes(reader: TraceReader, start: int | None = None, stop: int | None = None) -> np.ndarray:
-    """uint64 (steps, B) of steps start..stop-1, in global example order.
-
-    About 10x faster than `reader.records()`: it decompresses each frame but decodes only
-    the fixed prefix every record shares (step, flags, rng, batch hash, example hashes).
-    Checksums are still checked: a sealed segment's by `segment_bytes`, an unsealed one's
-    frame by frame here, and each record must hold the step its place says.
-    """
-    schema = reader.schema
+def _range(reader: TraceReader, start: int | None, stop: int | None) -> tuple[int, int]:
     start = reader.start if start is None else max(start, reader.start)
     stop = reader.end if stop is None else min(stop, reader.end)
-    B = schema.examples_per_step
-    prefix = 8 + 1 + 4 * schema.rng_words + 8 + 8 * B
-    out = np.empty((max(stop - start, 0), B), dtype=np.uint64)
-    decompress = _decompressor().decompress
-    for index, seg in enumerate(reader.segments):
-        lo, hi = max(start, seg.first_step), min(stop, seg.first_step + seg.count)
-        if lo >= hi:
+    return start, max(start, stop)
+
+
+def segment_ranges(reader: TraceReader, start: int | None = None, stop: int | None = None,
+                   chunk: int | None = None) -> Iterator[tuple[int, int, int]]:
+    """(segment, lo, hi): records lo..hi-1 of the segment (counted in it) covering start..stop-1,
+    at most `chunk` records each."""
+    start, stop = _range(reader, start, stop)
+    for i, seg in enumerate(reader.segments):
+        lo, hi = max(start, seg.first_step) - seg.first_step, min(stop, seg.first_step + seg.count) - seg.first_step
+        step = chunk or max(hi - lo, 1)
+        for a in range(lo, hi, step):
+            yield i, a, min(hi, a + step)
+
+
+def step_columns(reader: TraceReader, start: int | None = None, stop: int | None = None) -> Iterator[StepColumns]:
+    """The index columns of steps start..stop-1, one StepColumns a segment (offsets excluded)."""
+    for i, lo, hi in segment_ranges(reader, start, stop):
+        c = reader.columns(i)
+        yield StepColumns(c.first_step + lo, c.offsets[lo : hi + 1], c.frame_crc[lo:hi], c.flags[lo:hi], c.rng[lo:hi],
+                          c.batch_hash[lo:hi], c.metric_bits[lo:hi], c.examples_key[lo:hi])
+
+
+def _concat(parts: list[np.ndarray], empty: np.ndarray) -> np.ndarray:
+    return np.concatenate(parts) if parts else empty
+
+
+def metric(reader: TraceReader, name: str, start: int | None = None, stop: int | None = None) -> np.ndarray:
+    """The values of scalar metric `name` for steps start..stop-1 (its dtype, exact bits)."""
+    schema = reader.schema
+    j = schema.metric_index(name)
+    value, bits = METRIC_DTYPES[schema.metric_dtype]
+    return _concat([c.metric_bits[:, j] for c in step_columns(reader, start, stop)], np.zeros(0, bits)).view(value)
+
+
+def batch_hashes(reader: TraceReader, start: int | None = None, stop: int | None = None) -> np.ndarray:
+    return _concat([c.batch_hash for c in step_columns(reader, start, stop)], np.zeros(0, np.uint64))
+
+
+# ------------------------------------------------------------------------------ fields inside the records
+
+
+def _bodies(reader: TraceReader, i: int, lo: int, hi: int) -> list[bytes]:
+    """Records lo..hi-1 of segment i decompressed; checksums and steps checked."""
+    data, base, offsets = reader.frames(i, lo, hi)
+    seg, view = reader.segments[i], memoryview(data)
+    return [reader._raw(seg, seg.first_step + lo + k, view[int(offsets[k]) - base + FRAME_HEAD : int(offsets[k + 1]) - base])
+            for k in range(hi - lo)]
+
+
+def _full_dtype(schema: Schema, flags: int) -> np.dtype:
+    """A whole record's layout: the (step, flags) head, then `schema.layout(flags)`."""
+    body = schema.layout(flags)
+    return np.dtype([("step", "<u8"), ("flags", "u1")] + [(name, body.fields[name][0]) for name in body.names])
+
+
+def decode(reader: TraceReader, i: int, lo: int, hi: int, fields: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Fields of records lo..hi-1 of segment i, decoded by numpy for all of them at once.
+
+    Optional fields (fingerprints, rms, example_metrics) are zero where a record lacks them;
+    "flags" says which have them. Fields of the fixed prefix are read without the rest.
+    """
+    schema, n = reader.schema, hi - lo
+    raws = _bodies(reader, i, lo, hi)
+    prefix = record_prefix(schema)
+    out: dict[str, np.ndarray] = {}
+    if all(f in prefix.names for f in fields):
+        short = [k for k, r in enumerate(raws) if len(r) < prefix.itemsize]
+        if short:
+            seg = reader.segments[i]
+            raise corrupt(seg.path, seg.first_step + lo + short[0], 0, "record is shorter than its schema says")
+        rows = np.frombuffer(b"".join(r[: prefix.itemsize] for r in raws), prefix, n)
+        return {f: rows[f] for f in fields}
+    flags = np.frombuffer(b"".join(r[8:9] for r in raws), np.uint8, n)
+    for f in fields:
+        if f == "flags":
             continue
-        data = reader.segment_bytes(index)
-        view, pos = memoryview(data), HEADER_SIZE
-        for _ in range(lo - seg.first_step):  # frames before the range: skip by their lengths
-            pos += 8 + _FRAME.unpack_from(data, pos)[0]
-        frames = []
-        for _ in range(hi - lo):
-            length, crc = _FRAME.unpack_from(data, pos)
-            frames.append((pos, length, crc))
-            pos += 8 + length
-        if not seg.sealed:  # a sealed segment's checksum was checked whole by segment_bytes
-            for i, (at, length, crc) in enumerate(frames):
-                if zlib.crc32(view[at + 8 : at + 8 + length], zlib.crc32(view[at : at + 4])) != crc:
-                    raise _corrupt(seg.path, lo + i, at, "record checksum mismatch")
-        try:
-            parts = [decompress(view[at + 8 : at + 8 + length])[:prefix] for at, length, _ in frames]
-        except zstandard.ZstdError:
-            parts = []
-        if len(parts) < len(frames) or min(map(len, parts)) < prefix:  # name the first bad record
-            i = next(i for i, (at, n, _) in enumerate(frames) if not _decodes(decompress, view[at + 8 : at + 8 + n], prefix))
-            raise _corrupt(seg.path, lo + i, frames[i][0], "record does not decompress to a record of this schema")
-        block = np.frombuffer(b"".join(parts), dtype=np.uint8).reshape(hi - lo, prefix)
-        held = block[:, :8].copy().view("<u8").ravel()
-        bad = np.flatnonzero(held != np.arange(lo, hi, dtype=np.uint64))
-        if bad.size:
-            raise _corrupt(seg.path, lo + int(bad[0]), 0, f"record holds step {int(held[bad[0]])}")
-        out[lo - start : hi - start] = block[:, prefix - 8 * B :].copy().view("<u8")
+        dtype = _full_dtype(schema, FLAG_LAYER | FLAG_EXAMPLE_METRICS).fields[f][0]
+        out[f] = np.zeros((n, *dtype.shape), dtype.base)
+    for value in np.unique(flags):
+        at = np.flatnonzero(flags == value)
+        dtype = _full_dtype(schema, int(value))
+        group = [raws[k] for k in at]
+        bad = [k for k, r in zip(at, group) if len(r) != dtype.itemsize]
+        if int(value) & ~(FLAG_LAYER | FLAG_EXAMPLE_METRICS) or bad:
+            seg = reader.segments[i]
+            k = int(bad[0]) if bad else int(at[0])
+            raise corrupt(seg.path, seg.first_step + lo + k, 0, "record does not fit the run's schema")
+        rows = np.frombuffer(b"".join(group), dtype, at.size)
+        for f in fields:
+            if f != "flags" and f in dtype.names:
+                out[f][at] = rows[f]
+    out["flags"] = flags
     return out
 
 
-def _decodes(decompress, body, prefix: int) -> bool:
-    try:
-        return len(decompress(body)) >= prefix
-    except zstandard.ZstdError:
-        return False
+def chunks(reader: TraceReader, fields: tuple[str, ...], start: int | None = None, stop: int | None = None,
+           chunk: int = CHUNK_RECORDS) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+    """(first step, fields) of consecutive chunks of steps start..stop-1: bounded memory."""
+    for i, lo, hi in segment_ranges(reader, start, stop, chunk):
+        yield reader.segments[i].first_step + lo, decode(reader, i, lo, hi, fields)
 
 
-def _corrupt(path: Path, step: int, offset: int, reason: str) -> TraceCorruptError:
-    return TraceCorruptError(f"{path}: damaged at step {step} (byte {offset}): {reason}", str(path), step)
+def example_hashes(reader: TraceReader, start: int | None = None, stop: int | None = None,
+                   chunk: int = CHUNK_RECORDS) -> Iterator[tuple[int, np.ndarray]]:
+    """(first step, uint64 (n, B)) chunks of the per-example hashes, in global example order."""
+    for first, cols in chunks(reader, ("example_hashes",), start, stop, chunk):
+        yield first, cols["example_hashes"]
+
+
+def example_metric(reader: TraceReader, name: str, start: int | None = None, stop: int | None = None,
+                   chunk: int = CHUNK_RECORDS) -> Iterator[tuple[int, np.ndarray]]:
+    """(first step, float32 (n, B)) chunks of per-example metric `name`; NaN where a record has none."""
+    j = list(reader.schema.example_metrics).index(name)
+    for first, cols in chunks(reader, ("example_metrics",), start, stop, chunk):
+        values = cols["example_metrics"][:, j].copy()
+        values[(cols["flags"] & FLAG_EXAMPLE_METRICS) == 0] = np.nan
+        yield first, values
+
+
+def fingerprints(reader: TraceReader, start: int | None = None, stop: int | None = None,
+                 chunk: int = CHUNK_RECORDS) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
+    """(first step, uint64 (n, T) fingerprints, float32 (n, T) rms, bool (n) recorded) chunks."""
+    for first, cols in chunks(reader, ("fingerprints", "rms"), start, stop, chunk):
+        yield first, cols["fingerprints"], cols["rms"], (cols["flags"] & FLAG_LAYER) != 0
+
+
+def read_example_hashes(reader: TraceReader, start: int | None = None, stop: int | None = None) -> np.ndarray:
+    """uint64 (steps, B) of steps start..stop-1 in one array: 8 bytes an example of the range,
+    so for a bounded range; `example_hashes` streams a long one."""
+    start, stop = _range(reader, start, stop)
+    out = np.empty((stop - start, reader.schema.examples_per_step), np.uint64)
+    for first, block in example_hashes(reader, start, stop):
+        out[first - start : first - start + block.shape[0]] = block
+    return out
+

@@ -39,3 +39,27 @@ def make_record(schema: Schema, step: int, seed: int = 0, layer_every: int = 3) 
         example_metrics=rng.random((len(schema.example_metrics), schema.examples_per_step)).astype(np.float32)
         if layer and schema.example_metrics else None,
     )
+
+
+class BytesRead:
+    """Bytes this process reads (read/pread syscalls: /proc/self/io rchar) while in the block.
+
+    Counts every way of reading a file, so it bounds what a reader reads whatever its code;
+    the trace reader reads with pread, never mmap (which rchar would not see).
+    """
+
+    def __enter__(self) -> "BytesRead":
+        self.count, self._start = 0, self._rchar()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.count = self._rchar() - self._start
+
+    @property
+    def so_far(self) -> int:
+        return self._rchar() - self._start
+
+    @staticmethod
+    def _rchar() -> int:
+        with open("/proc/self/io") as f:  # read with one small read, counted the same at start and end
+            return int(next(line for line in f if line.startswith("rchar:")).split()[1])

@@ -11,7 +11,7 @@ from traces import (
     Damage, ManifestCorruptError, NewerFormatError, Run, TraceCorruptError, TraceError, describe_damage,
     manifest_checksum, same_bits, write_manifest,
 )
-from tests.traces.helpers import make_record, make_schema
+from tests.traces.helpers import BytesRead, make_record, make_schema
 
 MANIFEST = {
     "config": {"seed": 7, "steps": 30, "model": {"n_layers": 2, "d_model": 16}, "lr": 0.001},
@@ -240,14 +240,13 @@ def test_describe_damage_names_file_byte_and_step():
     assert describe_damage([d, d, d]).endswith("(and 2 more damages)")
 
 
-def test_damage_is_computed_once_per_run(tmp_path, monkeypatch):
+def test_damage_is_computed_once_per_run(tmp_path):
     write_run(tmp_path / "run", n=30)
     run = Run.open(tmp_path / "run")
     run.damage
-    opened = []
-    real = type(tmp_path).read_bytes
-    monkeypatch.setattr(type(tmp_path), "read_bytes", lambda p: opened.append(p.name) or real(p))
-    assert run.damage == [] and opened == []
+    with BytesRead() as read:
+        assert run.damage == []
+    assert read.count < 200  # the counter's own reads of /proc/self/io, nothing of the run
 
 
 def test_a_segment_path_that_is_a_directory_is_damage_not_a_crash(tmp_path):
@@ -273,27 +272,32 @@ def test_a_directory_in_place_of_a_middle_segment_is_damage(tmp_path):
 
 
 def test_an_unreadable_segment_is_damage_naming_it(tmp_path, monkeypatch):
+    import traces.segment
+
     write_run(tmp_path / "run", n=30)
     run = Run.open(tmp_path / "run")
     assert run.damage == []  # opened while readable
-    real = type(tmp_path).read_bytes
+    real = traces.segment.open_fd
 
-    def read_bytes(p):
+    def open_fd(p):
         if p.name == "000000000014.seg":
             raise PermissionError(13, "Permission denied", str(p))
         return real(p)
 
-    monkeypatch.setattr(type(tmp_path), "read_bytes", read_bytes)
+    monkeypatch.setattr(traces.segment, "open_fd", open_fd)
     with pytest.raises(TraceCorruptError, match=r"000000000014.seg: cannot be read \(Permission denied\)"):
         run.trace.read(15)  # a sealed segment, first read after opening
     assert "cannot be read" in run.verify()[0].reason
 
 
-def test_opening_a_run_reads_headers_and_seals_not_whole_segments(tmp_path, monkeypatch):
-    write_run(tmp_path / "run", n=30)  # four sealed segments and an open one
-    read = []
-    real = type(tmp_path).read_bytes
-    monkeypatch.setattr(type(tmp_path), "read_bytes", lambda p: read.append(p.name) or real(p))
-    run = Run.open(tmp_path / "run")
-    assert run.damage == [] and run.trace.end == 30
-    assert read == ["000000000028.seg"]  # only the unsealed last segment is scanned
+def test_opening_a_run_reads_headers_and_seals_not_whole_segments(tmp_path):
+    write_run(tmp_path / "run", n=30)  # four sealed segments and an open one holding steps 28, 29
+    trace = tmp_path / "run" / "trace"
+    tail = (trace / "000000000028.seg").stat().st_size
+    with BytesRead() as read:
+        run = Run.open(tmp_path / "run")
+        assert run.damage == [] and run.trace.end == 30
+    small = sum(p.stat().st_size for p in (tmp_path / "run").iterdir() if p.is_file())  # run.json, COMPLETE
+    # 28 + 20 bytes a sealed segment; the unsealed tail whole (its frames' checksums are checked)
+    assert read.count <= small + 4 * 48 + 48 + tail + 200, read.count
+    assert read.count < small + sum(p.stat().st_size for p in trace.glob("*.seg")) // 2

@@ -11,7 +11,8 @@ from traces import (
     Run, RunLockedError, Schema, SchemaError, StepOrderError, TraceReader, TraceWriter,
     decode_record, encode_record, same_bits,
 )
-from tests.traces.helpers import make_record, make_schema
+from tests.traces.helpers import BytesRead, make_record, make_schema
+from traces.index import INDEX_HEADER_SIZE, _column_layout
 
 
 def write_run(path, n, schema=None, segment_records=7, finish=True, start=0):
@@ -76,14 +77,38 @@ def test_run_round_trip_random_access_across_segments(tmp_path):
         trace.read(50)
 
 
-def test_random_access_reads_only_the_segment_it_needs(tmp_path, monkeypatch):
-    write_run(tmp_path / "run", 50)
-    trace = Run.open(tmp_path / "run").trace
-    opened = []
-    real = type(tmp_path).read_bytes
-    monkeypatch.setattr(type(tmp_path), "read_bytes", lambda p: opened.append(p.name) or real(p))
-    trace.read(23)
-    assert opened == ["000000000021.seg"]
+def test_random_access_reads_only_the_segment_it_needs(tmp_path):
+    """Bytes read are counted from before the trace is opened: the headers and seals, the
+    unsealed tail, then the index columns of the one segment holding the step and its frame
+    (the reader before indexes read the whole segment holding the step)."""
+    per, sealed, tail = 64, 8, 10
+    schema = write_run(tmp_path / "run", sealed * per + tail, segment_records=per)
+    trace_dir = tmp_path / "run" / "trace"
+    step = 3 * per + 17
+    with BytesRead() as read:
+        trace = TraceReader(trace_dir, schema, first_step=0)
+        opened = read.so_far
+        rec = trace.read(step)
+    assert same_bits(schema, rec, make_record(schema, step))
+    tail_size = (trace_dir / f"{sealed * per:012d}.seg").stat().st_size
+    assert opened <= sealed * 48 + 48 + tail_size + 200, opened
+    frame = int(np.diff(trace.offsets(3))[17])
+    columns = _column_layout(schema, per)[1]
+    assert read.count - opened <= INDEX_HEADER_SIZE + columns + frame + 200, (read.count - opened, columns, frame)
+    assert read.count < (trace_dir / "000000000192.seg").stat().st_size  # less than the one segment holding it
+
+
+def test_random_access_without_an_index_walks_frame_lengths(tmp_path):
+    schema = write_run(tmp_path / "run", 3 * 64, segment_records=64)
+    trace_dir = tmp_path / "run" / "trace"
+    (trace_dir / "000000000064.idx").unlink()  # a segment recorded before indexes
+    trace = TraceReader(trace_dir, schema)
+    with BytesRead() as read:
+        rec = trace.read(64 + 40)
+    assert same_bits(schema, rec, make_record(schema, 64 + 40))
+    frame = int(np.diff(trace.offsets(1))[40])
+    assert read.count <= 8 * 64 + 20 + frame + 200, read.count
+    assert read.count < (trace_dir / "000000000064.seg").stat().st_size // 2
 
 
 def test_resume_appends_without_gap_and_accepts_identical_rewrites(tmp_path):

@@ -1,0 +1,218 @@
+"""Real-run scale (issue 12): `show`, `audit`, `spike` and `bisect` on step-level traces of
+growing length, timed and measured each in its own process, fitted, extrapolated to 1.4M steps.
+
+For each size a run A is written (1,024 example hashes and per-example losses a step, the
+trainer's step-level record, ~12 KB a step; one epoch of a declared dataset), and two runs
+that part from it late (at 90% of the run): B_metric (the loss one part in 1000 higher from
+there) and B_data (from there half of every batch is data fed before, as when a contiguous
+per-host sampler resumes on twice the hosts). B's segments before the divergence are hard
+links to A's, as a copied run's would be bytes equal. Each command runs in a fresh process
+(`python -m replay.cli.app ...`); its wall seconds and peak RSS (getrusage of the child, in a
+wrapper process of its own) are recorded, with the CLI's start-up (`replay show --help`)
+measured apart. The runs were just written, so the page cache is warm, as on the machine that
+recorded them; a cold cache adds the disk's read time (audit reads the whole trace and index).
+Free disk is checked first; everything is removed after each size (unless --keep).
+
+At these sizes the unsealed tail (848, 2544, 5536 records) still grows with the run; it is
+read whole on opening and its buffers saturate at one segment, so peak RSS fits overstate.
+
+Prints one JSON line a size, then one JSON object on the last line: per command the seconds
+and peak RSS at each size, the fitted growth exponent of (seconds - start-up) against steps,
+the seconds and RSS extrapolated to 1.4M steps, and the budgets beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench._synthetic import batch_hash, epoch_hashes, scale_records, scale_schema
+from traces import Run
+from traces.index import index_path
+
+SIZES = (50_000, 150_000, 350_000)
+TARGET_STEPS = 1_400_000
+EXAMPLES = 1024
+# command -> (seconds at 1.4M steps, peak RSS MB), the issue's budgets on this machine
+BUDGETS = {"show": (1.0, 1024), "audit": (120.0, 2048), "spike": (10.0, 1024), "bisect_metric": (5.0, 1024),
+           "bisect_data": (5.0, 1024)}
+DIVERGE_AT = 0.9
+_WRAPPER = r"""
+import json, resource, subprocess, sys, time
+t = time.perf_counter()
+with open(sys.argv[1], "wb") as out:
+    r = subprocess.run(sys.argv[2:], stdout=out, stderr=subprocess.PIPE)
+seconds = time.perf_counter() - t
+print(json.dumps({"seconds": seconds, "peak_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
+                  "exit_code": r.returncode, "stderr": r.stderr.decode(errors="replace")[-400:]}))
+"""
+
+
+def measure(args: list[str], stdout: Path) -> dict:
+    """Seconds and peak RSS of one command in a fresh process (its stdout kept in `stdout`)."""
+    done = subprocess.run([sys.executable, "-c", _WRAPPER, str(stdout), *args], capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def replay_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "replay.cli.app", *args]
+
+
+def run_bytes(steps: int, examples: int) -> int:
+    return steps * (24 * examples + 200)  # records (~12 B an example) and index (12 B an example)
+
+
+def write_run(path: Path, schema, steps: int, n_examples: int, start: int | None = None, change=None) -> float:
+    """Writes a run, or continues one from `start`; returns the seconds it took."""
+    t = time.perf_counter()
+    run = Run.create(path, schema, {"config": {"synthetic": "bench.scale", "steps": steps}, "dataset_size": n_examples}) \
+        if start is None else Run.resume(path)
+    writer = run.writer()
+    for rec in scale_records(schema, start or 0, steps, n_examples):
+        writer.append(change(rec) if change else rec)
+    run.finish()
+    return time.perf_counter() - t
+
+
+def fork_run(a: Path, b: Path, schema, steps: int, n_examples: int, diverge: int, change) -> float:
+    """B: A's sealed segments wholly before `diverge` hard-linked, the rest written with `change`."""
+    Run.create(b, schema, {"config": {"synthetic": "bench.scale", "steps": steps}, "dataset_size": n_examples}).close()
+    trace = Run.open(a).trace
+    start = 0
+    for seg in trace.segments:
+        if not seg.sealed or seg.first_step + seg.count > diverge:
+            break
+        os.link(seg.path, b / "trace" / seg.path.name)
+        if index_path(seg.path).exists():
+            os.link(index_path(seg.path), b / "trace" / index_path(seg.path).name)
+        start = seg.first_step + seg.count
+    (b / "INCOMPLETE").touch()
+    return write_run(b, schema, steps, n_examples, start, change)
+
+
+def bench_size(root: Path, steps: int, examples: int) -> dict:
+    schema = scale_schema(examples)
+    n_examples = steps * examples  # one epoch over the run
+    diverge = int(steps * DIVERGE_AT)
+    a, b_metric, b_data = root / "A", root / "B_metric", root / "B_data"
+    written = {"A": write_run(a, schema, steps, n_examples)}
+
+    def louder(rec):
+        if rec.step >= diverge:
+            m = rec.metrics.copy()
+            m[0] *= np.float32(1.001)
+            return dataclasses.replace(rec, metrics=m)
+        return rec
+
+    def resampled(rec):
+        if rec.step < diverge:
+            return rec
+        row = rec.example_hashes.copy()
+        back = rec.step - diverge + max(0, diverge - 1000)  # steps fed a thousand steps before the resume, again
+        slots = back * examples + np.arange(examples // 2)
+        row[: examples // 2] = epoch_hashes(slots, n_examples)
+        return dataclasses.replace(rec, example_hashes=row, batch_hash=batch_hash(row))
+
+    written["B_metric"] = fork_run(a, b_metric, schema, steps, n_examples, diverge, louder)
+    written["B_data"] = fork_run(a, b_data, schema, steps, n_examples, diverge, resampled)
+    commands = {
+        "show": replay_cmd("show", str(a)),
+        "audit": replay_cmd("audit", str(a), "--json"),
+        "spike": replay_cmd("spike", str(a), "--json"),
+        "bisect_metric": replay_cmd("bisect", str(a), str(b_metric), "--no-refine", "--json"),
+        "bisect_data": replay_cmd("bisect", str(a), str(b_data), "--no-refine", "--json"),
+    }
+    out: dict = {"steps": steps, "examples_per_step": examples, "diverge_at": diverge,
+                 "trace_gb": round(sum(p.stat().st_size for p in (a / "trace").glob("*.seg")) / 1e9, 3),
+                 "index_gb": round(sum(p.stat().st_size for p in (a / "trace").glob("*.idx")) / 1e9, 3),
+                 "write_seconds": {k: round(v, 1) for k, v in written.items()},
+                 "commands": {}}
+    for name, args in commands.items():
+        result = measure(args, root / f"{name}.out")
+        text = (root / f"{name}.out").read_text(errors="replace")
+        row = {"seconds": round(result["seconds"], 3), "peak_rss_mb": round(result["peak_rss_mb"], 1),
+               "exit_code": result["exit_code"]}
+        if name.startswith("bisect"):
+            try:
+                report = json.loads(text)
+                row.update(found_step=report.get("first_step"), cause=report.get("cause"),
+                           repeated_in_b=report.get("repeated_in_b"))
+            except ValueError:
+                row["stderr"] = result["stderr"]
+        elif result["exit_code"] not in (0, 1):
+            row["stderr"] = result["stderr"]
+        out["commands"][name] = row
+    return out
+
+
+def fit(sizes: list[int], seconds: list[float], startup: float) -> tuple[float | None, float | None]:
+    """(exponent k of (seconds - start-up) = c * steps**k, seconds extrapolated to TARGET_STEPS)."""
+    if len(sizes) < 2:
+        return None, None
+    x = np.log(np.array(sizes, float))
+    y = np.log(np.maximum(np.array(seconds) - startup, 1e-3))
+    k, c = np.polyfit(x, y, 1)
+    return float(k), float(startup + math.exp(c) * TARGET_STEPS ** k)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="steps of each size, comma separated")
+    parser.add_argument("--examples", type=int, default=EXAMPLES, help="examples a step")
+    parser.add_argument("--dir", default=None, help="where to write the runs (default: a temporary folder)")
+    parser.add_argument("--keep", action="store_true", help="keep the runs")
+    args = parser.parse_args()
+    sizes = sorted(int(s) for s in args.sizes.split(","))
+    base = Path(args.dir) if args.dir else Path(tempfile.gettempdir())
+    base.mkdir(parents=True, exist_ok=True)
+    need = int(run_bytes(max(sizes), args.examples) * (1 + 2 * (1 - DIVERGE_AT) + 0.4))  # A, two B tails, margin
+    free = shutil.disk_usage(base).free
+    if need > free - (2 << 30):
+        raise SystemExit(f"error: the largest size needs ~{need / 1e9:.1f} GB on {base}, {free / 1e9:.1f} GB are free: "
+                         "pass smaller --sizes or another --dir")
+    startup = measure(replay_cmd("show", "--help"), base / "startup.out")  # the interpreter and the CLI
+    (base / "startup.out").unlink(missing_ok=True)
+    results = []
+    for steps in sizes:
+        root = Path(tempfile.mkdtemp(prefix=f"replay-scale-{steps}-", dir=base))
+        try:
+            result = bench_size(root, steps, args.examples)
+        finally:
+            if not args.keep:
+                shutil.rmtree(root, ignore_errors=True)
+        results.append(result)
+        print(json.dumps(result), flush=True)
+    summary = {}
+    for name, (budget_s, budget_mb) in BUDGETS.items():
+        secs = [r["commands"][name]["seconds"] for r in results]
+        rss = [r["commands"][name]["peak_rss_mb"] for r in results]
+        k, at_target = fit(sizes, secs, startup["seconds"])
+        rk, rss_target = fit(sizes, rss, startup["peak_rss_mb"])
+        summary[name] = {
+            "seconds": secs, "peak_rss_mb": rss, "exponent": None if k is None else round(k, 2),
+            "seconds_at_1.4M": None if at_target is None else round(at_target, 2), "budget_seconds": budget_s,
+            "rss_exponent": None if rk is None else round(rk, 2),
+            "peak_rss_mb_at_1.4M": None if rss_target is None else round(rss_target, 1), "budget_rss_mb": budget_mb,
+            "within_budget": None if at_target is None else bool(at_target <= budget_s and rss_target <= budget_mb),
+        }
+    print(json.dumps({"bench": "scale", "steps": sizes, "examples_per_step": args.examples,
+                      "target_steps": TARGET_STEPS, "startup_seconds": round(startup["seconds"], 3),
+                      "startup_rss_mb": round(startup["peak_rss_mb"], 1), "commands": summary,
+                      "found": {r["steps"]: {n: [r["commands"][n].get("found_step"), r["commands"][n].get("cause")]
+                                             for n in ("bisect_metric", "bisect_data")} for r in results},
+                      "diverge_at": {r["steps"]: r["diverge_at"] for r in results}}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,249 @@
+"""The audit's engine: per-epoch repeats found in hash-range partitions of the sorted hashes.
+
+Every repeat of an example is a repeat of its hash, so the audit splits the hash space into
+ranges and judges each range on its own: all sightings of the hashes in it, sorted by
+(hash, slot), are what replay/audit.py's rules need. For a run's trace the sorted hashes come
+from the segments' indexes (traces/index.py: each segment's hashes already sorted), a range
+at a time, so memory is bounded by the range (PARTITION_ENTRIES sightings), not the run. Only
+three things are global and small: the per-step count of same-batch copies (which decides
+whether a batch's copies are evidence of duplicate content), the per-step row keys that find
+whole replayed batches, and the findings themselves.
+
+At 1.4M steps of 1,024 examples: the index tables are read once (~17 GB, 12 bytes a sighting)
+and sorted a range at a time; memory ~0.5 GB plus 8 bytes a repeat found. When the dataset
+size is unknown the distinct count is needed first: one more pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+import traces
+from traces import columns
+from traces.index import examples_key
+from traces.sorting import stable_argsort
+
+PARTITION_ENTRIES = 1 << 22  # ~0.5 GB of working arrays a range
+_EMPTY = np.zeros(0, np.int64)
+
+
+@dataclass
+class Part:
+    """What one hash range contributes; deferred repeats wait for the global copy evidence."""
+
+    distinct: int = 0
+    seen: dict[int, int] = field(default_factory=dict)  # times seen -> distinct hashes seen that often
+    again_epochs: np.ndarray = field(default_factory=lambda: _EMPTY)  # epoch of every later sighting in its epoch
+    early: np.ndarray = field(default_factory=lambda: _EMPTY)  # slots decided early
+    early_first: np.ndarray = field(default_factory=lambda: _EMPTY)
+    dups: np.ndarray = field(default_factory=lambda: _EMPTY)  # slots decided duplicate content
+    deferred: tuple = (_EMPTY, _EMPTY, _EMPTY, np.zeros(0, np.uint64))  # slot, first slot, rank, hash
+    runs: tuple = (np.zeros(0, np.uint64), _EMPTY, _EMPTY)  # same-batch copies: hash, size, step
+    duplicates: list = field(default_factory=list)  # source evidence
+
+
+def analyze(hs: np.ndarray, gs: np.ndarray, N: int, B: int, copies) -> Part:
+    """The sightings of a range of hashes, sorted by (hash, slot): hashes `hs`, global slots `gs`."""
+    part = Part()
+    M = hs.size
+    if M == 0:
+        return part
+    new_h = np.r_[True, hs[1:] != hs[:-1]]
+    h_start = np.flatnonzero(new_h)
+    times, how_many = np.unique(np.diff(np.r_[h_start, M]), return_counts=True)
+    part.distinct, part.seen = int(h_start.size), {int(t): int(c) for t, c in zip(times, how_many)}
+    es = gs // N
+    new_he = new_h | np.r_[True, es[1:] != es[:-1]]
+    again = np.flatnonzero(~new_he)  # sorted positions of second-or-later sightings within an epoch
+    if not again.size:
+        return part
+    starts = np.flatnonzero(new_he)
+    he_start = starts[np.searchsorted(starts, again) - 1]  # the (hash, epoch) group each repeat belongs to
+    rank = again - he_start
+    part.again_epochs = es[again]
+    if copies is not None:
+        distinct, n = copies
+        allowed = np.ones(again.size, dtype=np.int64)
+        at = np.clip(np.searchsorted(distinct, hs[again]), 0, max(distinct.size - 1, 0))
+        found = distinct[at] == hs[again] if distinct.size else np.zeros(again.size, bool)
+        allowed[found] = n[at[found]]
+        known = np.unique(hs[again][allowed > 1])
+        part.duplicates = [{"hash": int(h), "copies": int(c), "evidence": "source"}
+                           for h, c in zip(known, n[np.searchsorted(distinct, known)])]
+        early = rank >= allowed
+        part.early, part.early_first, part.dups = gs[again[early]], gs[he_start[early]], gs[again[~early]]
+        return part
+    # Copies in one batch may be duplicate content: a (hash, epoch, step) group of k sits at k
+    # adjacent sorted places, k - 1 of them in same_step. Whether it counts is decided globally.
+    same_step = again[gs[again] // B == gs[again - 1] // B]
+    if same_step.size:
+        run_start = np.flatnonzero(np.r_[True, np.diff(same_step) != 1])
+        run_ends = np.r_[run_start[1:], same_step.size]
+        first = same_step[run_start]
+        part.runs = (hs[first], run_ends - run_start + 1, gs[first] // B)
+    has_runs = np.isin(hs[again], part.runs[0]) if same_step.size else np.zeros(again.size, bool)
+    sure = ~has_runs  # allowed one sighting: every repeat is early
+    part.early, part.early_first = gs[again[sure]], gs[he_start[sure]]
+    d = again[has_runs]
+    part.deferred = (gs[d], gs[he_start[has_runs]], rank[has_runs], hs[d])
+    return part
+
+
+def _copy_evidence(parts: list[Part], B: int) -> tuple[np.ndarray, np.ndarray, list[dict]]:
+    """(hashes, copies) the trace shows to be duplicate content, sorted by hash, and the evidence.
+
+    From copies of a hash at several positions of one batch; a batch where many different
+    examples repeat is not taken as evidence: that is the signature of hosts reading the same
+    slice (a sampler bug), while duplicate windows are rare, or one window (padding) repeated.
+    """
+    qh = np.concatenate([p.runs[0] for p in parts])
+    if not qh.size:
+        return np.zeros(0, np.uint64), _EMPTY, []
+    qsize = np.concatenate([p.runs[1] for p in parts])
+    qstep = np.concatenate([p.runs[2] for p in parts])
+    steps_u, per_step = np.unique(qstep, return_counts=True)
+    plausible = per_step[np.searchsorted(steps_u, qstep)] <= max(1, B // 8)
+    qh, qsize, qstep = qh[plausible], qsize[plausible], qstep[plausible]
+    sort = np.lexsort((-qsize, qh))
+    qh, qsize, qstep = qh[sort], qsize[sort], qstep[sort]
+    keep = np.r_[True, qh[1:] != qh[:-1]] if qh.size else np.zeros(0, bool)  # the largest same-step count per hash
+    qh, qsize, qstep = qh[keep], qsize[keep], qstep[keep]
+    evidence = [{"hash": int(h), "copies": int(c), "evidence": f"{int(c)} copies in the batch of step {int(s)}"}
+                for h, c, s in zip(qh, qsize, qstep)]
+    return qh, qsize, evidence
+
+
+def combine(parts: list[Part], B: int, N: int, base: int, M: int, replayed: np.ndarray, replay_first: np.ndarray,
+            copies) -> dict:
+    """The AuditReport fields that come from the parts (see replay/audit.py)."""
+    early, early_first, dups = [p.early for p in parts], [p.early_first for p in parts], [p.dups for p in parts]
+    duplicates = [d for p in parts for d in p.duplicates]
+    if copies is None:
+        qh, qsize, duplicates = _copy_evidence(parts, B)
+        slot, first, rank, h = (np.concatenate([p.deferred[k] for p in parts]) for k in range(4))
+        allowed = np.ones(slot.size, np.int64)
+        if qh.size and slot.size:
+            at = np.clip(np.searchsorted(qh, h), 0, qh.size - 1)
+            hit = qh[at] == h
+            allowed[hit] = qsize[at[hit]]
+        is_early = rank >= allowed
+        early.append(slot[is_early])
+        early_first.append(first[is_early])
+        dups.append(slot[~is_early])
+    early_slots, keep = np.unique(np.concatenate(early + [replayed]).astype(np.int64), return_index=True)
+    first_seen = np.concatenate(early_first + [replay_first]).astype(np.int64)[keep]
+    dup_slots = np.setdiff1d(np.concatenate(dups).astype(np.int64), early_slots)
+    e0, e1 = base // N, (base + M - 1) // N
+    epochs = np.arange(e0, e1 + 1)
+    lo, hi = np.maximum(epochs * N, base), np.minimum((epochs + 1) * N, base + M)
+    again = np.bincount(np.concatenate([p.again_epochs for p in parts]).astype(np.int64) - e0, minlength=epochs.size)
+    count = lambda slots: np.bincount(slots // N - e0, minlength=epochs.size)  # noqa: E731
+    seen: dict[int, int] = {}
+    for p in parts:
+        for t, c in p.seen.items():
+            seen[t] = seen.get(t, 0) + c
+    return {
+        "distinct": sum(p.distinct for p in parts), "times_seen": dict(sorted(seen.items())),
+        "early_slots": early_slots, "first_seen_slots": first_seen, "duplicate_slots": dup_slots,
+        "duplicates": duplicates, "replayed_batches": replayed.size // B if B else 0,
+        "per_epoch": {
+            "epoch": epochs, "first_step": lo // B, "last_step": (hi - 1) // B, "slots": hi - lo,
+            "complete": (hi - lo) == N, "distinct": hi - lo - again,
+            "early": count(early_slots), "duplicate": count(dup_slots),
+        },
+    }
+
+
+def replayed_batches(keys: np.ndarray, rows, base: int, N: int, B: int) -> tuple[np.ndarray, np.ndarray]:
+    """Slots of steps whose whole batch repeats an earlier step's in order, and the slots they repeat.
+
+    `keys`: traces.index.examples_key of each step's row (equal rows, equal keys); `rows(steps)`
+    gives the rows of those steps, to confirm every equal key exactly. A fresh permutation per
+    epoch practically never deals the same ordered batch twice, so this catches replayed data
+    even across an epoch boundary, and when N is unknown and the epochs are only a guess.
+    Skipped when the data is so small that it could happen by chance: (pairs of steps) / (N)_B,
+    the expected count, above 1e-6.
+    """
+    S = keys.size
+    none = _EMPTY, _EMPTY
+    if S < 2 or B > N or 2 * np.log10(S) - np.log10(N - np.arange(B, dtype=np.float64)).sum() > -6:
+        return none
+    order, ks = stable_argsort(keys)
+    again = np.flatnonzero(ks[1:] == ks[:-1]) + 1
+    if not again.size:
+        return none
+    starts = np.flatnonzero(np.r_[True, ks[1:] != ks[:-1]])
+    later, first = order[again], order[starts[np.searchsorted(starts, again) - 1]]
+    same = (rows(later) == rows(first)).all(axis=1)
+    cols = np.arange(B)
+    return (base + later[same, None] * B + cols).ravel(), (base + first[same, None] * B + cols).ravel()
+
+
+def memory_parts(hashes_SxB: np.ndarray, base: int, N: int, copies) -> list[Part]:
+    """The in-memory audit: the whole block as one range."""
+    flat = np.ascontiguousarray(hashes_SxB, dtype=np.uint64).ravel()
+    gs, hs = stable_argsort(flat)
+    gs += base
+    return [analyze(hs, gs, N, hashes_SxB.shape[1], copies)]
+
+
+def memory_keys(hashes_SxB: np.ndarray) -> np.ndarray:
+    return examples_key(np.ascontiguousarray(hashes_SxB, dtype=np.uint64))
+
+
+# ------------------------------------------------------------------------------ a trace, range by range
+
+
+def _ranges(reader: traces.TraceReader, segments: list[int], entries: int) -> list[tuple[int, int | None]]:
+    """Hash ranges [lo, hi) of about PARTITION_ENTRIES sightings each, cut at quantiles of the
+    segments' block fences (every 256th sorted hash), so uneven hashes split evenly too; even
+    cuts of the hash space when there are too few fences for that (small segments)."""
+    parts = max(1, -(-entries // PARTITION_ENTRIES))
+    if parts == 1:
+        return [(0, None)]
+    sample = np.sort(np.concatenate([reader.with_index(i, lambda index: index.sample()) for i in segments]))
+    if sample.size >= 8 * parts:
+        cuts = [int(c) for c in np.unique(sample[(np.arange(1, parts) * sample.size) // parts]) if int(c) > 0]
+    else:
+        cuts = [(k << 64) // parts for k in range(1, parts)]
+    bounds = [0] + cuts
+    return list(zip(bounds, bounds[1:] + [None]))
+
+
+def trace_partitions(reader: traces.TraceReader, start: int, stop: int):
+    """(hashes, global slots) of every sighting in steps start..stop-1, one hash range at a time,
+    each sorted by (hash, slot); read from the segments' indexes."""
+    B = reader.schema.examples_per_step
+    segments = [i for i, s in enumerate(reader.segments) if s.first_step < stop and s.first_step + s.count > start]
+    entries = sum(reader.segments[i].count for i in segments) * B
+    for lo, hi in _ranges(reader, segments, entries):
+        hs_parts, gs_parts = [], []
+        for i in segments:
+            seg = reader.segments[i]
+            hs, slots = reader.with_index(i, lambda index: index.table(lo, hi))
+            slots = slots + seg.first_step * B
+            if seg.first_step < start or seg.first_step + seg.count > stop:
+                keep = (slots >= start * B) & (slots < stop * B)
+                hs, slots = hs[keep], slots[keep]
+            hs_parts.append(hs)
+            gs_parts.append(slots)
+        hs, gs = np.concatenate(hs_parts), np.concatenate(gs_parts)
+        order, hs = stable_argsort(hs)  # segments come in slot order: stable keeps (hash, slot)
+        yield hs, gs[order]
+
+
+def trace_keys(reader: traces.TraceReader, start: int, stop: int) -> np.ndarray:
+    return np.concatenate([c.examples_key for c in columns.step_columns(reader, start, stop)] or [_EMPTY]).astype(
+        np.uint64)
+
+
+def trace_rows(reader: traces.TraceReader, start: int):
+    """rows(steps): the example hashes of steps start + s for each s, read from the records."""
+    def rows(offsets: np.ndarray) -> np.ndarray:
+        out = np.empty((offsets.size, reader.schema.examples_per_step), np.uint64)
+        for k, s in enumerate(offsets.tolist()):
+            out[k] = reader.read(start + s).example_hashes
+        return out
+    return rows

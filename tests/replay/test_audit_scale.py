@@ -1,0 +1,113 @@
+"""The audit and bisect's repeated-data search at scale (issue 12): the audit of a trace, read a
+hash range at a time from the segments' indexes, is the in-memory audit; seen_before finds what
+a scan of every record finds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from replay import audit_scan
+from replay.audit import audit, audit_hashes, audit_trace, read_example_hashes
+from replay.bisect_data import seen_before
+from tests.replay.test_audit import B, make_run, mix, order_ids, resume_repeat
+from traces import Run
+
+
+def assert_same(a, b) -> None:
+    for name in ("start", "end", "examples_per_step", "dataset_size", "dataset_size_from", "examples_seen", "distinct",
+                 "times_seen", "duplicates", "replayed_batches"):
+        assert getattr(a, name) == getattr(b, name), (name, getattr(a, name), getattr(b, name))
+    for name in ("early_slots", "first_seen_slots", "duplicate_slots"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    assert a.per_epoch.keys() == b.per_epoch.keys()
+    for key in a.per_epoch:
+        assert np.array_equal(a.per_epoch[key], b.per_epoch[key]), key
+
+
+def scenarios():
+    clean = mix(order_ids(100, 60))
+    dup_window = clean.copy()
+    dup_window[30, 3] = dup_window[30, 5]  # one window twice in a batch: duplicate content
+    sampler_bug = clean.copy()
+    sampler_bug[40, :6] = sampler_bug[39, :6]  # many repeats in one batch: not evidence
+    replayed = mix(order_ids(100_000, 300))
+    replayed[200:210] = replayed[100:110]  # whole batches dealt again, in order
+    return {"clean-multi-epoch": (clean, 100), "resume-repeat": (resume_repeat(), 1000),
+            "unknown-size": (resume_repeat(), None), "duplicate-window": (dup_window, 100),
+            "sampler-bug": (sampler_bug, 100), "replayed-batches": (replayed, 100_000)}
+
+
+@pytest.mark.parametrize("name", list(scenarios()))
+def test_the_audit_of_a_trace_in_hash_ranges_is_the_in_memory_audit(tmp_path, monkeypatch, name):
+    monkeypatch.setattr(audit_scan, "PARTITION_ENTRIES", 40)  # many ranges, even for a small trace
+    hashes, n = scenarios()[name]
+    run = make_run(tmp_path / "run", hashes, n, segment_records=16)
+    in_memory = audit_hashes(read_example_hashes(Run.open(run)), 0, n, None, "manifest")
+    assert_same(audit(run, source=False), in_memory)
+    streamed = audit_trace(Run.open(run).trace, 0, hashes.shape[0], n, None, "manifest")
+    assert_same(streamed, in_memory)
+    assert streamed.notes == in_memory.notes
+    part = audit(run, steps=(5, 27), source=False)
+    assert_same(part, audit_hashes(hashes[5:27], 5, n, None, "manifest"))
+
+
+def test_the_comparison_of_audits_sees_a_planted_repeat(tmp_path, monkeypatch):
+    monkeypatch.setattr(audit_scan, "PARTITION_ENTRIES", 40)
+    clean = mix(order_ids(100, 60))
+    planted = clean.copy()
+    planted[45, 2] = planted[44, 1]
+    a = audit(make_run(tmp_path / "a", clean, 100, segment_records=16), source=False)
+    b = audit(make_run(tmp_path / "b", planted, 100, segment_records=16), source=False)
+    assert a.ok and not b.ok and b.first_early_repeat_step == 45
+    with pytest.raises(AssertionError):
+        assert_same(a, b)
+
+
+def test_source_copies_give_the_same_audit_streamed(tmp_path, monkeypatch):
+    monkeypatch.setattr(audit_scan, "PARTITION_ENTRIES", 40)
+    hashes = mix(order_ids(100, 60))
+    hashes[10, 1] = hashes[10, 2]
+    distinct = np.unique(hashes)
+    copies = (distinct, np.where(distinct == hashes[10, 1], 2, 1))
+    run = Run.open(make_run(tmp_path / "run", hashes, 100, segment_records=16))
+    assert_same(audit_trace(run.trace, 0, 60, 100, copies), audit_hashes(hashes, 0, 100, copies))
+
+
+def test_the_audit_refuses_a_trace_damaged_inside_a_sealed_segment(tmp_path):
+    """The verdict vouches for records it reads from the index: their checksums are read first."""
+    run = make_run(tmp_path / "run", resume_repeat(), 1000, segment_records=8)
+    seg = sorted((run / "trace").glob("*.seg"))[1]
+    raw = bytearray(seg.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    seg.write_bytes(bytes(raw))
+    with pytest.raises(Exception, match=seg.name):
+        audit(run, source=False)
+
+
+def _scan_seen(runs, step, positions, limit=5):
+    """seen_before as it was: every record of both runs up to `step`, scanned."""
+    tables = {name: np.array([r.example_hashes for r in run.trace.records(stop=step + 1)]) for name, run in runs.items()}
+    out = []
+    for name, table in tables.items():
+        for pos in positions:
+            target, seen = table[step, pos], []
+            for other, t in tables.items():
+                upto = step * t.shape[1] + (pos if other == name else 0)
+                for idx in np.flatnonzero(t.reshape(-1)[:upto] == target)[:limit]:
+                    seen.append({"run": other, "step": int(idx // t.shape[1]), "position": int(idx % t.shape[1])})
+            out.append((name, pos, f"{int(target):016x}", seen))
+    return out
+
+
+def test_seen_before_finds_what_a_scan_of_every_record_finds(tmp_path):
+    a_hashes = mix(order_ids(1000, 70))
+    b_hashes = a_hashes.copy()
+    b_hashes[50:] = a_hashes[30:50]  # B resumed at 50 re-feeding steps 30..49
+    b_hashes[50, 0] = b_hashes[50, 3]  # a copy within the step itself, after an earlier place
+    runs = {"A": Run.open(make_run(tmp_path / "a", a_hashes, 1000, segment_records=16)),
+            "B": Run.open(make_run(tmp_path / "b", b_hashes, 1000, segment_records=16))}
+    positions = list(range(B))
+    got = [(e.run, e.position, e.example_hash, e.seen) for e in seen_before(runs, 50, positions)]
+    assert got == _scan_seen(runs, 50, positions)
+    assert any(s["run"] == "B" and s["step"] == 30 for _, _, _, seen in got for s in seen)

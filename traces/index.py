@@ -1,0 +1,402 @@
+"""The segment index: a sidecar file written when a segment is sealed (FORMAT.md, "Segment index").
+
+It holds what commands scan, so they need not read the segment: each record's frame offset
+and checksum, its fixed scalar fields (flags, rng, batch hash, metrics) and a key of its
+example hashes, and every example hash of the segment sorted, with its slot, in checksummed
+blocks: "where was this example fed" is one block read per segment. It is derived data: a
+missing, stale or damaged index is rebuilt in memory from its segment (`MemoryIndex`), which
+costs reading the segment once; `write_index` persists one.
+
+Sizes at 1,024 examples a step and 16,384 records a segment: ~50 bytes a step of columns,
+12 bytes an example in the table; ~1.7 MB of columns and block heads a segment.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from traces.errors import SchemaError, TraceCorruptError
+from traces.schema import METRIC_DTYPES, Schema
+from traces.segment import SegmentFile
+from traces.sorting import stable_argsort
+
+INDEX_SUFFIX = ".idx"
+INDEX_MAGIC = b"RPLYIDX1"
+INDEX_VERSION = 1
+BLOCK_ENTRIES = 256
+TABLE_CHUNK_BLOCKS = 4096  # blocks built at once when writing (12 MB)
+_SCAN_CHUNK = 1 << 20  # examples searched at once in memory (bounds the working arrays to ~20 MB)
+# magic, version, reserved, schema digest, first step, record count, segment content crc, block entries,
+# segment size, crc of the columns, crc of the block heads, reserved; then a crc of these 60 bytes
+_IHEAD = struct.Struct("<8sHHIQQIIQIII")
+INDEX_HEADER_SIZE = _IHEAD.size + 4
+_MIX_SEED = 0x5EED1DE8  # examples_key's per-position multipliers: splitmix64(j + seed) | 1
+
+
+class IndexUnusable(TraceCorruptError):
+    """An index file that cannot stand in for its segment (stale, damaged, newer). The reader
+    catches it and rebuilds the index from the segment; it reaches no user (if it did, it would
+    be what it is: a damaged file of the run, exit 2)."""
+
+
+def index_path(segment: Path) -> Path:
+    return segment.with_suffix(INDEX_SUFFIX)
+
+
+def _pad8(n: int) -> int:
+    return (n + 7) & ~7
+
+
+def record_prefix(schema: Schema) -> np.dtype:
+    """The fixed fields every record starts with, whatever its flags (FORMAT.md, Record)."""
+    bits = METRIC_DTYPES[schema.metric_dtype][1]
+    return np.dtype([("step", "<u8"), ("flags", "u1"), ("rng", "<u4", (schema.rng_words,)), ("batch_hash", "<u8"),
+                     ("example_hashes", "<u8", (schema.examples_per_step,)), ("metrics", bits, (len(schema.metrics),))])
+
+
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def examples_key(hashes_nxB: np.ndarray) -> np.ndarray:
+    """sum_j hash_j * (splitmix64(j + seed) | 1) mod 2**64 per row: equal rows, equal keys."""
+    n, B = hashes_nxB.shape
+    mix = splitmix64(np.arange(B, dtype=np.uint64) + np.uint64(_MIX_SEED)) | np.uint64(1)
+    out = np.empty(n, np.uint64)
+    for lo in range(0, n, 1024):
+        out[lo : lo + 1024] = (hashes_nxB[lo : lo + 1024] * mix).sum(axis=1, dtype=np.uint64)
+    return out
+
+
+@dataclass
+class StepColumns:
+    """The scalar columns of a segment's records (row i is step first_step + i)."""
+
+    first_step: int
+    offsets: np.ndarray  # uint64 (n + 1): frame i's byte offset; the last is where the seal (or the file) ends
+    frame_crc: np.ndarray  # uint32 (n)
+    flags: np.ndarray  # uint8 (n)
+    rng: np.ndarray  # uint32 (n, rng_words)
+    batch_hash: np.ndarray  # uint64 (n)
+    metric_bits: np.ndarray  # uint32 or uint64 (n, metrics): exact bits
+    examples_key: np.ndarray  # uint64 (n)
+
+    def __len__(self) -> int:
+        return int(self.frame_crc.size)
+
+
+def _column_layout(schema: Schema, n: int) -> tuple[list[tuple[str, np.dtype, tuple, int]], int]:
+    bits = METRIC_DTYPES[schema.metric_dtype][1]
+    fields = [("offsets", np.dtype("<u8"), (n + 1,)), ("frame_crc", np.dtype("<u4"), (n,)), ("flags", np.dtype("u1"), (n,)),
+              ("rng", np.dtype("<u4"), (n, schema.rng_words)), ("batch_hash", np.dtype("<u8"), (n,)),
+              ("metric_bits", bits, (n, len(schema.metrics))), ("examples_key", np.dtype("<u8"), (n,))]
+    out, pos = [], 0
+    for name, dtype, shape in fields:
+        out.append((name, dtype, shape, pos))
+        pos += _pad8(dtype.itemsize * int(np.prod(shape)))
+    return out, pos
+
+
+def encode_columns(schema: Schema, cols: StepColumns) -> bytes:
+    layout, size = _column_layout(schema, len(cols))
+    buf = bytearray(size)
+    for name, dtype, shape, pos in layout:
+        raw = np.ascontiguousarray(getattr(cols, name), dtype).tobytes()
+        buf[pos : pos + len(raw)] = raw
+    return bytes(buf)
+
+
+def decode_columns(schema: Schema, data: bytes, first_step: int, n: int) -> StepColumns:
+    layout, _ = _column_layout(schema, n)
+    parts = {name: np.frombuffer(data, dtype, int(np.prod(shape)), pos).reshape(shape) for name, dtype, shape, pos in layout}
+    return StepColumns(first_step, **parts)
+
+
+class IndexBuilder:
+    """Collects a segment's records (their fixed fields) as they are written or re-read.
+
+    Holds ~50 bytes a record, plus 8 bytes an example when `keep_hashes` (what the sorted
+    table and the in-memory search need; 134 MB for a full segment of 1,024-example steps).
+    """
+
+    def __init__(self, schema: Schema, first_step: int, capacity: int = 64, keep_hashes: bool = True):
+        self.schema, self.first_step, self.keep_hashes = schema, first_step, keep_hashes
+        B = schema.examples_per_step
+        self.prefix = record_prefix(schema)
+        self._hash_at = self.prefix.fields["example_hashes"][1]
+        self._hash_end = self._hash_at + 8 * B
+        self.small = np.dtype([(n, self.prefix.fields[n][0]) for n in self.prefix.names if n != "example_hashes"])
+        self._buf = bytearray()
+        self._hashes = np.empty((max(capacity, 1) if keep_hashes else 0, B), np.uint64)  # pages used as filled
+        self._keys: list[int] = []
+        self._mix = splitmix64(np.arange(B, dtype=np.uint64) + np.uint64(_MIX_SEED)) | np.uint64(1)
+        self._offsets: list[int] = []
+        self._crcs: list[int] = []
+        self.crc = 0  # set by TraceReader.index_builder: crc32 of the segment's bytes it read
+
+    def __len__(self) -> int:
+        return len(self._offsets)
+
+    def add(self, raw, offset: int, crc: int) -> None:
+        """`raw`: the record's uncompressed bytes (at least its fixed fields)."""
+        n = len(self)
+        if len(raw) < self.prefix.itemsize:
+            raise SchemaError(f"step {self.first_step + n}: record is shorter than its schema's fixed fields")
+        self._buf += raw[: self._hash_at]
+        self._buf += raw[self._hash_end : self.prefix.itemsize]
+        row = np.frombuffer(raw, np.uint64, self.schema.examples_per_step, self._hash_at)
+        if self.keep_hashes:
+            if n == self._hashes.shape[0]:
+                grown = np.empty((2 * n, self._hashes.shape[1]), np.uint64)
+                grown[:n] = self._hashes
+                self._hashes = grown
+            self._hashes[n] = row
+        else:
+            self._keys.append(int((row * self._mix).sum(dtype=np.uint64)))
+        self._offsets.append(offset)
+        self._crcs.append(crc)
+
+    def hashes(self) -> np.ndarray:
+        return self._hashes[: len(self)]
+
+    def columns(self, end_offset: int) -> StepColumns:
+        rows = np.frombuffer(self._buf, self.small, len(self))
+        keys = examples_key(self.hashes()) if self.keep_hashes else np.array(self._keys, np.uint64)
+        return StepColumns(
+            self.first_step, np.array(self._offsets + [end_offset], np.uint64), np.array(self._crcs, np.uint32),
+            rows["flags"].copy(), rows["rng"].copy(), rows["batch_hash"].copy(), rows["metrics"].copy(), keys)
+
+    def memory_index(self, end_offset: int) -> "MemoryIndex":
+        return MemoryIndex(self.columns(end_offset), self.hashes() if self.keep_hashes else None)
+
+    def write(self, path: Path, end_offset: int, content_crc: int, segment_size: int) -> None:
+        """Writes the index file atomically (tmp, fsync, rename): a reader sees all of it or none.
+        The table is built and written TABLE_CHUNK_BLOCKS blocks at a time after the sort."""
+        schema, K = self.schema, BLOCK_ENTRIES
+        columns = encode_columns(schema, self.columns(end_offset))
+        order, hs = stable_argsort(np.ascontiguousarray(self.hashes()).reshape(-1))
+        E = hs.size
+        nb = -(-E // K)
+        heads_size = _pad8(12 * nb)
+        fence = hs[::K].copy()
+        block_crc = np.zeros(nb, np.uint32)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.seek(INDEX_HEADER_SIZE + len(columns) + heads_size)
+            for b0 in range(0, nb, TABLE_CHUNK_BLOCKS):
+                b1 = min(nb, b0 + TABLE_CHUNK_BLOCKS)
+                table = np.zeros((b1 - b0, 12 * K), np.uint8)
+                part_h, part_s = hs[b0 * K : b1 * K], order[b0 * K : b1 * K].astype(np.uint32)
+                padded = np.zeros((b1 - b0) * K, np.uint64)
+                padded[: part_h.size] = part_h
+                table[:, : 8 * K] = padded.view(np.uint8).reshape(b1 - b0, 8 * K)
+                padded_slots = np.zeros((b1 - b0) * K, np.uint32)
+                padded_slots[: part_s.size] = part_s
+                table[:, 8 * K :] = padded_slots.view(np.uint8).reshape(b1 - b0, 4 * K)
+                block_crc[b0:b1] = [zlib.crc32(row) for row in table]
+                f.write(memoryview(table).cast("B"))
+            heads = fence.tobytes() + block_crc.tobytes()
+            heads += b"\0" * (heads_size - len(heads))
+            head = _IHEAD.pack(INDEX_MAGIC, INDEX_VERSION, 0, schema.digest(), self.first_step, len(self), content_crc,
+                               K, segment_size, zlib.crc32(columns), zlib.crc32(heads), 0)
+            f.seek(0)
+            for part in (head, struct.pack("<I", zlib.crc32(head)), columns, heads):
+                f.write(part)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------------ using an index
+
+
+def _hits(table_hashes: np.ndarray, table_slots: np.ndarray, queries: np.ndarray, limit: int):
+    """(query index, slot) of up to `limit` occurrences of each query in a table sorted by (hash, slot)."""
+    lo = np.searchsorted(table_hashes, queries, "left")
+    hi = np.minimum(np.searchsorted(table_hashes, queries, "right"), lo + limit)
+    found = np.flatnonzero(hi > lo)
+    if not found.size:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    counts = hi[found] - lo[found]
+    qi = np.repeat(found, counts)
+    starts = np.repeat(lo[found] - np.r_[0, np.cumsum(counts)[:-1]], counts)
+    return qi, table_slots[starts + np.arange(qi.size)].astype(np.int64)
+
+
+class MemoryIndex:
+    """An index held in memory: built from a segment's records (an unsealed tail, or a sealed
+    segment whose index file is missing or unusable). Costs 8 bytes an example, and a sort
+    (about 1 s for 16M examples) the first time the sorted table is asked for."""
+
+    def __init__(self, columns: StepColumns, hashes_nxB: np.ndarray | None):
+        self._columns, self.hashes = columns, hashes_nxB  # hashes None: columns only (see TraceReader.columns)
+        self._table: tuple[np.ndarray, np.ndarray] | None = None
+
+    def columns(self) -> StepColumns:
+        return self._columns
+
+    def _sorted(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._table is None:
+            order, hs = stable_argsort(np.ascontiguousarray(self.hashes).reshape(-1))
+            self._table, self.hashes = (hs, order.astype(np.uint32)), None  # 12 bytes an example from now on
+        return self._table
+
+    def find(self, queries: np.ndarray, limit: int):
+        """(query index, slot) of the first `limit` occurrences of each sorted unique query."""
+        if self._table is not None:
+            return _hits(*self._table, queries, limit)
+        # One search needs no sort: a scan of the hashes, a chunk at a time, is cheaper and bounded.
+        flat = self.hashes.reshape(-1)
+        slots, vals = [], []
+        for lo in range(0, flat.size, _SCAN_CHUNK):
+            chunk = flat[lo : lo + _SCAN_CHUNK]
+            at = np.minimum(np.searchsorted(queries, chunk), queries.size - 1)
+            hit = np.flatnonzero(queries[at] == chunk)
+            slots.append(hit + lo)
+            vals.append(chunk[hit])
+        slots, vals = np.concatenate(slots), np.concatenate(vals)
+        order = np.argsort(vals, kind="stable")
+        return _hits(vals[order], slots[order], queries, limit)
+
+    def sample(self) -> np.ndarray:
+        """Every BLOCK_ENTRIES-th sorted hash: where to cut the hash space into even ranges."""
+        return self._sorted()[0][::BLOCK_ENTRIES]
+
+    def table(self, lo: int, hi: int | None) -> tuple[np.ndarray, np.ndarray]:
+        """The (hash, slot) entries with lo <= hash < hi (hi None: no upper bound), sorted."""
+        hs, slots = self._sorted()
+        a = np.searchsorted(hs, np.uint64(lo), "left")
+        b = hs.size if hi is None else np.searchsorted(hs, np.uint64(hi), "left")
+        return hs[a:b], slots[a:b].astype(np.int64)
+
+
+class FileIndex:
+    """An index file, bound to its segment by first step, record count, size and the seal's
+    checksum; each part is checked when first read (columns, block heads, each block)."""
+
+    def __init__(self, path: Path, schema: Schema, first_step: int, count: int, content_crc: int, segment_size: int):
+        self.path, self.schema = path, schema
+        with SegmentFile(path) as f:
+            head = f.read(0, INDEX_HEADER_SIZE)
+            size = f.size
+        if len(head) < INDEX_HEADER_SIZE or head[:8] != INDEX_MAGIC:
+            raise IndexUnusable("not an index file (bad magic or too short)")
+        if struct.unpack_from("<I", head, _IHEAD.size)[0] != zlib.crc32(head[: _IHEAD.size]):
+            raise IndexUnusable("its header checksum does not match")
+        (_, version, _, digest, first, n, crc, K, seg_size, self._columns_crc, self._heads_crc, _) = _IHEAD.unpack_from(head)
+        if version > INDEX_VERSION:
+            raise IndexUnusable(f"written by a newer replay (index version {version})")
+        if (digest, first, n, crc, seg_size) != (schema.digest(), first_step, count, content_crc, segment_size):
+            raise IndexUnusable("it describes another version of its segment (stale)")
+        if K < 1:
+            raise IndexUnusable("its block size is 0")
+        self.first_step, self.count, self.K = first_step, count, K
+        self.entries = count * schema.examples_per_step
+        self.blocks = -(-self.entries // K)
+        _, self._columns_size = _column_layout(schema, count)
+        self._heads_size = _pad8(12 * self.blocks)
+        self._table_at = INDEX_HEADER_SIZE + self._columns_size + self._heads_size
+        if size != self._table_at + self.blocks * 12 * K:
+            raise IndexUnusable(f"it is {size} bytes, its header implies {self._table_at + self.blocks * 12 * K}")
+        self._cols: StepColumns | None = None
+        self._fence: np.ndarray | None = None
+        self._block_crc: np.ndarray | None = None
+
+    def _read(self, offset: int, size: int) -> bytes:
+        try:
+            with SegmentFile(self.path) as f:
+                data = f.read(offset, size)
+        except Exception as e:  # noqa: BLE001 - unreadable now: the segment still answers
+            raise IndexUnusable(str(e)) from None
+        if len(data) != size:
+            raise IndexUnusable("it was truncated after it was opened")
+        return data
+
+    def columns(self) -> StepColumns:
+        if self._cols is None:
+            data = self._read(INDEX_HEADER_SIZE, self._columns_size)
+            if zlib.crc32(data) != self._columns_crc:
+                raise IndexUnusable("its columns' checksum does not match")
+            self._cols = decode_columns(self.schema, data, self.first_step, self.count)
+        return self._cols
+
+    def _heads(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._fence is None:
+            data = self._read(INDEX_HEADER_SIZE + self._columns_size, self._heads_size)
+            if zlib.crc32(data) != self._heads_crc:
+                raise IndexUnusable("its block heads' checksum does not match")
+            self._fence = np.frombuffer(data, "<u8", self.blocks)
+            self._block_crc = np.frombuffer(data, "<u4", self.blocks, 8 * self.blocks)
+        return self._fence, self._block_crc
+
+    def _blocks(self, wanted: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Entries of the given blocks (ascending; adjacent ones read at once), each block's
+        checksum checked: one pread of 3 KB a block, and one numpy decode for all of them."""
+        K, size = self.K, 12 * self.K
+        crcs = self._heads()[1]
+        pieces = []
+        try:
+            with SegmentFile(self.path) as f:
+                i = 0
+                while i < len(wanted):
+                    j = i + 1
+                    while j < len(wanted) and wanted[j] == wanted[j - 1] + 1:
+                        j += 1
+                    pieces.append(f.read(self._table_at + wanted[i] * size, (j - i) * size))
+                    i = j
+        except TraceCorruptError as e:  # unreadable now: the segment still answers
+            raise IndexUnusable(str(e)) from None
+        data = b"".join(pieces)
+        if len(data) != len(wanted) * size:
+            raise IndexUnusable("it was truncated after it was opened")
+        view = memoryview(data)
+        for k, block in enumerate(wanted):
+            if zlib.crc32(view[k * size : (k + 1) * size]) != crcs[block]:
+                raise IndexUnusable(f"block {block}'s checksum does not match")
+        rows = np.frombuffer(data, np.uint8).reshape(len(wanted), size)
+        hashes = rows[:, : 8 * K].copy().view("<u8").reshape(-1)
+        slots = rows[:, 8 * K :].copy().view("<u4").reshape(-1)
+        if wanted and wanted[-1] == self.blocks - 1:  # the last block is padded past the entries
+            pad = self.blocks * K - self.entries
+            hashes, slots = hashes[: hashes.size - pad], slots[: slots.size - pad]
+        return hashes, slots
+
+    def sample(self) -> np.ndarray:
+        """Every block's first hash (every BLOCK_ENTRIES-th sorted hash)."""
+        return self._heads()[0] if self.blocks else np.zeros(0, np.uint64)
+
+    def find(self, queries: np.ndarray, limit: int):
+        """(query index, slot) of the first `limit` occurrences of each sorted unique query.
+        Reads the block that can hold each query's first occurrence (and the next ones while
+        they start with it): one read of 3 KB a query a segment."""
+        if not self.blocks:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        fence = self._heads()[0]
+        left = np.searchsorted(fence, queries, "left")
+        right = np.searchsorted(fence, queries, "right")
+        first = np.maximum(left - 1, 0)
+        last = np.minimum(np.maximum(right, first + 1), first + 2 + limit // self.K)  # exclusive
+        wanted = np.unique(np.concatenate([np.arange(a, b) for a, b in zip(first.tolist(), last.tolist())]))
+        hashes, slots = self._blocks(wanted.tolist())
+        return _hits(hashes, slots, queries, limit)
+
+    def table(self, lo: int, hi: int | None) -> tuple[np.ndarray, np.ndarray]:
+        """The (hash, slot) entries with lo <= hash < hi (hi None: no upper bound), sorted."""
+        if not self.blocks:
+            return np.zeros(0, np.uint64), np.zeros(0, np.int64)
+        fence = self._heads()[0]
+        first = max(int(np.searchsorted(fence, np.uint64(lo), "left")) - 1, 0)
+        stop = self.blocks if hi is None else max(int(np.searchsorted(fence, np.uint64(hi), "left")), first + 1)
+        hs, slots = self._blocks(list(range(first, stop)))
+        a = np.searchsorted(hs, np.uint64(lo), "left")
+        b = hs.size if hi is None else np.searchsorted(hs, np.uint64(hi), "left")
+        return hs[a:b], slots[a:b].astype(np.int64)

@@ -28,10 +28,13 @@ def main() -> None:
             writer.append(rec)
         writer.close()
         seconds = time.perf_counter() - t0
-        size = sum(p.stat().st_size for p in (Path(tmp) / "trace").iterdir())
+        files = list((Path(tmp) / "trace").iterdir())
+        size = sum(p.stat().st_size for p in files if p.suffix != ".idx")  # the records
+        index_size = sum(p.stat().st_size for p in files if p.suffix == ".idx")  # their indexes, apart
     print(json.dumps({
         "bench": "trace_write", "records": args.records, "seconds": round(seconds, 3),
         "records_per_second": round(args.records / seconds), "bytes_per_step": round(size / args.records, 2),
+        "index_bytes_per_step": round(index_size / args.records, 2),
         "budget_records_per_second": 20000,
     }))
 

@@ -11,10 +11,10 @@ from traces import Run
 
 def metric_curve(run: Run, name: str = "loss") -> tuple[np.ndarray, np.ndarray]:
     """(steps, values) of a recorded scalar metric over the readable trace."""
-    index = run.schema.metric_index(name)
+    from traces.columns import metric
+
     steps = np.arange(run.trace.start, run.trace.end)
-    values = np.array([rec.metrics[index] for rec in run.trace.records()], dtype=np.float64)
-    return steps, values
+    return steps, metric(run.trace, name).astype(np.float64)  # one column, segment by segment
 
 
 def plot_divergence(run_a: Run, run_b: Run, first_step: int | None, out: str | Path, metric: str = "loss",

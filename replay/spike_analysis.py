@@ -202,24 +202,12 @@ def decode_tokens(run: Run, tokens: np.ndarray) -> str | None:
 
 
 def _seen_before(run: Run, step: int, hashes_B: np.ndarray) -> list[int | None]:
-    """For each hash, the first step before `step` whose batch held it."""
-    trace = run.trace
-    first: list[int | None] = [None] * len(hashes_B)
-    todo = {int(h): [] for h in hashes_B}
-    for i, h in enumerate(hashes_B):
-        todo[int(h)].append(i)
-    wanted = np.array(sorted(todo), np.uint64)
-    for rec in trace.records(trace.start, step):
-        hit = np.isin(rec.example_hashes, wanted)
-        if not hit.any():
-            continue
-        for h in rec.example_hashes[hit]:
-            for i in todo.pop(int(h), []):
-                first[i] = rec.step
-        if not todo:
-            break
-        wanted = np.array(sorted(todo), np.uint64)
-    return first
+    """For each hash, the first step before `step` whose batch held it (traces.first_fed: the
+    segments' sorted-hash indexes, every hit confirmed in its record; no scan of the run)."""
+    from traces import first_fed
+
+    first = first_fed(run, [int(h) for h in hashes_B], before_step=step)
+    return [first.get(int(h)) for h in hashes_B]
 
 
 def _metric_spike(values_W: np.ndarray, value: float, step: int) -> Spike:

@@ -78,7 +78,7 @@ def _spike_finding(run: Run, run_path, step: int, data: str | None, status) -> d
 
     status(f"replaying the window of step {step} to analyse it (replay spike {run_path} --step {step} --window {window})")
     rep = replayables.load(run, data=data)
-    env = run.manifest.get("environment", {})
+    env = contractlib.recorded_environment(run.manifest)
     contract = contractlib.evaluate(env, rep.environment(), run.manifest.get("program_hash"), rep.program_hash(),
                                     bool(config_of(run.manifest).get("mesh", {}).get("mesh_invariant")),
                                     tuple(run.manifest.get("invariant_device_counts", ())))

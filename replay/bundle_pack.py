@@ -214,13 +214,14 @@ def _write_examples(run: Run, run_path, path: Path, start: int, last: int, stage
 
     cfg, source = _open_data(run, run_path, data)
     plan = FaultPlan.from_manifest(run.manifest.get("faults"), cfg)
-    full = datalib.Batcher(source, cfg.model.seq_len, cfg.data.global_batch_size, rng.data_seed(cfg.seed))
+    full = datalib.Batcher(source, cfg.model.seq_len, cfg.data.global_batch_size, rng.data_seed(cfg.seed),
+                           sampler=cfg.data.sampler)
     fed_from = {s: plan.batch_step(s) for s in range(start, last + 1)}
     ids = np.concatenate([full.global_ids(s) for s in sorted(set(fed_from.values()))])
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = datalib.write_example_file(path, source, ids, cfg.model.seq_len)
     carried = datalib.Batcher(datalib.open_example_file(path, cfg.model.vocab_size), cfg.model.seq_len,
-                              cfg.data.global_batch_size, rng.data_seed(cfg.seed))
+                              cfg.data.global_batch_size, rng.data_seed(cfg.seed), sampler=cfg.data.sampler)
     for rec in staged.records(start, last + 1):
         batch = carried.batch_at(fed_from[rec.step])
         if hasattr(plan, "alter_batch"):

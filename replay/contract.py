@@ -225,3 +225,19 @@ def config_of(manifest: dict) -> dict:
     config) has no trainer sections, which every lookup below must survive."""
     config = manifest.get("config")
     return config if isinstance(config, dict) else {}
+
+
+def recorded_environment(manifest: dict) -> dict:
+    """The environment a run's steps were recorded in. A run resumed on another process or device
+    count (manifest "resumes": step, process_count, device_count) was recorded in several: its
+    counts then read "1, then 2 from step 80", which no machine matches, so no replay of it is
+    promised bits on the strength of the first environment alone."""
+    env = dict(manifest.get("environment") or {})
+    for key in ("process_count", "device_count"):
+        history = [(0, env.get(key))]
+        for r in manifest.get("resumes") or []:
+            if isinstance(r, dict) and r.get(key) != history[-1][1]:
+                history.append((r.get("step"), r.get(key)))
+        if len(history) > 1:
+            env[key] = ", then ".join([str(history[0][1])] + [f"{v} from step {s}" for s, v in history[1:]])
+    return env

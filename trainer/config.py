@@ -64,6 +64,9 @@ class DataConfig:
     source: str = "embedded:default"  # "embedded:NAME" (ships in the package) or a token file
     token_dtype: Literal["uint16", "uint32"] = "uint16"  # element type of the flat token file
     global_batch_size: int = 16  # examples per step over all hosts and devices
+    # Which slots each host reads (trainer/order.py): "global" is the same on any host count;
+    # "contiguous-per-host" is a real loader bug (batches change with the host count on resume).
+    sampler: Literal["global", "contiguous-per-host"] = "global"
 
     def __post_init__(self) -> None:
         _positive(self, "global_batch_size")
@@ -368,6 +371,8 @@ def from_dict(d: dict[str, Any]) -> Config:
             cls = _SECTION_TYPES[name]
             if not isinstance(sub, dict):
                 raise ConfigError(f"config section {name!r} must be a dict")
+            if name == "data" and "sampler" not in sub:
+                raise ConfigError(_BEFORE_SAMPLER)
             _check_keys(sub, cls, name + ".")
             types = _field_types(cls)
             kwargs[name] = cls(**{k: _coerce(sub[k], t, f"{name}.{k}", text=False)
@@ -375,6 +380,12 @@ def from_dict(d: dict[str, Any]) -> Config:
         else:
             kwargs[name] = _coerce(d[name], tp, name, text=False)
     return Config(**kwargs)
+
+
+# A config without data.sampler was recorded before the data order became a keyed Feistel
+# permutation (trainer/order.py); this trainer would feed such a run other batches.
+_BEFORE_SAMPLER = ("config is missing key 'data.sampler': the run was recorded by an older trainer whose data "
+                   "order this version no longer produces; replay or resume it with the version that recorded it")
 
 
 def _check_keys(d: dict[str, Any], cls: type, prefix: str) -> None:

@@ -5,7 +5,8 @@ size). Nothing here holds iterator state or looks at devices, so a resumed run, 
 replay on a workstation and a run on a different number of hosts all read the same
 examples in the same global order. Each host loads only its contiguous slice of
 the global batch; concatenating the hosts' slices in process order gives the batch a
-single host would load.
+single host would load. (That is the default `global` sampler; `contiguous-per-host`
+reproduces a loader bug whose batches depend on the host count: trainer/order.py.)
 
 Layout: a source is a flat stream of token ids. Example e is the window
 tokens[e*(L+1) : (e+1)*(L+1)] for seq_len L (inputs are the first L tokens,
@@ -13,7 +14,8 @@ targets the last L), so examples never overlap and n_examples = n_tokens // (L+1
 Global example slot g = k*B + j lives in epoch g // n_examples at position
 g % n_examples, and its id is that epoch's permutation at that position; a batch
 that crosses an epoch boundary therefore takes the end of one permutation and the
-start of the next.
+start of the next. The permutations are lazy (a keyed Feistel network, trainer/order.py):
+a batch's ids cost O(B) at any dataset size.
 
 A bug-report bundle (replay/bundle.py) carries only the rows of the examples its steps
 read: `ExampleSource` serves them by example id with the original source's size, so the
@@ -33,7 +35,7 @@ from typing import NamedTuple
 import numpy as np
 import xxhash
 
-from trainer import tokenizer
+from trainer import order, tokenizer
 
 # Little-endian explicitly: a file written on one machine must read (and hash) the
 # same on any other.
@@ -42,9 +44,6 @@ EMBEDDED_PREFIX = "embedded:"
 EMBEDDED_DEFAULT = "embedded:default"
 _EMBEDDED_FILES = {"default": "default.txt.gz"}
 
-# Domain tag mixed into every permutation seed, so the data order can never equal
-# the stream of another component that happens to use the same integer seed.
-_PERMUTATION_TAG = xxhash.xxh3_64_intdigest(b"replay.data.epoch_permutation.v1")
 _FINGERPRINT_TAG = b"replay.data.tokens.v1\0"
 _BATCH_HASH_TAG = xxhash.xxh3_64_intdigest(b"replay.data.batch_hash.v1")
 # Scans of big memmaps go in chunks so validation never allocates a full-size mask.
@@ -304,60 +303,12 @@ def open_example_file(path, vocab_size: int | None = None) -> ExampleSource:
 
 # --------------------------------------------------------------------------- order
 
-
-def _check_nonneg_int(name: str, value) -> int:
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 0:
-        return int(value)
-    raise DataError(f"{name} must be a non-negative integer, got {value!r}")
-
-
-@functools.lru_cache(maxsize=8)
-def epoch_permutation(n_examples: int, data_seed: int, epoch: int) -> np.ndarray:
-    """The order of examples in `epoch`: a permutation of range(n_examples), int64.
-
-    Seeded by name from (tag, data_seed, epoch), never a library default, so it is the
-    same in every process. Memory is 8 bytes per example (a few million examples is
-    tens of MB); a source with billions of examples would need a lazy permutation.
-    NumPy does not promise Generator streams across versions; the golden test pins
-    it so a change shows up as a failing test, not as silently different data.
-    """
-    seq = np.random.SeedSequence([_PERMUTATION_TAG, int(data_seed), int(epoch)])
-    perm = np.random.Generator(np.random.PCG64(seq)).permutation(n_examples)
-    perm.setflags(write=False)  # cached and shared
-    return perm
-
-
-def example_ids(n_examples: int, data_seed: int, step: int, global_batch: int) -> np.ndarray:
-    """Global example ids of the batch at `step`, in global order: int64 (B,)."""
-    n_examples = _check_nonneg_int("n_examples", n_examples)
-    data_seed = _check_nonneg_int("data_seed", data_seed)
-    step = _check_nonneg_int("step", step)
-    global_batch = _check_nonneg_int("global_batch", global_batch)
-    if global_batch == 0:
-        raise DataError("global_batch must be at least 1")
-    if n_examples < global_batch:
-        # A batch would hold some example twice; also keeps a batch within 2 epochs.
-        raise DataError(f"{n_examples} examples is fewer than one global batch of {global_batch}")
-    slots_B = step * global_batch + np.arange(global_batch, dtype=np.int64)
-    epochs_B, positions_B = np.divmod(slots_B, n_examples)
-    ids_B = np.empty(global_batch, dtype=np.int64)
-    for epoch in np.unique(epochs_B):
-        mask = epochs_B == epoch
-        ids_B[mask] = epoch_permutation(n_examples, data_seed, int(epoch))[positions_B[mask]]
-    return ids_B
-
-
-def host_slice(global_batch: int, process_index: int, process_count: int) -> slice:
-    """The contiguous positions of the global batch that this process loads."""
-    if process_count < 1 or not 0 <= process_index < process_count:
-        raise DataError(f"process_index {process_index} is not in [0, {process_count})")
-    if global_batch % process_count:
-        raise DataError(
-            f"global batch {global_batch} does not split evenly over {process_count} processes; "
-            f"use a global batch that is a multiple of {process_count}"
-        )
-    per_host = global_batch // process_count
-    return slice(process_index * per_host, (process_index + 1) * per_host)
+# The data order lives in trainer/order.py (a lazy keyed permutation per epoch, and the samplers);
+# these names are its public face here.
+SAMPLERS = order.SAMPLERS
+epoch_permutation = order.epoch_permutation
+example_ids = order.example_ids
+host_slice = order.host_slice
 
 
 # --------------------------------------------------------------------------- loading
@@ -406,7 +357,8 @@ class Batch(NamedTuple):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Batcher:
-    """Batches by step for one process; changing process_count keeps every batch."""
+    """Batches by step for one process. Under the default `global` sampler changing
+    process_count keeps every batch; `contiguous-per-host` (trainer/order.py) does not."""
 
     source: TokenSource
     seq_len: int
@@ -414,13 +366,16 @@ class Batcher:
     data_seed: int
     process_index: int = 0
     process_count: int = 1
+    sampler: str = "global"  # one of SAMPLERS (config: data.sampler)
 
     def __post_init__(self):
         if self.seq_len < 1:
             raise DataError(f"seq_len must be at least 1, got {self.seq_len}")
-        _check_nonneg_int("data_seed", self.data_seed)
+        order.check_seed(self.data_seed)
         if self.global_batch < 1:
             raise DataError(f"global batch must be at least 1, got {self.global_batch}")
+        if self.sampler not in SAMPLERS:
+            raise DataError(f"unknown sampler {self.sampler!r}; use one of {', '.join(SAMPLERS)}")
         if self.n_examples < self.global_batch:
             raise DataError(
                 f"{self.source.path} has {self.source.n_tokens} tokens = {self.n_examples} "
@@ -437,12 +392,22 @@ class Batcher:
     def local_slice(self) -> slice:
         return host_slice(self.global_batch, self.process_index, self.process_count)
 
+    def host_ids(self, step: int, process_index: int) -> np.ndarray:
+        """The global example ids that process `process_index` loads at `step`, in batch order."""
+        if self.sampler == "global":
+            return self.global_ids(step)[host_slice(self.global_batch, process_index, self.process_count)]
+        return order.contiguous_per_host_ids(self.n_examples, self.data_seed, step, self.global_batch,
+                                             process_index, self.process_count)
+
     def global_ids(self, step: int) -> np.ndarray:
-        return example_ids(self.n_examples, self.data_seed, step, self.global_batch)
+        """The ids of the whole global batch, every host's slice in process order: int64 (B,)."""
+        if self.sampler == "global":
+            return example_ids(self.n_examples, self.data_seed, step, self.global_batch)
+        return np.concatenate([self.host_ids(step, p) for p in range(self.process_count)])
 
     def batch_at(self, step: int) -> Batch:
         """This process's slice of the batch at `step`."""
-        ids_B = self.global_ids(step)[self.local_slice]
+        ids_B = self.host_ids(step, self.process_index)
         tokens_BxL1 = load_batch(self.source, ids_B, self.seq_len)
         return Batch(
             np.ascontiguousarray(tokens_BxL1[:, :-1]),

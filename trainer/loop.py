@@ -133,7 +133,7 @@ def build(cfg: Config, source: data.TokenSource | None = None, mesh_cfg: MeshCon
     if cfg.mesh.mesh_invariant:
         invariant.check(cfg, int(mesh.size))
     batcher = data.Batcher(source, cfg.model.seq_len, cfg.data.global_batch_size, rng.data_seed(cfg.seed),
-                           jax.process_index(), jax.process_count())
+                           jax.process_index(), jax.process_count(), sampler=cfg.data.sampler)
     abstract = meshlib.abstract_state(cfg)
     shardings = meshlib.state_shardings(mesh, abstract)
     batch_sharding = meshlib.batch_sharding(mesh)
@@ -248,8 +248,10 @@ def run_prepared(job: Prepared, on_step: Callable[[StepInfo], None] | None = Non
             job.lock_fd = None
             if job.resume:
                 run = Run.resume(job.out)
-                if job.manifest["faults"] != run.manifest.get("faults", []):
-                    run.update_manifest(faults=job.manifest["faults"])
+                # Each resume's host and device count: under a host-dependent sampler they decide the data.
+                resumes = [*run.manifest.get("resumes", []), {
+                    "step": job.resumed.start, "process_count": jax.process_count(), "device_count": jax.device_count()}]
+                run.update_manifest(faults=job.manifest["faults"], resumes=resumes)
             else:
                 run = Run.create(job.out, job.built.schema, job.manifest)
         elif not job.resume:
@@ -285,8 +287,13 @@ def _restore_newest(cfg: Config, out: Path) -> _Resumed:
     manifest, recorded_end = recorded.manifest, recorded.trace.end  # every process: the same step
     ckpt = Checkpointer(out / "checkpoints", keep=cfg.checkpoint.keep, create=True)
     try:
-        latest = ckpt.latest_at_or_before(recorded_end)
         fingerprints = dict(manifest.get(FINGERPRINTS_KEY) or {})
+        # Saves are asynchronous: a crash can land after a checkpoint is complete on disk and before
+        # its fingerprint reaches the manifest. In a run that records fingerprints, resume from the
+        # newest checkpoint that has one (an unverified state is never preferred to a verified one).
+        usable = [k for k in ckpt.steps() if k <= recorded_end]
+        verified = [k for k in usable if str(k) in fingerprints]
+        latest = (verified or usable or [None])[-1] if fingerprints else (usable or [None])[-1]
         if latest is None:
             return _Resumed(ckpt, 0, None, fingerprints, [])
         expected = recorded_fingerprint(manifest, latest)
@@ -308,13 +315,17 @@ class _Saver:
         self.job, self.run, self.ckpt, self.writer = job, run, ckpt, writer
         self.fingerprints = fingerprints
 
-    def save(self, state: Any, done: int) -> None:
+    def save(self, state: Any, done: int, wait: bool = False) -> None:
+        """Starts saving `state` (the write goes on while the next steps run: Checkpointer.save) and
+        records the checkpoints complete so far; a checkpoint's fingerprint reaches the manifest only
+        once it is complete. A failure of the save in flight surfaces here, at the next save."""
         fingerprint = state_fingerprint(state)  # every process: a collective; before the next step donates it
         try:
-            saved = self.ckpt.save(state)
+            saved = self.ckpt.save(state, wait=wait)
         except CheckpointDiskFullError as e:
+            failed = getattr(e, "step", done)  # the save in flight, or this one
             last = self.writer.next_step - 1 if self.writer is not None and self.writer.next_step else done - 1
-            raise DiskFullError(disk_full_message(self.ckpt.path / str(done), f"saving checkpoint {done}", last,
+            raise DiskFullError(disk_full_message(self.ckpt.path / str(failed), f"saving checkpoint {failed}", last,
                                                   self.job.out), str(self.ckpt.path), last) from e
         if saved:
             self.fingerprints[str(done)] = fingerprint
@@ -350,7 +361,7 @@ def _train_loop(job: Prepared, run: Run | None, ckpt: Checkpointer,
         done = step + 1
         if done == cfg.steps or (cfg.checkpoint.every_steps and done % cfg.checkpoint.every_steps == 0):
             recorder.flush()  # the trace always reaches at least as far as the newest checkpoint
-            saver.save(state, done)
+            saver.save(state, done, wait=done == cfg.steps)  # the last one waits: its failure is reported here
         if on_step is not None:
             elapsed = time.perf_counter() - t_start
             rate = (done - start) * tokens_per_step / elapsed if elapsed > 0 else 0.0

@@ -1,7 +1,8 @@
 """Every random stream derives from the one root seed, by name.
 
     init_key(seed)          parameters at step 0
-    data_seed(seed)         the data order (a numpy seed: data loading never touches JAX)
+    data_seed(seed)         the data order: a 63-bit integer (data loading never touches JAX) from
+                            which each epoch's Feistel round keys derive (trainer/order.py)
     dropout_key(seed)       the base key held in the train state; step k uses fold_in(base, k)
 
 Folding the step into the base key (instead of splitting a carried key every step) means
@@ -36,7 +37,8 @@ def dropout_key(seed: int) -> jax.Array:
 
 
 def data_seed(seed: int) -> int:
-    """The numpy seed of the data order: a 63-bit mix of (root seed, "data")."""
+    """The seed of the data order: a 63-bit mix of (root seed, "data"); trainer/order.py keys each
+    epoch's permutation with xxh3 of (this, epoch, round)."""
     return int(np.random.SeedSequence([seed, _name_id("data")]).generate_state(2, np.uint32).view(np.uint64)[0] >> 1)
 
 

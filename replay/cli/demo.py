@@ -48,7 +48,8 @@ def demo(
     j = result.to_json()
     rows = [
         ("run A (clean)", str(result.run_a)),
-        ("run B (data-repeat fault)", f"{result.run_b}  (the sampler re-feeds old batches from step {result.fault_step})"),
+        ("run B (resumed on 2 processes)", f"{result.run_b}  (data.sampler=contiguous-per-host, resumed at step "
+                                           f"{result.fault_step} on twice the processes)"),
         ("first divergent step", str(j["first_step"])),
         ("cause", str(j["cause"])),
         ("examples that differ", f"{j['examples_differing']} of the {result.batch_size} in the batch"),
@@ -56,13 +57,15 @@ def demo(
                               f"{', '.join(map(str, j['first_seen_steps'][:8]))}"),
         ("audit of A", "ok: every example once per epoch" if result.audit_a_ok else "FLAGGED"),
         ("audit of B", result.audit_b_summary),
-        (f"mean loss from step {result.fault_step}", f"A {result.loss_a_after:.4f}   B {result.loss_b_after:.4f}   "
-                                                     f"(B looks {'better' if result.loss_b_after < result.loss_a_after else 'worse'}: "
-                                                     f"{'it is re-fed data it has seen' if result.loss_b_after < result.loss_a_after else 'no advantage'})"),
+        (f"mean loss from step {result.fault_step}", f"A {result.loss_a_after:.4f}   B {result.loss_b_after:.4f}"
+                                                     + (f"   (B on examples it had seen {result.loss_b_seen:.4f}, on new "
+                                                        f"ones {result.loss_b_new:.4f})"
+                                                        if result.loss_b_seen is not None and result.loss_b_new is not None
+                                                        else "")),
         ("plot", str(result.plot)),
         ("time", ", ".join(f"{k} {v} s" for k, v in result.seconds.items())),
     ]
-    console.print_table(rows, title="replay demo: the data-loader bug that made a loss look better than it was")
+    console.print_table(rows, title="replay demo: a data-loader bug that re-feeds seen data after a change of host count")
     console.print_text(f"next: replay bisect {result.run_a} {result.run_b}   |   replay audit {result.run_b}   |   "
                        f"replay run {result.run_b} --steps {result.fault_step}:{result.fault_step + 4}")
 

@@ -51,7 +51,7 @@ def load_replayable(target, path: Path, data: str | None, allow_data_change: boo
                                   on_compile=compiling)
     check(replayable.checkpoint_steps())  # a user loop's own checkpoints
     mesh_invariant = bool(config_of(target.manifest).get("mesh", {}).get("mesh_invariant"))
-    contract = contractlib.evaluate(target.manifest.get("environment", {}), replayable.environment(),
+    contract = contractlib.evaluate(contractlib.recorded_environment(target.manifest), replayable.environment(),
                                     target.manifest.get("program_hash"), replayable.program_hash(), mesh_invariant,
                                     tuple(target.manifest.get("invariant_device_counts", ())))
     used = {"exported": "replayed from the exported program", "code": "with your code"}.get(

@@ -163,3 +163,16 @@ def test_gpu_description_reads_jaxlib_versions_and_survives_without_them(monkeyp
     monkeypatch.setattr(lib, "cuda_versions", types.SimpleNamespace(cuda_driver_get_version=broken), raising=False)
     got = envmod.gpu_description(object())
     assert (got["cuda_driver"], got["cuda_runtime"], got["cudnn"], got["compute_capability"]) == (None,) * 4
+
+
+def test_a_run_resumed_on_another_process_count_is_not_promised_bits_by_its_first_environment():
+    from replay.contract import recorded_environment
+
+    same = {"environment": CPU, "resumes": [{"step": 40, "process_count": 1, "device_count": 1}]}
+    assert recorded_environment(same) == CPU and evaluate(recorded_environment(same), CPU, "p", "p").expect_bits
+    moved = {"environment": CPU, "resumes": [{"step": 80, "process_count": 2, "device_count": 2}]}
+    env = recorded_environment(moved)
+    assert env["process_count"] == "1, then 2 from step 80" and env["device_count"] == "1, then 2 from step 80"
+    contract = evaluate(env, CPU, "p", "p")
+    assert not contract.expect_bits and {"process_count", "device_count"} <= keys_of(contract)
+    assert evaluate(moved["environment"], CPU, "p", "p").expect_bits  # what the first environment alone promised

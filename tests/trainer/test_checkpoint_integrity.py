@@ -197,26 +197,24 @@ def test_a_full_disk_while_saving_a_checkpoint_is_one_line_and_the_run_resumes(t
     from orbax.checkpoint._src.serialization import serialization
 
     real = serialization.async_serialize_from_host
-    saves = []
+    path = tmp_path / "run"
 
     async def full_after_first_checkpoint(*args, **kwargs):
-        if len(saves) > 0:  # checkpoint 0 is written; the disk is full by checkpoint 2
+        # Saves never overlap, so checkpoint 0 is complete (renamed from its temporary folder)
+        # before checkpoint 2 is written: the disk is full from then on.
+        if (path / "checkpoints" / "0").is_dir():
             raise OSError(errno.ENOSPC, "No space left on device")
         return await real(*args, **kwargs)
 
     monkeypatch.setattr(serialization, "async_serialize_from_host", full_after_first_checkpoint)
-    import trainer.checkpoint as checkpoint
-
-    save = checkpoint.Checkpointer.save
-    monkeypatch.setattr(checkpoint.Checkpointer, "save", lambda self, state: (save(self, state), saves.append(1))[0])
-    path = tmp_path / "run"
     result = invoke("train", "--out", str(path), "--steps", "4", "--set", "checkpoint.every_steps=2")
     assert result.exit_code == 2, result.output
     line = error_line(result)
-    for needle in ("no space left", "saving checkpoint 2", "every step up to 1 is recorded", f"--resume {path}"):
+    # Checkpoint 2 is written while steps 2 and 3 run; its failure surfaces at the save of 4.
+    for needle in ("no space left", "saving checkpoint 2", "every step up to 3 is recorded", f"--resume {path}"):
         assert needle in line, line
     run = Run.open(path)
-    assert run.status == "crashed" and run.trace.end == 2 and run.manifest["checkpoints"] == [0]
+    assert run.status == "crashed" and run.trace.end == 4 and run.manifest["checkpoints"] == [0]
 
     monkeypatch.undo()  # space freed
     result = invoke("train", "--resume", str(path), "--json")

@@ -3,8 +3,10 @@
 Enabled with `--set mesh.mesh_invariant=true mesh.n_microbatches=M`. The scheme:
 
     1. The global batch is cut into M microbatches of global_batch / M examples, in global
-       example order. M is fixed by the config, not by the device count; every device holds
-       M / n_devices consecutive microbatches.
+       example order. M is fixed by the config, not by the device count. On n devices, n a
+       power of two, device d computes microbatches d, d + n, d + 2n, ... (strided: it takes
+       them from the batch's tokens, all-gathered; tokens are small); otherwise it computes
+       its M / n consecutive ones.
     2. Inside shard_map, each device runs its microbatches one by one (lax.scan) through
        `step.loss_fn` with the parameters replicated (FSDP-sharded parameters are all-gathered
        before the shard_map, which only copies bits). Every microbatch therefore has the same
@@ -12,15 +14,20 @@ Enabled with `--set mesh.mesh_invariant=true mesh.n_microbatches=M`. The scheme:
        fold_in(step key, global microbatch index), so its bits do not depend on the layout.
     3. The per-microbatch gradients are summed with one fixed pairwise tree over the M
        microbatches (`pair_tree`: adjacent pairs, an odd last element carried up unpaired),
-       then divided by M. Each device first reduces the complete subtrees it holds (its
-       microbatches are consecutive, so they align with the tree), then the partial sums
-       are all_gather'ed (tiled, global order) and the tree is finished on every device.
-       All collectives are all_gathers: copies, never floating-point sums in an unknown order.
+       then divided by M. Strided, the n microbatches of one scan step are consecutive, a
+       complete subtree: inside the scan an all_to_all hands device j shard j of all n
+       gradients in global order and device j sums them with the tree (`reduce_block`); after
+       the scan it finishes the tree over the steps' block sums on its shard, and the shards
+       are all_gather'ed (`finish_blocks`). Consecutive, each device reduces the complete
+       subtrees it holds, then the tree over every device's partial sums is finished as a
+       reduce-scatter (`scattered_sum`: all_to_all, the tree per shard, all_gather). All
+       collectives are all_to_alls and all_gathers: copies, never floating-point sums in an
+       unknown order; each element sees the same adds in the same order on any layout.
     4. Per-microbatch losses, z-losses, per-example losses and (for layer-level records) the
-       captured forward activations are all_gather'ed in global order; losses are combined
-       with the same tree. Everything leaves the shard_map replicated, so the optimizer
-       update, norms and fingerprints that follow are the same full-size computation on
-       every device count.
+       captured forward activations are all_gather'ed and put in global order; losses are
+       combined with the same tree. Everything leaves the shard_map replicated, so the
+       optimizer update, norms and fingerprints that follow are the same full-size
+       computation on every device count.
 
 The scheme alone is not enough on XLA:CPU. Three more things were needed, each found by
 measurement (jax/jaxlib 0.10.2, x86-64 with AVX-512, 2 cores, virtual CPU devices):
@@ -82,9 +89,23 @@ mesh-invariant step time / plain data parallel in the same process (same setting
 demo's 2-example microbatches run faster than whole per-device batches up to 4 devices;
 tiny's steps (5-18 ms) are dominated by per-op overhead, which the scan and the gathers add
 to. The process settings also slow plain code in that process (AVX without FMA, 8 threads on
-2 cores): tiny 1.2-1.7x, demo ~1.1x. Memory: each device holds M / n_devices stacked
-microbatch gradients before the tree, and layer-level records all-gather every captured
-activation (the global batch's, on every device).
+2 cores): tiny 1.2-1.7x, demo ~1.1x.
+
+Gradient memory per device (G = the gradient's bytes), strided: one microbatch's gradient (G),
+the all_to_all's n shards of one step's gradients (G), the scan's stacked block sums
+(M / n_devices x G / n_devices), and the all-gathered mean (G), which the grad norm needs whole
+(a norm over shards would sum in an order that follows the device count). The previous
+implementation stacked the M / n_devices whole microbatch gradients of the scan and then
+all-gathered every device's partial sums (n_devices x G more per device, per leaf where the
+scheduler runs leaves one by one, as XLA:CPU's does): it grew with the mesh and with the
+microbatches. `gathered_sum` keeps it as the reference; bit-identical on 1, 2, 4, 8 and 2 x 2
+devices, against it and against a reference recorded from it (tests/trainer/
+test_invariant_scatter.py). Temporaries of tiny's train step (0.56 MB gradient, M = 64): 19.5 /
+9.7 / 5.3 / 14.5 MB before on 2 / 4 / 8 / 64 devices, 9.8 / 3.1 / 1.4 / 1.1 MB now
+(bench/invariant_memory.py). Not O(G / n_devices):
+the parameters are replicated inside the shard_map, so each microbatch's backward makes a full
+G, and so is the mean. Layer-level records all-gather every captured activation (the global
+batch's, on every device).
 """
 
 from __future__ import annotations
@@ -227,16 +248,83 @@ def _aligned_levels(local: int) -> int:
     return k
 
 
+def split_axis(shape: tuple[int, ...], n_devices: int) -> int | None:
+    """The axis of a gradient leaf cut into `n_devices` shards for the reduce-scatter: the largest
+    one that n_devices divides (the first on a tie); None when none does (the leaf stays whole)."""
+    best = None
+    for axis, dim in enumerate(shape):
+        if dim % n_devices == 0 and (best is None or dim > shape[best]):
+            best = axis
+    return best
+
+
+def strided(n_devices: int) -> bool:
+    """Whether microbatches are dealt out strided, device d computing d, d + n, d + 2n, ...: then
+    the n microbatches of one scan step are consecutive and, n being a power of two, one complete
+    subtree of the tree, reduced inside the scan (`block_sum`). Otherwise (n = 1, or not a power of
+    two) each device computes consecutive microbatches and the tree is finished after the scan."""
+    return n_devices > 1 and n_devices & (n_devices - 1) == 0
+
+
+def block_sum(shards_Nx: jax.Array) -> jax.Array:
+    """The tree over one scan step's n microbatch gradients (shards of them): the bottom log2(n)
+    levels of the global tree. A name of its own so that a test can swap in another order."""
+    return pair_tree(shards_Nx)
+
+
+def reduce_block(g: jax.Array, n_devices: int) -> jax.Array:
+    """Inside the scan (strided): this device's gradient `g` of a leaf and the other devices' of
+    the same scan step -> this device's shard (split_axis) of their sum, by an all_to_all (copies,
+    in device order = global microbatch order) and block_sum. A leaf without such an axis is
+    all-gathered and summed whole on every device."""
+    axis = split_axis(g.shape, n_devices)
+    if axis is None:
+        return block_sum(lax.all_gather(g, BATCH_AXES, axis=0))
+    return block_sum(lax.all_to_all(g[None], BATCH_AXES, split_axis=1 + axis, concat_axis=0, tiled=True))
+
+
+def finish_blocks(blocks_Kx: jax.Array, shape: tuple[int, ...], n_devices: int, m_total: int) -> jax.Array:
+    """After the scan (strided): the tree over the scan steps' block sums (the global tree's upper
+    levels: M = steps x n with n = 2^k, so no odd element is carried below them), the mean, and
+    the all_gather of the shards (copies) into the whole leaf of `shape`."""
+    mean = pair_tree(blocks_Kx) / m_total
+    axis = split_axis(shape, n_devices)
+    return mean if axis is None else lax.all_gather(mean, BATCH_AXES, axis=axis, tiled=True)
+
+
+def gathered_sum(partials_Px: jax.Array, m_total: int) -> jax.Array:
+    """After the scan (consecutive microbatches): the mean over every device's partial sums
+    `partials_Px` (this device's P consecutive ones), all-gathered in global order, the tree
+    finished on every device. Holds devices x P gradients per device: the previous
+    implementation, kept as the reference the tests and bench/invariant_memory.py compare with."""
+    return pair_tree(lax.all_gather(partials_Px, BATCH_AXES, axis=0, tiled=True)) / m_total
+
+
+def scattered_sum(partials_Px: jax.Array, n_devices: int, m_total: int) -> jax.Array:
+    """gathered_sum's bits as a fixed-order reduce-scatter, for device counts that are not powers
+    of two: an all_to_all gives device j shard j of every device's partial sums in global order,
+    device j finishes the same tree on its shard, the reduced shards are all-gathered. Every
+    element sees the same adds in the same order (elementwise float adds; copies in between)."""
+    axis = split_axis(partials_Px.shape[1:], n_devices)
+    if n_devices == 1 or axis is None:
+        return gathered_sum(partials_Px, m_total)
+    shards_NPx = lax.all_to_all(partials_Px, BATCH_AXES, split_axis=1 + axis, concat_axis=0, tiled=True)
+    return lax.all_gather(pair_tree(shards_NPx) / m_total, BATCH_AXES, axis=axis, tiled=True)
+
+
 # ------------------------------------------------------------------------ the gradients
 
 def value_and_grad(params: Any, cfg: Config, batch: dict, step_key: jax.Array, capture: bool,
-                   mesh: Mesh | None) -> tuple[tuple[jax.Array, dict], Any]:
+                   mesh: Mesh | None, reduction: str = "scatter") -> tuple[tuple[jax.Array, dict], Any]:
     """((loss + z_loss, aux), grads) of the mean loss over the global batch, like
     jax.value_and_grad(step.loss_fn, has_aux=True), but computed microbatch by microbatch and
     reduced in one fixed order; every output is replicated. aux: loss, z_loss, example_loss
     (global order) and, with `capture`, layers (each the global-batch activation).
 
     `mesh`: the ("data", "fsdp") mesh the batch is sharded over; None = the first device.
+    `reduction`: "scatter" (the trainer's: strided microbatches reduce-scattered in the scan where
+    the device count is a power of two, else scattered_sum) or "gather" (consecutive microbatches
+    and gathered_sum: the previous implementation, the reference tests compare with).
     """
     from trainer import model, step as steplib
 
@@ -247,20 +335,37 @@ def value_and_grad(params: Any, cfg: Config, batch: dict, step_key: jax.Array, c
     n = int(mesh.devices.size)
     check(cfg, n)
     m_total = cfg.mesh.n_microbatches
+    if reduction not in ("scatter", "gather"):
+        raise ValueError(f"reduction {reduction!r} is not 'scatter' or 'gather'")
+    stride = reduction == "scatter" and strided(n)
+    finish = scattered_sum if reduction == "scatter" else (lambda x, n, m: gathered_sum(x, m))
     local = m_total // n
     levels = _aligned_levels(local)
     inputs, targets = batch["inputs"], batch["targets"]
     mb = inputs.shape[0] // m_total  # examples per microbatch
     key_data = jax.random.key_data(step_key)
 
-    def gather(x: jax.Array) -> jax.Array:  # local leading axis -> global, in global order
+    def gather(x: jax.Array) -> jax.Array:  # local leading axis -> global, in device order
         return lax.all_gather(x, BATCH_AXES, axis=0, tiled=True)
 
+    def in_order(x_Kx: jax.Array) -> jax.Array:  # [local microbatches, ...] -> [M, ...], global order
+        if not stride:
+            return gather(x_Kx)
+        x_NKx = lax.all_gather(x_Kx, BATCH_AXES, axis=0)  # [device, step]: microbatch step * n + device
+        return jnp.swapaxes(x_NKx, 0, 1).reshape((m_total,) + x_Kx.shape[1:])
+
     def per_device(params, key_data, inputs_bxL, targets_bxL):
-        first = lax.axis_index(BATCH_AXES) * local  # global index of this device's first microbatch
+        me = lax.axis_index(BATCH_AXES)
         base = jax.random.wrap_key_data(key_data, impl="threefry2x32")
-        xs = (inputs_bxL.reshape(local, mb, -1), targets_bxL.reshape(local, mb, -1),
-              first + jnp.arange(local, dtype=jnp.int32))
+        if stride:  # every device gets the batch's tokens (int32: small beside a gradient), takes its own
+            def mine(x_bxL):
+                x_KxNxMBxL = gather(x_bxL).reshape(local, n, mb, -1)
+                return lax.dynamic_index_in_dim(x_KxNxMBxL, me, axis=1, keepdims=False)
+
+            xs = (mine(inputs_bxL), mine(targets_bxL), jnp.arange(local, dtype=jnp.int32) * n + me)
+        else:
+            xs = (inputs_bxL.reshape(local, mb, -1), targets_bxL.reshape(local, mb, -1),
+                  me * local + jnp.arange(local, dtype=jnp.int32))
 
         def body(carry, x):
             inputs_mb, targets_mb, index = x
@@ -268,16 +373,20 @@ def value_and_grad(params: Any, cfg: Config, batch: dict, step_key: jax.Array, c
             with model.fixed_order_backward():  # no plain reduces in softmax/RMSNorm backward
                 (_, aux), grads = jax.value_and_grad(steplib.loss_fn, has_aux=True)(
                     params, cfg, inputs_mb, targets_mb, key, capture)
+            if stride:  # this step's n microbatches -> this device's shard of their sum
+                grads = jax.tree.map(lambda g: reduce_block(g, n), grads)
             return carry, (grads, aux)
 
         _, (grads_K, aux_K) = lax.scan(body, None, xs)
-        # Local complete subtrees first, then the gathered partial sums in global order.
-        grads = jax.tree.map(lambda g: pair_tree(gather(pair_tree(g, levels))) / m_total, grads_K)
-        loss = pair_tree(gather(aux_K["loss"])) / m_total
-        z_loss = pair_tree(gather(aux_K["z_loss"])) / m_total
+        if stride:
+            grads = jax.tree.map(lambda s, p: finish_blocks(s, p.shape, n, m_total), grads_K, params)
+        else:  # local complete subtrees first, then the tree over every device's partial sums
+            grads = jax.tree.map(lambda g: finish(pair_tree(g, levels), n, m_total), grads_K)
+        loss = pair_tree(in_order(aux_K["loss"])) / m_total
+        z_loss = pair_tree(in_order(aux_K["z_loss"])) / m_total
         out = {"loss": loss, "z_loss": z_loss,
-               "example_loss": gather(aux_K["example_loss"].reshape(local * mb)),
-               "layers": {name: gather(x.reshape((local * mb,) + x.shape[2:])) for name, x in aux_K["layers"].items()}}
+               "example_loss": in_order(aux_K["example_loss"]).reshape(m_total * mb),
+               "layers": {name: in_order(x).reshape((m_total * mb,) + x.shape[2:]) for name, x in aux_K["layers"].items()}}
         return (loss + z_loss, out), grads
 
     fn = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(), P(BATCH_AXES), P(BATCH_AXES)),

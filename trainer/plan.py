@@ -1,14 +1,19 @@
 """Plan a run without running it: compile the train step for N devices from abstract shapes.
 
-    python -m trainer.plan --preset olmo3-7b --devices 256 [--json] [--set key=value ...]
+    python -m trainer.plan --preset olmo3-7b --devices 256 [--level step] [--device-kind tpu-v5p]
+                           [--json] [--set key=value ...]
 
-lowers and compiles the jitted train step (trace level "step", what a production run records
-every step) for a mesh of N devices, with the state and batch given as ShapeDtypeStructs
-carrying their shardings, so no parameter, optimizer or batch array is ever allocated. It
-reports what the compiled per-device program needs (XLA's memory analysis: arguments,
-outputs, temporaries, generated code), the parameter count, parameter and optimizer bytes
-per device, the model's FLOPs per step (6N + attention, trainer/model.py) and the time it
-took to trace, lower and compile.
+lowers and compiles the jitted train step (trace level "step" by default, what a production
+run records every step) for a mesh of N devices, with the state and batch given as
+ShapeDtypeStructs carrying their shardings, so no parameter, optimizer or batch array is ever
+allocated. It reports what the compiled per-device program needs (XLA's memory analysis:
+arguments, outputs, temporaries, bytes aliased to the donated state, generated code), whether
+the donated state is written in place (trainer/donation.py: input_output_alias and copies in
+the compiled HLO), the parameter count, parameter and optimizer bytes per device, FLOPs per
+step (the model's 6N + attention, trainer/model.py, and XLA's cost analysis of the program),
+whether it fits a named device's HBM (DEVICE_HBM) and the time it took to trace, lower and
+compile. Model options (remat, scan, precision, where the config has them) are config fields:
+`--set model.FIELD=VALUE`; the report carries the whole model section.
 
 The device count of a JAX process is fixed when JAX initialises, so this module runs in its
 own process with N virtual CPU devices (`plan_env(N)`: XLA_FLAGS
@@ -24,6 +29,7 @@ with exit code 2. This module imports no jax at module level (plan_env is used b
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -32,9 +38,15 @@ import sys
 import time
 from typing import Any
 
-LEVEL = "step"  # trace level planned: loss, grad norm, lr, param norm, per-example loss, RNG
+LEVEL = "step"  # trace level planned by default: loss, grad norm, lr, param norm, per-example loss, RNG
+LEVELS = ("off", "step", "layer")  # as trainer.step.LEVELS (not imported: no jax at module level)
 EXIT_BAD_INPUT = 2
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
+# HBM per chip as the vendors state it, in GB (10^9 bytes): Cloud TPU docs (v5p 95 GB, v6e 32 GB),
+# NVIDIA (H100 SXM 80 GB, H200 141 GB). Runtimes keep part of it (JAX on GPU preallocates 75% by
+# default, XLA_PYTHON_CLIENT_MEM_FRACTION), so "fits" is a necessary condition, not a promise.
+DEVICE_HBM: dict[str, int] = {"tpu-v5p": 95 * 10**9, "tpu-v6e": 32 * 10**9, "h100": 80 * 10**9,
+                              "h200": 141 * 10**9}
 
 
 def plan_env(n_devices: int, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -47,16 +59,25 @@ def plan_env(n_devices: int, base: dict[str, str] | None = None) -> dict[str, st
     return env
 
 
+def fit(total_bytes: int | None, device_kind: str) -> dict[str, Any]:
+    """Whether `total_bytes` per device fit `device_kind`'s HBM (DEVICE_HBM)."""
+    hbm = DEVICE_HBM[device_kind]
+    return {"device_kind": device_kind, "hbm_bytes": hbm, "total_per_device": total_bytes,
+            "fits": None if total_bytes is None else total_bytes <= hbm,
+            "share": None if total_bytes is None else round(total_bytes / hbm, 4)}
+
+
 def plan(cfg: Any, n_devices: int | None = None, preset: str | None = None,
-         log=lambda msg: None) -> dict[str, Any]:
-    """Compile the train step of `cfg` for the devices of this process (which must number
-    `n_devices` when given) from abstract state and batch; return the report as plain data.
-    Raises trainer.mesh.MeshError when the mesh or the batch does not fit the devices."""
+         log=lambda msg: None, level: str = LEVEL, device_kind: str | None = None) -> dict[str, Any]:
+    """Compile the train step of `cfg` at trace `level` for the devices of this process (which
+    must number `n_devices` when given) from abstract state and batch; return the report as
+    plain data (with `device_kind`, whether it fits that device). Raises trainer.mesh.MeshError
+    when the mesh or the batch does not fit the devices."""
     import jax
     import numpy as np
 
+    from trainer import donation, invariant, model, step
     from trainer import mesh as mesh_lib
-    from trainer import model, step
 
     devices = jax.devices()
     if n_devices is not None and len(devices) != n_devices:
@@ -65,14 +86,16 @@ def plan(cfg: Any, n_devices: int | None = None, preset: str | None = None,
             f"XLA_FLAGS={_COUNT_FLAG}={n_devices} JAX_PLATFORMS=cpu (as `replay plan` does)")
     mesh = mesh_lib.make_mesh(cfg.mesh, devices)
     mesh_lib.check_batch(cfg.data.global_batch_size, mesh)
+    if cfg.mesh.mesh_invariant:
+        invariant.check(cfg, int(mesh.size))
 
     abstract = mesh_lib.abstract_state(cfg)
     shardings = mesh_lib.state_shardings(mesh, abstract)
     state_in = mesh_lib.abstract_with_shardings(abstract, shardings)
     batch_in = mesh_lib.abstract_batch(cfg, mesh)
-    fn = step.compile_step(cfg, LEVEL, shardings, mesh_lib.batch_sharding(mesh))
+    fn = step.compile_step(cfg, level, shardings, mesh_lib.batch_sharding(mesh))
 
-    log(f"tracing the train step (trace level {LEVEL!r}) for {len(devices)} devices, "
+    log(f"tracing the train step (trace level {level!r}) for {len(devices)} devices, "
         f"mesh data={mesh.shape['data']} x fsdp={mesh.shape['fsdp']}")
     t0 = time.perf_counter()
     traced = fn.trace(state_in, batch_in)
@@ -121,19 +144,24 @@ def plan(cfg: Any, n_devices: int | None = None, preset: str | None = None,
     except Exception:  # cost analysis is best effort and backend dependent
         pass
 
-    return {
+    report = {
         "preset": preset,
         "devices": len(devices),
         "backend": jax.default_backend(),
         "mesh": {"data": int(mesh.shape["data"]), "fsdp": int(mesh.shape["fsdp"])},
-        "trace_level": LEVEL,
+        "mesh_invariant": ({"n_microbatches": cfg.mesh.n_microbatches} if cfg.mesh.mesh_invariant else None),
+        "model": dataclasses.asdict(cfg.model),
+        "trace_level": level,
         "params": int(n_params),
         "global_batch_size": cfg.data.global_batch_size,
         "seq_len": cfg.model.seq_len,
         "tokens_per_step": tokens,
         "flops_per_token": fpt,
         "flops_per_step": fpt * tokens,
-        "xla_flops_per_device": xla_flops,  # XLA's own count for one device's program (CPU)
+        # XLA's cost analysis of one device's program (every device runs it: SPMD); it counts a
+        # loop's body once (mesh-invariant mode's scan over microbatches), so it undercounts there
+        "xla_flops_per_device": xla_flops,
+        "xla_flops_per_step": None if xla_flops is None else xla_flops * len(devices),
         "bytes": {
             "params_total": full_bytes(abstract.params),
             "optimizer_total": full_bytes(abstract.opt_state),
@@ -142,9 +170,13 @@ def plan(cfg: Any, n_devices: int | None = None, preset: str | None = None,
             "batch_per_device": shard_bytes(batch_in, {k: v.sharding for k, v in batch_in.items()}),
         },
         "memory_per_device": memory,
+        "donation": donation.check(compiled),  # the donated state written in place, read from the HLO
         "seconds": {"trace": round(t1 - t0, 3), "lower": round(t2 - t1, 3), "compile": round(t3 - t2, 3)},
         "versions": {"jax": jax.__version__},
     }
+    if device_kind is not None:
+        report["fit"] = fit(memory["total"] if memory else None, device_kind)
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--devices", type=int, required=True, help="devices of the mesh (virtual CPU devices)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="config override, e.g. mesh.fsdp=8 (repeatable)")
+    parser.add_argument("--level", choices=LEVELS, default=LEVEL, help="trace level of the compiled step")
+    parser.add_argument("--device-kind", choices=sorted(DEVICE_HBM), help="say whether it fits this device's HBM")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args(argv)
 
@@ -166,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         from trainer.mesh import MeshError
 
         try:
-            report = plan(cfg, args.devices, preset=args.preset, log=log)
+            report = plan(cfg, args.devices, preset=args.preset, log=log, level=args.level,
+                          device_kind=args.device_kind)
         except MeshError as e:
             raise ConfigError(str(e)) from None
     except ConfigError as e:

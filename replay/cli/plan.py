@@ -1,17 +1,26 @@
 """`replay plan --preset P --devices N`: what one device needs to train P on N devices.
 
-Compiles the train step (trace level "step") for a mesh of N devices from abstract shapes,
-without allocating the state or the batch, and prints per-device memory from the compiled
-program (XLA's memory analysis), the parameter count, parameter and optimizer bytes per
-device, FLOPs per step and the compile time. A JAX process's device count is fixed when JAX
-starts, so the work runs in a child process, `python -m trainer.plan`, with N virtual CPU
-devices (XLA_FLAGS=--xla_force_host_platform_device_count=N, JAX_PLATFORMS=cpu). Its
-progress lines are relayed to stderr as they come; its result (JSON) is printed here.
+Compiles the train step (trace level "step", or --level) for a mesh of N devices from abstract
+shapes, without allocating the state or the batch, and prints per-device memory from the
+compiled program (XLA's memory analysis: arguments, outputs, temporaries, bytes aliased to the
+donated state), whether the donated state is written in place (read from the compiled HLO:
+trainer/donation.py), the parameter count, parameter and optimizer bytes per device, FLOPs per
+step (the model's count and XLA's), whether it fits a device's HBM (--device-kind) and the
+compile time. A JAX process's device count is fixed when JAX starts, so the work runs in a
+child process, `python -m trainer.plan`, with N virtual CPU devices
+(XLA_FLAGS=--xla_force_host_platform_device_count=N, JAX_PLATFORMS=cpu). Its progress lines
+are relayed to stderr as they come; its result (JSON) is printed here. Its cost is one
+compile, whatever the run's length.
 
-Example (the 7B on 256 devices: about 35 s on 2 CPU cores, of which 27 s is XLA's compile):
+Examples (olmo3-7b: about 45 s on 2 busy CPU cores for 8 or 64 devices, 41 s for 256, of which
+33-38 s is XLA's compile; olmo-1b: about 15 s):
 
-    replay plan --preset olmo3-7b --devices 256
-    replay plan --preset tiny --devices 4 --json
+    replay plan --preset olmo3-7b --devices 256 --device-kind tpu-v5p
+    replay plan --preset tiny --devices 4 --level layer --json
+    replay plan --preset tiny --devices 8 --set mesh.mesh_invariant=true --set mesh.n_microbatches=8
+
+Model options (remat, scan over layers, precision) are not flags here: where the config has
+them they are `--set model.FIELD=VALUE`, and the report shows the whole model section.
 
 Exit codes: 0 ok; 2 bad input (unknown preset or override, a device count the mesh or the
 batch cannot use); 3 if the child process failed otherwise (a bug in replay).
@@ -41,17 +50,26 @@ def plan(
     overrides: Annotated[
         Optional[list[str]], typer.Option("--set", help="Config override section.field=value, e.g. mesh.fsdp=8; repeatable.")
     ] = None,
+    level: Annotated[str, typer.Option("--level", help="Trace level of the compiled step: off, step, layer.")] = "step",
+    device_kind: Annotated[
+        Optional[str], typer.Option("--device-kind", help="Say whether it fits: tpu-v5p, tpu-v6e, h100, h200.")
+    ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of a table.")] = False,
 ) -> None:
     """Compile the train step for N devices from abstract shapes and print per-device memory (nothing is allocated)."""
     from trainer.config import apply_overrides, get_preset
-    from trainer.plan import plan_env
+    from trainer.plan import DEVICE_HBM, LEVELS, plan_env
 
     apply_overrides(get_preset(preset), list(overrides or []))  # bad preset or key: exit 2 before starting JAX
     if devices < 1:
         console.fail(f"--devices {devices}: the mesh needs at least 1 device")
+    if level not in LEVELS:
+        console.fail(f"--level {level}: not a trace level; use one of {', '.join(LEVELS)}")
+    if device_kind is not None and device_kind not in DEVICE_HBM:
+        console.fail(f"--device-kind {device_kind}: unknown; use one of {', '.join(DEVICE_HBM)}")
 
-    cmd = [sys.executable, "-m", "trainer.plan", "--preset", preset, "--devices", str(devices), "--json"]
+    cmd = [sys.executable, "-m", "trainer.plan", "--preset", preset, "--devices", str(devices), "--json",
+           "--level", level] + (["--device-kind", device_kind] if device_kind else [])
     for item in overrides or []:
         cmd += ["--set", item]
     report, error, code = _run_child(cmd, plan_env(devices))
@@ -119,18 +137,43 @@ def _count(n: float) -> str:
     return f"{n:g}"
 
 
+def _donation(d: dict[str, Any] | None) -> str:
+    if not d:
+        return "-"
+    verdict = "written in place (no copy)" if d["in_place"] else "NOT in place: the step copies the state"
+    return (f"{verdict}: {d['aliased_leaves']} of {d['donated_leaves']} leaves aliased, "
+            f"{_bytes(d['copied_bytes'])} copied, {_bytes(d['unaliased_bytes'])} unaliased, "
+            f"of {_bytes(d['donated_bytes'])}")
+
+
+def _fit(f: dict[str, Any]) -> str:
+    if f["fits"] is None:
+        return f"unknown (no memory analysis) for {f['device_kind']}"
+    word = "fits" if f["fits"] else "does NOT fit"
+    return (f"{word} {f['device_kind']} ({f['hbm_bytes'] / 1e9:g} GB HBM): {f['share']:.1%} of it per device "
+            "(the runtime keeps part of it)")
+
+
 def render(r: dict[str, Any]) -> None:
     b, mem, sec = r["bytes"], r.get("memory_per_device") or {}, r["seconds"]
+    inv = r.get("mesh_invariant")
     rows = [
         ("preset", r["preset"]),
         ("devices", f"{r['devices']} (virtual {r['backend']} devices; mesh data={r['mesh']['data']} x fsdp={r['mesh']['fsdp']})"),
-        ("trace level", f"{r['trace_level']} (the step compiled with step-level recording)"),
+        ("trace level", f"{r['trace_level']} (the step compiled with {r['trace_level']}-level recording)"),
+    ]
+    if inv:
+        rows.append(("mesh-invariant", f"{inv['n_microbatches']} microbatches, fixed-order reduce-scatter"))
+    rows += [
         ("parameters", f"{_count(r['params'])} ({r['params']:,})"),
         ("params per device", f"{_bytes(b['params_per_device'])} (of {_bytes(b['params_total'])})"),
         ("optimizer per device", f"{_bytes(b['optimizer_per_device'])} (of {_bytes(b['optimizer_total'])})"),
         ("batch", f"{r['global_batch_size']} x {r['seq_len']} tokens = {r['tokens_per_step']:,} per step"),
         ("FLOPs per step", f"{r['flops_per_step']:.3e} (6N + attention, all devices)"),
     ]
+    if r.get("xla_flops_per_step"):
+        rows.append(("XLA FLOPs per step", f"{r['xla_flops_per_step']:.3e} (cost analysis x {r['devices']} devices; "
+                                           "a loop body counted once)"))
     if mem:
         rows += [
             ("memory: arguments", _bytes(mem["argument"])),
@@ -141,6 +184,9 @@ def render(r: dict[str, Any]) -> None:
         ]
     else:
         rows.append(("memory", "not reported by this backend"))
+    rows.append(("donated state", _donation(r.get("donation"))))
+    if r.get("fit"):
+        rows.append(("fits", _fit(r["fit"])))
     rows.append(("time", f"trace {sec['trace']:.1f} s, lower {sec['lower']:.1f} s, compile {sec['compile']:.1f} s"))
     console.print_table([(k, str(v)) for k, v in rows], title=f"plan: {r['preset']} on {r['devices']} devices (per device)")
     console.status("memory is XLA:CPU's buffer assignment for one device's program: arguments and outputs are "

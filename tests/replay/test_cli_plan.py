@@ -38,9 +38,10 @@ def test_plan_env_sets_device_count_and_keeps_other_flags():
 
 @pytest.fixture(scope="module")
 def tiny_plan():
-    """`replay plan --preset tiny --devices 4 --json` (mesh 2 x 2), run once: (result, report)."""
+    """`replay plan --preset tiny --devices 4 --device-kind h100 --json` (mesh 2 x 2), run once:
+    (result, report)."""
     result = invoke("plan", "--preset", "tiny", "--devices", "4", "--set", "mesh.data=2", "--set", "mesh.fsdp=2",
-                    "--json")
+                    "--device-kind", "h100", "--json")
     assert result.exit_code == 0, result.stderr
     return result, json.loads(result.stdout)
 
@@ -67,6 +68,15 @@ def test_plan_tiny_on_4_devices_json(tiny_plan):
     assert mem["total"] < 64 * 2**20  # a 140k-parameter model: sensible, not absurd
     assert r["seconds"]["compile"] > 0
     assert "compiled in" in result.stderr  # progress relayed from the child
+    # XLA's count for the program, for all 4 devices: the same order as the model's 6N + attention
+    assert r["xla_flops_per_step"] == 4 * r["xla_flops_per_device"]
+    assert 0.3 < r["xla_flops_per_step"] / r["flops_per_step"] < 3, (r["xla_flops_per_step"], r["flops_per_step"])
+    d = r["donation"]  # read from the compiled HLO (tests/trainer/test_donation.py: the check can fail)
+    assert d["in_place"] and d["aliased_leaves"] == d["donated_leaves"] > 0
+    assert d["donated_bytes"] == mem["alias"]  # every donated byte comes back in place, per device
+    assert r["fit"] == {"device_kind": "h100", "hbm_bytes": 80 * 10**9, "total_per_device": mem["total"],
+                        "fits": True, "share": round(mem["total"] / (80 * 10**9), 4)}
+    assert r["model"]["d_model"] == cfg.model.d_model and r["mesh_invariant"] is None
 
 
 @pytest.mark.slow
@@ -75,7 +85,8 @@ def test_plan_table_output(tiny_plan, capsys):
     plan_cli.render(report)  # what `replay plan` prints without --json
     out = capsys.readouterr().out
     for words in ("tiny", "4 (virtual cpu devices; mesh data=2 x fsdp=2)", "memory: temporaries",
-                  "params per device", "FLOPs per step", "compile"):
+                  "params per device", "FLOPs per step", "XLA FLOPs per step", "compile",
+                  "written in place (no copy)", "fits h100 (80 GB HBM)"):
         assert words in out, out
 
 
@@ -87,6 +98,31 @@ def test_unknown_preset_exit_2_one_line():
 def test_unknown_override_exit_2_one_line():
     assert_one_line_error(invoke("plan", "--preset", "tiny", "--devices", "4", "--set", "model.width=3"), 2,
                           "model.width")
+
+
+def test_fit_against_device_memory():
+    from trainer.plan import DEVICE_HBM, fit
+
+    assert DEVICE_HBM == {"tpu-v5p": 95e9, "tpu-v6e": 32e9, "h100": 80e9, "h200": 141e9}
+    assert fit(95 * 10**9, "tpu-v5p")["fits"] and not fit(95 * 10**9 + 1, "tpu-v5p")["fits"]
+    assert fit(None, "h200")["fits"] is None
+
+
+@pytest.mark.slow
+def test_table_says_when_the_state_is_copied_or_does_not_fit(tiny_plan, capsys):
+    _, report = tiny_plan
+    bad = {**report, "donation": {**report["donation"], "in_place": False, "copied_bytes": 2**20},
+           "fit": {**report["fit"], "fits": False, "share": 1.5}}
+    plan_cli.render(bad)
+    out = capsys.readouterr().out
+    assert "NOT in place" in out and "does NOT fit h100" in out and "written in place" not in out
+
+
+def test_unknown_device_kind_or_level_exit_2_one_line():
+    assert_one_line_error(invoke("plan", "--preset", "tiny", "--devices", "4", "--device-kind", "tpu-v4"), 2,
+                          "--device-kind tpu-v4", "tpu-v5p", "h200")
+    assert_one_line_error(invoke("plan", "--preset", "tiny", "--devices", "4", "--level", "all"), 2,
+                          "--level all", "layer")
 
 
 def test_zero_devices_exit_2():

@@ -4,7 +4,8 @@ A lane is one copy of the example's loop at one recording level: `off` (the plai
 `step` (`run.step(level="step")`: metrics, RNG words, per-example hashes, the trace write) and
 `layer` (`run.step()`, the default: also fingerprints of the state, the taps and the new state).
 Each lane has its own state and its own copy of the data (the example's `batch_at` or its data
-iterator), so all lanes see the same batches and must train bit-identically, which is checked.
+iterator, read one batch ahead), so all lanes see the same batches and must train bit-identically,
+which is checked.
 A lane step is the example's loop body minus checkpoints: get the batch, call the step. A round
 runs some steps of one lane, then waits for its state; `measure` visits the lanes in an order
 rotated from round to round, so drift and other processes' load hit every lane alike.
@@ -42,9 +43,17 @@ class Lane:
         self.state = self.loop.init()
         self._batches = self.loop.data() if self.loop.batch_at is None else None
         self.k = 0
+        self._ahead = self._fetch(0)
+
+    def _fetch(self, k: int) -> Any:
+        return next(self._batches) if self._batches is not None else self.loop.batch_at(k)
 
     def batch(self) -> Any:
-        return next(self._batches) if self._batches is not None else self.loop.batch_at(self.k)
+        """Step k's batch, fetched one step ahead (as flax's prefetch_to_device does in a real input
+        pipeline): the batch a step gets is on device already, in every lane alike, so what is
+        measured is recording, not a host copy of a transfer issued just before."""
+        batch, self._ahead = self._ahead, self._fetch(self.k + 1)
+        return batch
 
     def run_round(self, steps: int) -> tuple[float, float]:
         """(wall, process CPU) seconds per step over `steps` steps, the device drained at the end."""
@@ -94,10 +103,13 @@ def measure(example_name: str, config: dict, rounds: int, steps_per_round: int, 
     identical = all(np.asarray(x).tobytes() == np.asarray(y).tobytes() for s in states[1:] for x, y in zip(states[0], s))
     med = {k: statistics.median(v) for k, v in wall.items()}
     cpu_med = {k: statistics.median(v) for k, v in cpu.items()}
+    # Per-round paired ratios: a second estimate, robust to drift within the run (as bench/overhead.py's).
+    paired = {lvl: statistics.median(s / o for s, o in zip(wall[lvl], wall["off"])) - 1 for lvl in ("step", "layer")}
     out = {
         "loop": f"examples/{example_name}.py", "config": config,
         "step_overhead": round(med["step"] / med["off"] - 1, 5), "layer_overhead": round(med["layer"] / med["off"] - 1, 5),
         "budget_step_overhead": budgets["step_overhead"], "budget_layer_overhead": budgets["layer_overhead"],
+        "paired_step_overhead": round(paired["step"], 5), "paired_layer_overhead": round(paired["layer"], 5),
         "cpu_step_overhead": round(cpu_med["step"] / cpu_med["off"] - 1, 5),
         "cpu_layer_overhead": round(cpu_med["layer"] / cpu_med["off"] - 1, 5),
         # The absolute cost a step: a fixed few hundred microseconds of host work, whatever the step.

@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--api-set", dest="api_overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="an override of that example's Config (repeatable)")
     parser.add_argument("--api-rounds", type=int, default=0, help="measured rounds of the example (default: --rounds)")
-    parser.add_argument("--api-steps-per-round", type=int, default=2, help="example steps per level per round")
+    parser.add_argument("--api-steps-per-round", type=int, default=5, help="example steps per level per round")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.steps_per_round < 1 or args.warmup_rounds < 0:
         parser.error("--rounds and --steps-per-round must be >= 1, --warmup-rounds >= 0")

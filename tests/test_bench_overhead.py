@@ -41,7 +41,8 @@ def test_overhead_bench_reports_every_level():
     assert result["identical_training"] is True  # the three levels trained bit-identically
     api = result["api"]  # the user loop through replay.init / run.step, measured in the same run
     assert api["loop"] == "examples/linen_lm.py" and api["config"]["d_model"] == 16 and api["rounds"] == 2
-    for key in ("step_overhead", "layer_overhead", "cpu_step_overhead", "cpu_layer_overhead"):
+    for key in ("step_overhead", "layer_overhead", "paired_step_overhead", "paired_layer_overhead",
+                "cpu_step_overhead", "cpu_layer_overhead"):
         assert isinstance(api[key], float), key
     assert (api["budget_step_overhead"], api["budget_layer_overhead"]) == (0.01, 0.03)
     assert api["identical_training"] is True  # wrapped or not, the example's step computed the same bits

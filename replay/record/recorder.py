@@ -1,13 +1,16 @@
-"""From a step's device outputs to a trace record, written one step late.
+"""From a step's device outputs to a trace record, written behind the device.
 
-The recorder holds step k's outputs until step k+1 has been dispatched and only then copies
-them to the host, so the host never blocks the device on recording. Only process 0 writes;
-every process gathers its slice of the per-example hashes, so the record holds what each
-host really fed, in global order.
+The recorder holds a step's outputs on device and copies them to the host only once they are
+ready (up to MAX_PENDING steps later; then it waits for the oldest), so the host never waits on
+a running step to record it: on a CPU backend that wait cost 2-5% of a 62 ms step (it competes
+with the step for the cores; bench/overhead.py's "api" section, 2026-12-01). Only process 0
+writes; every process gathers its slice of the per-example hashes, so the record holds what each
+host really fed, in global order. A crash loses the records not yet written (at most
+MAX_PENDING + 1 steps), which a resume re-records from its checkpoint.
 
 One recording path: `run.step` (replay/record/step.py) and the trainer (trainer/loop.py) both
-hand their step's metrics to `Recorder.record`. Cost: one record held per step, O(1) in the
-run's length.
+hand their step's metrics to `Recorder.record`. Cost: at most MAX_PENDING records held, O(1) in
+the run's length.
 """
 
 from __future__ import annotations
@@ -121,28 +124,41 @@ class Pending:
 
 
 class Recorder:
-    """Writes records one step behind the device. `writer` is None on processes other than 0."""
+    """Writes records behind the device. `writer` is None on processes other than 0.
+
+    A record is fetched only once its buffers are ready, so the host does not wait on a step
+    still running (on a CPU backend that wait competes with the step for the cores). Records are
+    written in step order; at most MAX_PENDING wait (then the oldest is waited for), and
+    `flush()` writes them all (before a checkpoint, at the end)."""
+
+    MAX_PENDING = 4  # records held on device at most: bounds how far the host runs ahead
 
     def __init__(self, schema: Schema, writer: TraceWriter | None, level: str):
         self.schema = schema
         self.writer = writer
         self.level = level
-        self._pending: Pending | None = None
+        self._queue: list[Pending] = []
         self.last: StepRecord | None = None  # the newest record written (for progress display)
         self.rewritten = 0  # steps that were already in the trace and re-recorded bit-identically
 
     def record(self, step: int, metrics: dict, example_hashes: np.ndarray) -> None:
         if self.level == "off":
             return
-        self.flush()
-        self._pending = Pending(step, metrics, example_hashes)
+        self._queue.append(Pending(step, metrics, example_hashes))
+        while self._queue and (len(self._queue) > self.MAX_PENDING or _ready(self._queue[0].metrics)):
+            self._write(self._queue.pop(0))
 
     def flush(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
+        while self._queue:
+            self._write(self._queue.pop(0))
+
+    def _write(self, pending: Pending) -> None:
         host = jax.device_get(pending.metrics)
         rec = to_record(self.schema, pending.step, host, pending.example_hashes)
         if self.writer is not None and not self.writer.append(rec):
             self.rewritten += 1
         self.last = rec
+
+
+def _ready(tree) -> bool:
+    return all(x.is_ready() for x in jax.tree.leaves(tree) if hasattr(x, "is_ready"))

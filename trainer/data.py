@@ -35,6 +35,7 @@ from typing import NamedTuple
 import numpy as np
 import xxhash
 
+from replay.record.hashing import batch_hash  # noqa: F401 (the one definition; trainer.data.batch_hash)
 from trainer import order, tokenizer
 
 # Little-endian explicitly: a file written on one machine must read (and hash) the
@@ -45,7 +46,6 @@ EMBEDDED_DEFAULT = "embedded:default"
 _EMBEDDED_FILES = {"default": "default.txt.gz"}
 
 _FINGERPRINT_TAG = b"replay.data.tokens.v1\0"
-_BATCH_HASH_TAG = xxhash.xxh3_64_intdigest(b"replay.data.batch_hash.v1")
 # Scans of big memmaps go in chunks so validation never allocates a full-size mask.
 _SCAN_CHUNK = 1 << 24
 
@@ -339,13 +339,6 @@ def example_hashes(tokens_BxL1: np.ndarray) -> np.ndarray:
     return np.array([xxhash.xxh3_64_intdigest(row, seed=seed) for row in rows], dtype=np.uint64)
 
 
-def batch_hash(example_hashes_B: np.ndarray) -> int:
-    """One uint64 over the per-example hashes in global order, and their count."""
-    hashes = np.ascontiguousarray(example_hashes_B, dtype="<u8")
-    h = xxhash.xxh3_64(seed=_BATCH_HASH_TAG)
-    h.update(np.uint64(hashes.shape[0]).astype("<u8").tobytes())
-    h.update(hashes)
-    return h.intdigest()
 
 
 class Batch(NamedTuple):

@@ -19,22 +19,9 @@ from dataclasses import dataclass
 
 import jax
 import numpy as np
-import xxhash
 
+from replay.record.hashing import batch_hash
 from traces import Schema, StepRecord, TraceWriter
-
-# FORMAT.md: batch_hash is xxh3-64 over the batch size and the per-example hashes, in global order.
-_BATCH_HASH_TAG = xxhash.xxh3_64_intdigest(b"replay.data.batch_hash.v1")
-
-
-def batch_hash(example_hashes_B: np.ndarray) -> int:
-    """One uint64 over the per-example hashes in global order, and their count."""
-    hashes = np.ascontiguousarray(example_hashes_B, dtype="<u8")
-    h = xxhash.xxh3_64(seed=_BATCH_HASH_TAG)
-    h.update(np.uint64(hashes.shape[0]).astype("<u8").tobytes())
-    h.update(hashes)
-    return h.intdigest()
-
 
 def lanes_to_uint64(lanes_Tx2: np.ndarray) -> np.ndarray:
     lanes = np.asarray(lanes_Tx2, np.uint32).astype(np.uint64)

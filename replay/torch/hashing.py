@@ -6,8 +6,8 @@ the dtype name and the row shape; a batch that is one tensor hashes as one array
 list, tuple) of tensors by the pytree rule. One canonical change on the way: int64 leaves are
 hashed as int32 (torch indexes embeddings with int64, a JAX device holds the same tokens as
 int32), so the token rows a torch loop feeds hash like the trainer's int32 rows. The batch
-hash is trainer.data.batch_hash, restated here because replay.torch never imports JAX (tests
-check both against the originals).
+hash is replay/record/hashing.py's batch_hash (that module imports no JAX at module level, so
+replay.torch can share the one definition).
 
 Cost per step: one device-to-host copy of the batch (its token rows, a few KB to MB) and one
 xxh3 call per example.
@@ -21,10 +21,10 @@ import numpy as np
 import torch
 import xxhash
 
+from replay.record.hashing import batch_hash  # noqa: F401 (the one definition; replay.torch exports it)
 from replay.torch.errors import TorchRecordError
 from replay.torch.fingerprint import dtype_name
 
-_BATCH_HASH_TAG = xxhash.xxh3_64_intdigest(b"replay.data.batch_hash.v1")  # trainer/data.py's tag
 _INT32 = (-(2**31), 2**31 - 1)
 
 
@@ -85,10 +85,3 @@ def example_hashes(batch: Any) -> np.ndarray:
     return np.array([xxhash.xxh3_64_intdigest(row, seed=seed) for row in data], np.uint64)
 
 
-def batch_hash(example_hashes_B: np.ndarray) -> int:
-    """trainer.data.batch_hash: one uint64 over the per-example hashes in global order and their count."""
-    hashes = np.ascontiguousarray(example_hashes_B, dtype="<u8")
-    h = xxhash.xxh3_64(seed=_BATCH_HASH_TAG)
-    h.update(np.uint64(hashes.shape[0]).astype("<u8").tobytes())
-    h.update(hashes)
-    return h.intdigest()

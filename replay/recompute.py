@@ -1,7 +1,7 @@
 """What one step computes, recomputed with full instrumentation: the exact inputs a run's step
 program was fed (faults applied) and separately jitted recomputations of its forward pass
 (layers, or one block's intermediates), loss and gradients, for `refine_step`
-(replay/refine.py).
+(replay/bisect/refine.py).
 
 The recomputation is a separate jitted program from the training step (full batch; a
 mesh-invariant run's microbatched gradients are recomputed the plain way), so its bits need

@@ -1,6 +1,6 @@
 """Replaying a run on this machine from its own checkpoints, comparing the two runs' states,
 and the binary search by replay for the first step whose output state differs (bisect step 5,
-sparse traces; see replay/refine.py).
+sparse traces; see replay/bisect/refine.py).
 
 Replays are counted as *probes*: one probe replays both runs to one step and compares them.
 `Replayer.replayed_steps` counts the single steps actually re-run.
@@ -74,7 +74,7 @@ def open_replayable(run: Run) -> Any:
 
 
 def _shown(run: Run) -> str:
-    from replay.bundle_format import shown_path
+    from replay.bundle.format import shown_path
 
     return shown_path(run)
 

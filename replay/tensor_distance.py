@@ -1,5 +1,5 @@
 """Element-wise comparison of two tensors and their distances (abs, relative, ULP), for
-`bisect`'s layer refinement (replay/refine.py)."""
+`bisect`'s layer refinement (replay/bisect/refine.py)."""
 
 from __future__ import annotations
 

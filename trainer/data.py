@@ -17,7 +17,7 @@ that crosses an epoch boundary therefore takes the end of one permutation and th
 start of the next. The permutations are lazy (a keyed Feistel network, trainer/order.py):
 a batch's ids cost O(B) at any dataset size.
 
-A bug-report bundle (replay/bundle.py) carries only the rows of the examples its steps
+A bug-report bundle (replay/bundle/__init__.py) carries only the rows of the examples its steps
 read: `ExampleSource` serves them by example id with the original source's size, so the
 permutations, and with them every batch's ids, are the same as with the full source.
 """
@@ -207,7 +207,7 @@ EXAMPLES_FORMAT = "replay.examples.v1"
 @dataclasses.dataclass(frozen=True, eq=False)
 class ExampleSource(TokenSource):
     """Only some examples of a token source, keyed by example id: what a bug-report bundle
-    carries (replay/bundle.py) so that its steps replay without the dataset.
+    carries (replay/bundle/__init__.py) so that its steps replay without the dataset.
 
     It keeps the original source's n_tokens, so n_examples and therefore every epoch
     permutation and every batch's example ids are unchanged; it serves the rows of the

@@ -1,6 +1,6 @@
 """`replay audit RUN`: did the run see its data in the promised order?
 
-A thin wrapper over replay/audit.py. Read-only. Exit codes:
+A thin wrapper over replay/audit/__init__.py. Read-only. Exit codes:
   0  no example came back early
   1  the data order is violated (examples came back within the epoch that already had them)
   2  bad input: no such run, not a run, a damaged run, no recorded step, a bad --steps or one

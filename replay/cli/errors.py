@@ -34,10 +34,10 @@ EXIT_CODES = MappingProxyType({
     "traces.errors.DiskFullError": EXIT_BAD_INPUT,
     "replay.audit.NothingToAudit": EXIT_BAD_INPUT,
     # bundles (replay pack / unpack)
-    "replay.bundle_format.PackError": EXIT_BAD_INPUT,
-    "replay.bundle_format.NotABundleError": EXIT_BAD_INPUT,
-    "replay.bundle_format.BundleCorruptError": EXIT_BAD_INPUT,
-    "replay.bundle_format.NewerBundleError": EXIT_BAD_INPUT,
+    "replay.bundle.format.PackError": EXIT_BAD_INPUT,
+    "replay.bundle.format.NotABundleError": EXIT_BAD_INPUT,
+    "replay.bundle.format.BundleCorruptError": EXIT_BAD_INPUT,
+    "replay.bundle.format.NewerBundleError": EXIT_BAD_INPUT,
     # a missing, unusable or damaged checkpoint (any loop's)
     "replay.record.orbax_io.CheckpointError": EXIT_BAD_INPUT,
     "replay.record.orbax_io.CheckpointDamagedError": EXIT_BAD_INPUT,
@@ -49,7 +49,7 @@ EXIT_CODES = MappingProxyType({
     # replaying: what cannot be replayed here, or a bad range
     "replay.engine.ReplayInputError": EXIT_BAD_INPUT,
     "replay.replayer.ReplayUnavailable": EXIT_BAD_INPUT,
-    "replay.spike_detect.SpikeInputError": EXIT_BAD_INPUT,
+    "replay.spike.detect.SpikeInputError": EXIT_BAD_INPUT,
     # user code and the recording API: a refused or failing entry point, a record that does not fit
     "replay.code.CodeNotAllowed": EXIT_BAD_INPUT,
     "replay.code.UserCodeError": EXIT_BAD_INPUT,

@@ -96,7 +96,7 @@ def _open(path: Path, for_replay: bool):
     """A run folder, or a bundle of `replay pack` (unpacked to a temporary folder), as `replay run` opens it."""
     try:
         from replay.bundle import open_run
-    except ImportError:  # replay/bundle.py (the pack issue) not there: run folders only
+    except ImportError:  # replay/bundle/__init__.py (the pack issue) not there: run folders only
         from traces import Run
 
         return Run.open(path)

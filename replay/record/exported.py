@@ -98,7 +98,7 @@ class ExportedReplay:
         import jax
         from jax import export as jexport
 
-        from replay.bundle_format import shown_path
+        from replay.bundle.format import shown_path
         from replay.record.replayable import _checkpoint_dir, _unavailable
 
         if data is not None:
@@ -286,7 +286,7 @@ def stage_for_bundle(run, stage: Path, first: int, last: int, staged) -> tuple[d
     (copied, its sha256 checked) and the rows of every example those steps feed (from the run's
     store, each rebuilt batch checked against the trace's hashes). Returns (info for the bundle
     manifest, the files, manifest entries to override)."""
-    from replay.bundle_format import PackError
+    from replay.bundle.format import PackError
 
     manifest = run.manifest
     entry, store = manifest[exportlib.KEY], manifest[examples_store.KEY]

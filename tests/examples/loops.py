@@ -81,7 +81,7 @@ def check_bisect_lr(runs: dict[str, Path]) -> None:
     assert result.exit_code == 1, result.output
     report = json.loads(result.stdout)
     assert (report["first_step"], report["cause"]) == (LR_AT, "update"), report
-    # The first op that differs (replay/first_op.py): the schedule's `step == lr_bump_at`, an op whose
+    # The first op that differs (replay/bisect/first_op.py): the schedule's `step == lr_bump_at`, an op whose
     # inputs are the same in both runs except for the constant the config baked in.
     op = report["refinement"]["op"]
     assert op["op"] == "eq" and op["first_differing_input"] is None and "constant" in op["reason"], op

@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from replay import audit_scan
+from replay.audit import scan as audit_scan
 from replay.audit import audit, audit_hashes, audit_trace, read_example_hashes
-from replay.bisect_data import seen_before
+from replay.bisect.data import seen_before
 from tests.replay.test_audit import B, make_run, mix, order_ids, resume_repeat
 from traces import Run
 

@@ -1,5 +1,5 @@
 """`replay bisect`: each injected fault named at its step with the right cause and layer; the
-layer refinement (replay/refine.py) names the first intermediate or leaf that differs; sparse
+layer refinement (replay/bisect/refine.py) names the first intermediate or leaf that differs; sparse
 traces are bisected by replay in O(log N) probes; exit codes 0 / 1 / 2."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from replay.bisect import bisect
 from replay.cli.app import app
-from replay.refine import compare_tensors
+from replay.bisect.refine import compare_tensors
 from traces import Run
 from trainer import faults, model
 from trainer.config import apply_overrides, get_preset

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from replay.bundle_pack import _write_bundle
+from replay.bundle.pack import _write_bundle
 from replay.engine import ReplayReport, StepResult
 from tests.cli_util import assert_one_line_error, dir_digest, invoke
 from tests.traces.helpers import make_record, make_schema
@@ -233,12 +233,12 @@ def test_a_replay_bisect_needs_that_fails_is_an_error_not_identical(tmp_path):
 
 
 def test_a_bug_in_the_refinement_replay_exits_3(tmp_path, monkeypatch):
-    import replay.refine
+    import replay.bisect.refine
 
     def broken(*args, **kwargs):
         raise ZeroDivisionError("boom")
 
-    monkeypatch.setattr(replay.refine, "search_first_divergence", broken)
+    monkeypatch.setattr(replay.bisect.refine, "search_first_divergence", broken)
     monkeypatch.setattr("replay.replayer.open_replayable", lambda run: object())
     schema = make_schema(layer=False)
     a, b = make_run(tmp_path / "A", schema), make_run(tmp_path / "B", schema)
@@ -249,13 +249,13 @@ def test_a_bug_in_the_refinement_replay_exits_3(tmp_path, monkeypatch):
 
 
 def test_a_damaged_checkpoint_in_the_refinement_is_named_as_itself(tmp_path, monkeypatch):
-    import replay.refine
+    import replay.bisect.refine
     from replay.record.orbax_io import CheckpointDamagedError
 
     def damaged(*args, **kwargs):
         raise CheckpointDamagedError(f"{tmp_path}/B/checkpoints/10: checkpoint 10 is damaged: fingerprint mismatch")
 
-    monkeypatch.setattr(replay.refine, "search_first_divergence", damaged)
+    monkeypatch.setattr(replay.bisect.refine, "search_first_divergence", damaged)
     schema = make_schema(layer=False)
     a, b = make_run(tmp_path / "A", schema), make_run(tmp_path / "B", schema)
     line = assert_one_line_error(invoke("bisect", str(a), str(b)), "checkpoint 10 is damaged")

@@ -1,4 +1,4 @@
-"""replay/first_op.py names the first op of a step whose outputs differ between two runs, and why:
+"""replay/bisect/first_op.py names the first op of a step whose outputs differ between two runs, and why:
 a differing input of the step, a constant baked in (a config value), an op that computes
 differently on equal inputs, different code; identical steps agree on every op."""
 
@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from replay.first_op import first_differing_op
+from replay.bisect.first_op import first_differing_op
 
 
 def step(state: dict, batch: jax.Array, lr: float = 0.1, bump_at: int = -1, act=jnp.tanh) -> tuple[dict, dict]:

@@ -1,4 +1,4 @@
-"""`replay pack` / `replay unpack` and bundles accepted wherever a run is (replay/bundle.py).
+"""`replay pack` / `replay unpack` and bundles accepted wherever a run is (replay/bundle/__init__.py).
 
 Fast tests use synthetic runs (traces only); the slow ones train `tiny` runs: a bundle of steps
 10:20 replays 11 of 11 steps bit-exactly in another folder after the run and its token file are

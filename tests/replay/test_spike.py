@@ -1,7 +1,7 @@
 """`replay spike`: the robust detector, the bad-batch fault, and the replayed analysis of one step.
 
 The end-to-end tests train `tiny` (the demo preset takes minutes on CPU; the same claims were
-checked by hand on demo, see the module docstring of replay/spike.py). tiny's loss still falls
+checked by hand on demo, see the module docstring of replay/spike/__init__.py). tiny's loss still falls
 steeply at step 65, so the bad-batch run is scanned with --window 10; the clean run shows no
 spike at the default window and threshold, nor at --window 10.
 """

@@ -351,10 +351,10 @@ def refine_loop_step(ra: Replayer, rb: Replayer, step: int, states: tuple[Any, A
 
 
 def _first_op(a: _LoopSide, b: _LoopSide, notes: list[str]) -> dict | None:
-    """The first op of the step whose outputs differ (replay/first_op.py), each run with its own
+    """The first op of the step whose outputs differ (replay/bisect/first_op.py), each run with its own
     code; None (with a note) when a run replays without its code or the comparison fails."""
     from replay.code import call_user
-    from replay.first_op import first_differing_op
+    from replay.bisect.first_op import first_differing_op
 
     sa, sb = a.step_and_inputs(), b.step_and_inputs()
     if sa is None or sb is None:

@@ -2,22 +2,22 @@
 
 The public module: the rest of replay imports bundles from here. The code lives by concept in
 
-    replay/bundle_format.py   the bundle file format (specified in its docstring): header,
+    replay/bundle/format.py   the bundle file format (specified in its docstring): header,
                               checksums, read/verify/unpack, and open_run (a run or a bundle)
-    replay/bundle_pack.py     packing: the steps, the checkpoint, trace and examples, the file
-    replay/bundle_finding.py  the finding of --from-bisect/--spike
-    replay/bundle_report.py   the REPORT.md writer
+    replay/bundle/pack.py     packing: the steps, the checkpoint, trace and examples, the file
+    replay/bundle/finding.py  the finding of --from-bisect/--spike
+    replay/bundle/report.py   the REPORT.md writer
 """
 
 from __future__ import annotations
 
-from replay.bundle_format import (EXAMPLES, FLAG_LITE, FORMAT_VERSION, HEADER_SIZE, MAGIC, PREFIX_SIZE, REPORT, SUFFIX,
+from replay.bundle.format import (EXAMPLES, FLAG_LITE, FORMAT_VERSION, HEADER_SIZE, MAGIC, PREFIX_SIZE, REPORT, SUFFIX,
                                   ZSTD_LEVEL, BundleCorruptError, DamagedRunError, Header, NewerBundleError,
                                   NotABundleError, PackError, bundle_terms, damage_error, default_steps, describe_damage,
                                   is_bundle,
                                   named_as_bundle, open_run, read_header, run_damage, shown_path, unpack, verify)
-from replay.bundle_pack import PackResult, Part, pack
-from replay.bundle_report import FINDING_ROWS, MAX_TABLE_ROWS, fmt_bytes, render_report, sample_steps
+from replay.bundle.pack import PackResult, Part, pack
+from replay.bundle.report import FINDING_ROWS, MAX_TABLE_ROWS, fmt_bytes, render_report, sample_steps
 
 __all__ = [
     "EXAMPLES", "FINDING_ROWS", "FLAG_LITE", "FORMAT_VERSION", "HEADER_SIZE", "MAGIC", "MAX_TABLE_ROWS", "PREFIX_SIZE",

@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 
 from replay.contract import config_of
-from replay.bundle_format import PackError, damage_error, named_as_bundle, open_run
-from replay.bundle_report import _short, _value
+from replay.bundle.format import PackError, damage_error, named_as_bundle, open_run
+from replay.bundle.report import _short, _value
 from traces import Run
 
 

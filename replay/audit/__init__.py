@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import traces
-from replay import audit_scan
+from replay.audit import scan as audit_scan
 from traces import columns
 from traces.sorting import stable_argsort
 
@@ -210,7 +210,7 @@ def audit_hashes(hashes_SxB: np.ndarray, start_step: int = 0, dataset_size: int 
     """The audit of a (steps, B) uint64 block recorded from `start_step` on, held in memory.
 
     One stable argsort groups equal hashes with their slots ascending; everything after is
-    vectorised (replay/audit_scan.py), and the per-duplicate work only runs on entries that
+    vectorised (replay/audit/scan.py), and the per-duplicate work only runs on entries that
     repeat in an epoch. `audit_trace` is the same audit of a trace, in bounded memory.
     """
     S, B = hashes_SxB.shape
@@ -228,7 +228,7 @@ def audit_hashes(hashes_SxB: np.ndarray, start_step: int = 0, dataset_size: int 
 def audit_trace(reader: traces.TraceReader, start: int, stop: int, dataset_size: int | None = None,
                 copies: tuple[np.ndarray, np.ndarray] | None = None, size_from: str = "manifest") -> AuditReport:
     """`audit_hashes` of steps start..stop-1 of a trace, read a hash range at a time from the
-    segments' indexes: memory bounded by the range, not the run (replay/audit_scan.py). The
+    segments' indexes: memory bounded by the range, not the run (replay/audit/scan.py). The
     segments' checksums are checked first (reading them once): the verdict vouches for them."""
     B = reader.schema.examples_per_step
     S = stop - start

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from replay.spike_analysis import SpikeReport
-from replay.spike_detect import Scan, _loss_curve, rolling_scores
+from replay.spike.analysis import SpikeReport
+from replay.spike.detect import Scan, _loss_curve, rolling_scores
 from traces import Run
 
 

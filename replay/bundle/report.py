@@ -1,5 +1,5 @@
 """The REPORT.md of a bug-report bundle (`replay pack`): a bug report people can read, whose
-numbers come from the bundle's own trace. The bundle format: replay/bundle_format.py."""
+numbers come from the bundle's own trace. The bundle format: replay/bundle/format.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any, Iterable
 import numpy as np
 
 import traces
-from replay.bundle_format import FORMAT_VERSION
+from replay.bundle.format import FORMAT_VERSION
 
 FINDING_ROWS = 12  # fields of the divergent step listed in REPORT.md
 MAX_TABLE_ROWS = 60  # REPORT.md metric rows; longer ranges are sampled evenly (A and B always shown)

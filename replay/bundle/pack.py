@@ -1,6 +1,6 @@
 """Packing a bug-report bundle (`replay pack`): choosing the steps and the checkpoint, collecting
 the checkpoint, the trace and the examples the steps feed, and writing the bundle file
-(replay/bundle_format.py specifies it)."""
+(replay/bundle/format.py specifies it)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import numpy as np
 import zstandard
 
 import traces
-from replay.bundle_finding import _bisect_finding, _json_safe, _spike_finding
-from replay.bundle_format import (EXAMPLES, FORMAT_VERSION, HEADER_SIZE, REPORT, SUFFIX, ZSTD_LEVEL, PackError,
+from replay.bundle.finding import _bisect_finding, _json_safe, _spike_finding
+from replay.bundle.format import (EXAMPLES, FORMAT_VERSION, HEADER_SIZE, REPORT, SUFFIX, ZSTD_LEVEL, PackError,
                                   _encode_header, damage_error, open_run)
-from replay.bundle_report import render_report
+from replay.bundle.report import render_report
 from traces import Run
 from traces.run import COMPLETE, MANIFEST, TRACE_DIR, write_json_atomic, write_manifest
 

@@ -9,7 +9,7 @@ A step's loss is compared with the steps before it:
 
 The median and MAD are robust: a spike inside the window barely moves them, and a falling
 loss (early training) only lowers scores. A non-finite loss is always a spike.
-See replay/spike.py for the whole feature and its measured numbers.
+See replay/spike/__init__.py for the whole feature and its measured numbers.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Every repeat of an example is a repeat of its hash, so the audit splits the hash space into
 ranges and judges each range on its own: all sightings of the hashes in it, sorted by
-(hash, slot), are what replay/audit.py's rules need. For a run's trace the sorted hashes come
+(hash, slot), are what replay/audit/__init__.py's rules need. For a run's trace the sorted hashes come
 from the segments' indexes (traces/index.py: each segment's hashes already sorted), a range
 at a time, so memory is bounded by the range (PARTITION_ENTRIES sightings), not the run. Only
 three things are global and small: the per-step count of same-batch copies (which decides
@@ -117,7 +117,7 @@ def _copy_evidence(parts: list[Part], B: int) -> tuple[np.ndarray, np.ndarray, l
 
 def combine(parts: list[Part], B: int, N: int, base: int, M: int, replayed: np.ndarray, replay_first: np.ndarray,
             copies) -> dict:
-    """The AuditReport fields that come from the parts (see replay/audit.py)."""
+    """The AuditReport fields that come from the parts (see replay/audit/__init__.py)."""
     early, early_first, dups = [p.early for p in parts], [p.early_first for p in parts], [p.dups for p in parts]
     duplicates = [d for p in parts for d in p.duplicates]
     if copies is None:

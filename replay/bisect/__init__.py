@@ -6,13 +6,13 @@
 3. Refine data: which example positions differ, and for each differing example of either
    run whether that exact example was already seen, and where (run, step, position):
    repeated data makes a loss look better than it is.
-4. Refine a layer (replay/refine.py): replay the step of both runs from their checkpoints and
+4. Refine a layer (replay/bisect/refine.py): replay the step of both runs from their checkpoints and
    name the first intermediate inside the layer (or the first parameter, gradient or
    optimizer-state leaf) that differs, with its max abs, relative and ULP distances and the
    share of elements that differ. Any other loop's step is recomputed through its own program
    (and its code's taps, when its code runs here): the first field in causal order that differs.
    A step found by replay is described by its own fields, never by a later step's record.
-5. Sparse traces (replay/refine.py): when the traces cannot localise the divergence -- no
+5. Sparse traces (replay/bisect/refine.py): when the traces cannot localise the divergence -- no
    records at all (trace.level=off), or states that already differ entering the step the scan
    found -- compare the runs' states at common checkpoints, then binary-search the steps in
    between by replaying both runs (O(log N) probes). The divergent step is then the first step
@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from replay.contract import config_of
-from replay.bisect_data import SeenBefore, _data_at, seen_before  # noqa: F401 - re-exported
+from replay.bisect.data import SeenBefore, _data_at, seen_before  # noqa: F401 - re-exported
 from traces import Comparison, Run, compare
 
-TENSOR_KINDS = ("state", "forward", "backward", "update")  # fields a replay can look inside (replay/refine.py)
+TENSOR_KINDS = ("state", "forward", "backward", "update")  # fields a replay can look inside (replay/bisect/refine.py)
 
 
 @dataclass
@@ -54,7 +54,7 @@ class BisectReport:
     comparison: Comparison
     examples: list[SeenBefore] = field(default_factory=list)
     permutation: dict | None = None  # the divergent batches hold the same examples in another order (see permuted)
-    refinement: dict | None = None  # from replay/refine.py when the divergent step was recomputed
+    refinement: dict | None = None  # from replay/bisect/refine.py when the divergent step was recomputed
     replays: int = 0  # replay probes: both runs replayed to one step and compared
     notes: list[str] = field(default_factory=list)
     method: str = "trace scan"  # or "binary search by replay", "checkpoint comparison"
@@ -221,8 +221,8 @@ def comparability_problem(a: Run, b: Run) -> str | None:
 
 def bisect(run_a: Run, run_b: Run, refine: bool = True) -> BisectReport:
     """Manifest diff, first divergence in the traces, data refinement and, with `refine`, the
-    replay steps: layer refinement and binary search by replay (replay/refine.py)."""
-    from replay.bundle_format import describe_damage, run_damage, shown_path
+    replay steps: layer refinement and binary search by replay (replay/bisect/refine.py)."""
+    from replay.bundle.format import describe_damage, run_damage, shown_path
 
     report = BisectReport(shown_path(run_a), shown_path(run_b), manifest_diff(run_a.manifest, run_b.manifest),
                           compare(run_a.trace, run_b.trace))
@@ -314,7 +314,7 @@ def _needs_replay(report: BisectReport, run_a: Run, run_b: Run) -> bool:
 
 def _replay(report: BisectReport, run_a: Run, run_b: Run) -> None:
     """Steps 4 and 5: confirm the divergent step by replay (or find it), then recompute it."""
-    from replay.refine import (ReplayUnavailable, Replayer, first_state_difference, refine_loop_step, refine_step,
+    from replay.bisect.refine import (ReplayUnavailable, Replayer, first_state_difference, refine_loop_step, refine_step,
                                search_first_divergence)
 
     if not _needs_replay(report, run_a, run_b):

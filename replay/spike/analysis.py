@@ -1,5 +1,5 @@
 """Analysis of one loss spike (`replay spike RUN --step S`): replays the window bit-exactly and
-ranks the examples and layers that drive the loss at S (method in replay/spike.py)."""
+ranks the examples and layers that drive the loss at S (method in replay/spike/__init__.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from replay.contract import config_of
-from replay.spike_detect import (DECODE_TOKENS, DEFAULT_METRIC, DEFAULT_THRESHOLD, DEFAULT_TOP, DEFAULT_WINDOW, LOG_FLOOR,
+from replay.spike.detect import (DECODE_TOKENS, DEFAULT_METRIC, DEFAULT_THRESHOLD, DEFAULT_TOP, DEFAULT_WINDOW, LOG_FLOOR,
                                  MIN_WINDOW, REL_FLOOR, Spike, SpikeInputError, _json_safe, _num, check_metric,
                                  check_window, robust)
 from traces import Run, StepRecord

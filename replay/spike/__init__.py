@@ -28,8 +28,8 @@ Recorded values come from the trace; where the trace holds no layer RMS at S (a 
 trace.layer_every > 1), a trainer run's steps from the window on are replayed at the layer
 level, which trains identically and measures every layer.
 
-Layout: detection in replay/spike_detect.py (no JAX), the analysis of one step in
-replay/spike_analysis.py, the plots in replay/spike_plot.py; this module re-exports them.
+Layout: detection in replay/spike/detect.py (no JAX), the analysis of one step in
+replay/spike/analysis.py, the plots in replay/spike/plot.py; this module re-exports them.
 
 Measured (demo preset, 300 steps, CPU, defaults window 50 / threshold 6): the clean run's
 highest score is 1.44 (step 204; 3.37 with --window 20); with `--inject bad-batch@150` step 150
@@ -42,12 +42,12 @@ the spike scores 20.7 at --window 10 but only 1.3 at the default window, whose m
 tiny's still steeply falling loss.
 """
 
-from replay.spike_analysis import (ExampleRow, LayerRow, SpikeReport, analyze, check_step, decode_tokens, fed_tokens,
+from replay.spike.analysis import (ExampleRow, LayerRow, SpikeReport, analyze, check_step, decode_tokens, fed_tokens,
                                    injected_positions, save_batch)
-from replay.spike_detect import (DECODE_TOKENS, DEFAULT_METRIC, DEFAULT_THRESHOLD, DEFAULT_TOP, DEFAULT_WINDOW, LOG_FLOOR, MAD_SCALE,
+from replay.spike.detect import (DECODE_TOKENS, DEFAULT_METRIC, DEFAULT_THRESHOLD, DEFAULT_TOP, DEFAULT_WINDOW, LOG_FLOOR, MAD_SCALE,
                                  MIN_WINDOW, REL_FLOOR, Scan, Spike, SpikeInputError, check_metric, check_window, robust,
                                  rolling_scores, scan)
-from replay.spike_plot import plot_scan, plot_spike
+from replay.spike.plot import plot_scan, plot_spike
 
 __all__ = [
     "DECODE_TOKENS", "DEFAULT_METRIC", "DEFAULT_THRESHOLD", "DEFAULT_TOP", "DEFAULT_WINDOW", "LOG_FLOOR", "MAD_SCALE", "MIN_WINDOW",

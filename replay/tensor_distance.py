@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
@@ -25,7 +26,7 @@ def compare_tensors(a: Any, b: Any) -> dict:
     whose bits differ, and max abs, relative and ULP distance (where the max ULP is, with both
     values). Floats of different dtypes (bfloat16 vs float32) compare as float32 values and
     never count as equal; ULPs are counted in the wider of the two dtypes."""
-    a, b = np.asarray(jax.device_get(a)), np.asarray(jax.device_get(b))
+    a, b = (np.asarray(jax.device_get(x) if isinstance(x, jax.Array) else x) for x in (a, b))
     out: dict = {"shape": list(a.shape), "dtype_a": str(a.dtype), "dtype_b": str(b.dtype), "elements": int(a.size)}
     if a.shape != b.shape:
         out.update(equal=False, shape_b=list(b.shape), differing=None, share_differing=1.0,
@@ -79,3 +80,146 @@ def _brief(name: str, d: dict) -> dict:
         if d["dtype_a"] != d["dtype_b"]:
             row.update(dtype_a=d["dtype_a"], dtype_b=d["dtype_b"])
     return row
+
+
+# ------------------------------------------------------------------------ on device, before any fetch
+
+class DeviceDiff:
+    """Compares pairs of tensors where they live, fetching as little as possible to the host.
+
+    For each pair: the recording's own 64-bit fingerprint (replay/record/fingerprint.py) of both
+    on device, 16 bytes to the host; equal fingerprints (and dtype and shape) count as equal
+    (a false "equal" needs a 64-bit collision: odds 2**-64 a leaf). Where they differ,
+    `summary` computes the row statistics on device (differing count, max ULP, max abs and
+    relative distance in float32, NaN counts: ~30 bytes to the host); only `exact` fetches a
+    pair, and `refine_step` calls it once, for the first differing leaf, to give today's exact
+    float64 numbers and the position of the largest difference.
+
+    Cost at 7B (OLMo 3 7B: ~7e9 float32 parameters, the same again in gradients and twice in
+    Adam moments, ~112 GB a run): comparing every parameter, optimizer and gradient leaf of both
+    runs moves ~16 bytes per leaf pair (a few hundred leaves: a few KB) plus ~30 bytes per
+    differing leaf, and then one leaf pair: at most 2 x 1.6 GB (the 100k x 4096 embedding), a
+    block weight 2 x 180 MB -- instead of every leaf of both runs (~224 GB, then float64 copies).
+    Host inputs (numpy values, python scalars) are compared on the host; they move nothing.
+    `fetched_bytes` / `fetched_leaves` count what came from the device.
+    """
+
+    def __init__(self) -> None:
+        self.fetched_bytes = 0
+        self.fetched_leaves = 0
+
+    def _get(self, tree: Any) -> Any:
+        host = jax.device_get(tree)
+        self.fetched_bytes += sum(np.asarray(x).nbytes for x in jax.tree.leaves(host))
+        return host
+
+    def fingerprints(self, values: list[Any]) -> list[int | None]:
+        """64-bit fingerprints of the device arrays among `values` (None for the others), in
+        one jitted call and one fetch."""
+        from replay.replayer import _device_fingerprints
+
+        at = [i for i, v in enumerate(values) if _on_device(v)]
+        out: list[int | None] = [None] * len(values)
+        if not at:
+            return out
+        try:
+            lanes = self._get(_device_fingerprints([values[i] for i in at]))
+        except (ValueError, TypeError):  # arrays on different device sets: one at a time
+            lanes = [None] * len(at)
+            for j, i in enumerate(at):
+                with contextlib.suppress(ValueError, TypeError):
+                    lanes[j] = self._get(_device_fingerprints([values[i]]))[0]
+        for i, l in zip(at, lanes):
+            if l is not None:
+                out[i] = (int(l[0]) << 32) | int(l[1])
+        return out
+
+    def summary(self, a: Any, b: Any, fp: tuple[int | None, int | None] = (None, None)) -> dict:
+        """compare_tensors' row fields (equal, share_differing, max_ulp, max_abs, dtypes, ...)
+        without fetching the tensors; `fp`: their fingerprints, if already computed."""
+        if not (_on_device(a) and _on_device(b)):
+            return self.exact(a, b)  # on the host already (or 8-byte): little or nothing to move
+        out: dict = {"shape": list(a.shape), "dtype_a": str(a.dtype), "dtype_b": str(b.dtype), "elements": int(a.size)}
+        if a.shape != b.shape:
+            out.update(equal=False, shape_b=list(b.shape), differing=None, share_differing=1.0,
+                       max_abs=None, max_rel=None, max_ulp=None, note="shapes differ")
+            return out
+        if a.dtype == b.dtype:
+            fa, fb = fp
+            fa = self.fingerprints([a])[0] if fa is None else fa
+            fb = self.fingerprints([b])[0] if fb is None else fb
+            if fa is not None and fa == fb:
+                out.update(equal=True, differing=0, share_differing=0.0, max_abs=0.0, max_rel=0.0, max_ulp=0)
+                return out
+        float_ = _is_float(a.dtype) or _is_float(b.dtype)
+        if not float_ and a.dtype != b.dtype:
+            return self.exact(a, b)  # integers of two widths: rare, small; the host's int64 arithmetic
+        b = _beside(b, a)
+        stats = self._get(_float_stats(a, b) if float_ else _int_stats(a, b))
+        n_differ = int(stats["differing"])
+        out.update(equal=n_differ == 0 and a.dtype == b.dtype, differing=n_differ,
+                   share_differing=n_differ / a.size if a.size else 0.0, max_abs=float(stats["max_abs"]),
+                   max_rel=float(stats["max_rel"]), max_ulp=int(stats["max_ulp"]), precision="float32")
+        if float_ and (int(stats["nan_a"]) or int(stats["nan_b"])):
+            out["nan_a"], out["nan_b"] = int(stats["nan_a"]), int(stats["nan_b"])
+        return out
+
+    def exact(self, a: Any, b: Any) -> dict:
+        """compare_tensors on the host (float64 distances, the position of the largest): fetches the pair."""
+        if _on_device(a) or _on_device(b):
+            self.fetched_leaves += 1
+        a = self._get(a) if _on_device(a) else a
+        b = self._get(b) if _on_device(b) else b
+        return compare_tensors(a, b)
+
+
+def _on_device(x: Any) -> bool:
+    # 8-byte arrays (x64 off) cannot be fingerprinted on device: they are compared on the host.
+    return isinstance(x, jax.Array) and x.dtype.itemsize < 8 and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _beside(b: jax.Array, a: jax.Array) -> jax.Array:
+    """b on a's devices (a device-to-device copy), where the two runs' meshes put them apart."""
+    if b.sharding.device_set == a.sharding.device_set:
+        return b
+    return jax.device_put(b, a.sharding)
+
+
+def _u32_abs_diff(x: jax.Array, y: jax.Array) -> jax.Array:
+    # |x - y| exactly, as uint32 (it can exceed int32's range; it never exceeds 2**32 - 1).
+    ux, uy = x.astype(jnp.uint32) if x.dtype != jnp.uint32 else x, y.astype(jnp.uint32) if y.dtype != jnp.uint32 else y
+    return jnp.where(x >= y, ux - uy, uy - ux)
+
+
+@jax.jit
+def _float_stats(a: jax.Array, b: jax.Array) -> dict:
+    """compare_tensors' float statistics in float32 on device; ULPs and counts exact."""
+    fa, fb = a.astype(jnp.float32), b.astype(jnp.float32)
+    ba, bb = jax.lax.bitcast_convert_type(fa, jnp.int32), jax.lax.bitcast_convert_type(fb, jnp.int32)
+    nan_a, nan_b = jnp.isnan(fa), jnp.isnan(fb)
+    ok = ~(nan_a | nan_b)
+    absd = jnp.where(ok, jnp.abs(fa - fb), 0.0)
+    scale = jnp.maximum(jnp.abs(fa), jnp.abs(fb))
+    rel = jnp.where(ok & (scale > 0), absd / jnp.where(scale > 0, scale, 1.0), 0.0)
+    lowest = jnp.int32(-(2**31))
+    oa, ob = jnp.where(ba >= 0, ba, lowest - ba), jnp.where(bb >= 0, bb, lowest - bb)  # as _ordered
+    ulp = jnp.where(ok, _u32_abs_diff(oa, ob), jnp.uint32(0))
+    return {"differing": jnp.sum(ba != bb, dtype=jnp.int32), "max_abs": jnp.max(absd, initial=0.0),
+            "max_rel": jnp.max(rel, initial=0.0), "max_ulp": jnp.max(ulp, initial=jnp.uint32(0)),
+            "nan_a": jnp.sum(nan_a, dtype=jnp.int32), "nan_b": jnp.sum(nan_b, dtype=jnp.int32)}
+
+
+@jax.jit
+def _int_stats(a: jax.Array, b: jax.Array) -> dict:
+    """compare_tensors' integer statistics (same dtype) on device, exact but the relative one."""
+    if a.dtype == jnp.bool_:
+        a, b = a.astype(jnp.int32), b.astype(jnp.int32)
+    elif a.dtype.itemsize < 4:
+        a, b = a.astype(jnp.int32), b.astype(jnp.int32)
+    absd = _u32_abs_diff(a, b)
+    zero = jnp.zeros((), a.dtype)
+    scale = jnp.maximum(_u32_abs_diff(a, zero), _u32_abs_diff(b, zero)).astype(jnp.float32)
+    rel = jnp.where(scale > 0, absd.astype(jnp.float32) / jnp.where(scale > 0, scale, 1.0), 0.0)
+    biggest = jnp.max(absd, initial=jnp.uint32(0))
+    return {"differing": jnp.sum(a != b, dtype=jnp.int32), "max_abs": biggest, "max_rel": jnp.max(rel, initial=0.0),
+            "max_ulp": biggest}

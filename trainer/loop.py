@@ -26,7 +26,8 @@ import numpy as np
 from replay.record.environment import environment, peak_flops, program_hash
 from replay.record.fingerprint import state_fingerprint
 from replay.record.orbax_io import CheckpointDiskFullError
-from replay.record.recorder import Recorder, gather_example_hashes
+from replay.record.gather import Timeline, gather_blocking, start_gather
+from replay.record.recorder import Recorder
 from traces import Run, Schema, TraceWriter
 from traces.errors import DiskFullError, disk_full_message
 from traces.run import LOCK, take_lock
@@ -80,14 +81,17 @@ class Built:
     compile_seconds: float
     faults: FaultPlan | None = None  # injected faults (trainer/faults.py), applied step by step
     compiled_faulty: dict = field(default_factory=dict)  # trace level -> step compiled with layer-bf16
+    hash_gather: str = "async"  # several hosts: "async" (replay/record/gather.py) or the old "blocking" (bench)
+    timeline: Timeline | None = None  # debug: per-step host times (bench/multihost_dispatch.py)
 
     def level(self, step: int) -> str:
         """The recording level of `step`: layer fingerprints only every trace.layer_every steps."""
         level = self.cfg.trace.level
         return "step" if level == "layer" and step % self.cfg.trace.layer_every else level
 
-    def device_batch(self, step: int, fed_at: int | None = None) -> tuple[dict, np.ndarray]:
-        """The global batch of `step` on the mesh, and its per-example hashes in global order.
+    def device_batch(self, step: int, fed_at: int | None = None) -> tuple[dict, Any]:
+        """The global batch of `step` on the mesh, and its per-example hashes in global order (on
+        several hosts a gather in flight, read as a numpy array: replay/record/gather.py).
         `fed_at`: the step it is fed at, where a fault may alter it (bad-batch)."""
         batch = self.batcher.batch_at(step)
         if fed_at is not None and self.faults:
@@ -96,7 +100,12 @@ class Built:
             "inputs": meshlib.global_batch(batch.inputs_BxL.astype(np.int32), self.mesh, self.batch_sharding),
             "targets": meshlib.global_batch(batch.targets_BxL.astype(np.int32), self.mesh, self.batch_sharding),
         }
-        return arrays, gather_example_hashes(batch.example_hashes)
+        if self.hash_gather == "blocking":
+            hashes = gather_blocking(batch.example_hashes)
+            if self.timeline is not None:
+                self.timeline.mark("gathered", step if fed_at is None else fed_at)
+            return arrays, hashes
+        return arrays, start_gather(batch.example_hashes, self.mesh, self.batch_sharding)
 
     def run_step(self, state: Any, step: int) -> tuple[Any, dict, np.ndarray]:
         plan = self.faults
@@ -350,7 +359,7 @@ def _train_loop(job: Prepared, run: Run | None, ckpt: Checkpointer,
         # Checkpoint 0 makes every step replayable, the first ones included.
         if cfg.checkpoint.every_steps and cfg.steps > 0:
             saver.save(state, 0)
-    recorder = Recorder(built.schema, writer, cfg.trace.level)
+    recorder = Recorder(built.schema, writer, cfg.trace.level, timeline=built.timeline)
     tokens_per_step = cfg.data.global_batch_size * cfg.model.seq_len
     peak = peak_flops(jax.devices()[0].device_kind)
     flops_per_step = model.flops_per_token(cfg.model) * tokens_per_step

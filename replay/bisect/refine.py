@@ -19,7 +19,9 @@ checkpoints (read-only; nothing in either run changes):
   distance and the share of elements that differ. Without a trace field to refine (a trace
   that records no tensors at that step, or none at all) it walks the whole causal chain --
   data, rng, state, forward by layer, loss, backward, update -- and refines the first field
-  that differs.
+  that differs. Tensors are compared where they live (fingerprints, then on-device statistics
+  of the leaves that differ); only the first differing leaf of each run comes to the host
+  (replay/tensor_distance.py DeviceDiff: at 7B a few KB plus one leaf, not ~224 GB).
 
 Replays are counted as *probes*: one probe replays both runs to one step and compares them.
 `Replayer.replayed_steps` counts the single steps actually re-run.
@@ -29,7 +31,7 @@ mesh-invariant run's microbatched gradients are recomputed the plain way), so it
 not equal the step's own -- but both runs go through the same program, so what differs
 between them is what their inputs and configs make differ.
 
-Layout: element-wise comparison and distances live in replay/tensor_distance.py; the Replayer, state
+Layout: comparison and distances (host and device) live in replay/tensor_distance.py; the Replayer, state
 comparison and `search_first_divergence` in replay/replayer.py; a step's inputs and its
 instrumented recomputation in replay/recompute.py. This module walks the intermediates
 (`refine_step`) and re-exports the names the rest of `replay` and the tests import from it.
@@ -42,7 +44,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from replay.tensor_distance import _brief, compare_tensors
+from replay.tensor_distance import DeviceDiff, _brief, compare_tensors
 from replay.recompute import StepInputs, _LoopSide, _Side, step_inputs, tree_leaves
 from replay.replayer import (
     Replayer,
@@ -82,16 +84,33 @@ def _get(tree: Any, dotted: str) -> Any:
     return tree
 
 
-def _walk(items: list[tuple[str, Callable[[], Any], Callable[[], Any]]]) -> tuple[str | None, dict | None, list[dict]]:
-    """Compares (name, a, b) in order; (first differing name, its comparison, compared rows).
-    Keeps going after the first difference (the rows show what else differs)."""
-    first, detail, rows = None, None, []
-    for name, fa, fb in items:
-        d = compare_tensors(fa(), fb())
+def _walk(items: list[tuple[str, Callable[[], Any], Callable[[], Any]]],
+          diff: DeviceDiff) -> tuple[str | None, tuple[Any, Any] | None, list[dict]]:
+    """Compares (name, a, b) in order, where the tensors live (DeviceDiff: fingerprints of all
+    in one call, statistics on device for the ones that differ; nothing fetched); returns (first
+    differing name, its pair, compared rows). Keeps going after the first difference (the rows
+    show what else differs); `_exact` then fetches the one pair the report details."""
+    values = [(name, fa(), fb()) for name, fa, fb in items]
+    fps_a = diff.fingerprints([va for _, va, _ in values])
+    fps_b = diff.fingerprints([vb for _, _, vb in values])
+    first, pair, rows = None, None, []
+    for (name, va, vb), fpa, fpb in zip(values, fps_a, fps_b):
+        d = diff.summary(va, vb, (fpa, fpb))
         rows.append(_brief(name, d))
         if first is None and not d["equal"]:
-            first, detail = name, d
-    return first, detail, rows
+            first, pair = name, (va, vb)
+    return first, pair, rows
+
+
+def _exact(diff: DeviceDiff, name: str, pair: tuple[Any, Any], rows: list[dict]) -> dict:
+    """The first differing pair compared on the host (float64 distances, where the largest is):
+    the one pair refinement fetches. Its row gets the exact figures too."""
+    detail = diff.exact(*pair)
+    for i, row in enumerate(rows):
+        if row["name"] == name:
+            rows[i] = {k: v for k, v in row.items() if k == "kind"} | _brief(name, detail)
+            break
+    return detail
 
 
 def _opt_leaves(opt_state: Any) -> list[tuple[str, Any]]:
@@ -198,8 +217,11 @@ def refine_step(ra: Replayer, rb: Replayer, step: int, states: tuple[Any, Any],
         if not groups:
             raise ReplayUnavailable(f"no recomputation for the field {focus[1]!r}")
     out["chain"] = []  # [{kind, field, equal}]: each field of the causal chain compared, up to the first differing
+    diff = DeviceDiff()
+    out["fetched"] = fetched = {"leaves": 0, "bytes": 0}  # from device to host, to compare (DeviceDiff)
     for kind, group, items in groups:
-        first, detail, rows = _walk(items())
+        first, pair, rows = _walk(items(), diff)
+        fetched.update(leaves=diff.fetched_leaves, bytes=diff.fetched_bytes)
         out["chain"].append({"kind": kind, "field": group, "equal": first is None})
         if first is None:
             if focus is not None:
@@ -208,6 +230,7 @@ def refine_step(ra: Replayer, rb: Replayer, step: int, states: tuple[Any, Any],
                 out.update(cause=focus[0], layer=focus[1], compared=rows)
                 return out
             continue
+        detail = None
         layer = _layer_of(group, first)
         if focus is not None and layer != focus[1]:
             out["notes"].append(f"recomputed, the first {group} field to differ is {layer}; the trace's is {focus[1]}")
@@ -218,20 +241,24 @@ def refine_step(ra: Replayer, rb: Replayer, step: int, states: tuple[Any, Any],
             if block in model.block_names(a.cfg.model):
                 # Inside the block: every intermediate, in execution order.
                 fine = model.block_capture_names(a.cfg.model, block)
-                first, detail, rows = _walk([(n, (lambda n=n: a.block(block)[n]), (lambda n=n: b.block(block)[n]))
-                                             for n in fine])
-                out.update(first_intermediate=first, compared=rows)
-                if first is None:
+                inner, inner_pair, inner_rows = _walk(
+                    [(n, (lambda n=n: a.block(block)[n]), (lambda n=n: b.block(block)[n])) for n in fine], diff)
+                out.update(first_intermediate=inner, compared=inner_rows)
+                if inner is None:
                     out["notes"].append(f"the intermediates of {block} are equal in both runs, yet {layer} differs")
+                else:
+                    detail = _exact(diff, inner, inner_pair, inner_rows)
             else:
                 out["first_intermediate"] = layer
-                detail = compare_tensors(a.layers()[layer], b.layers()[layer])
-        if detail is not None:
-            out.update(distances={k: detail.get(k) for k in ("max_abs", "max_rel", "max_ulp")},
-                       share_differing=detail["share_differing"], differing=detail["differing"],
-                       elements=detail["elements"], shape=detail["shape"], dtype_a=detail["dtype_a"],
-                       dtype_b=detail["dtype_b"], at=detail.get("at"), a_value=detail.get("a_value"),
-                       b_value=detail.get("b_value"))
+                detail = diff.exact(a.layers()[layer], b.layers()[layer])
+        if detail is None:
+            detail = _exact(diff, first, pair, rows)
+        fetched.update(leaves=diff.fetched_leaves, bytes=diff.fetched_bytes)
+        out.update(distances={k: detail.get(k) for k in ("max_abs", "max_rel", "max_ulp")},
+                   share_differing=detail["share_differing"], differing=detail["differing"],
+                   elements=detail["elements"], shape=detail["shape"], dtype_a=detail["dtype_a"],
+                   dtype_b=detail["dtype_b"], at=detail.get("at"), a_value=detail.get("a_value"),
+                   b_value=detail.get("b_value"))
         return out
     out["notes"].append(f"everything step {step} computes is equal in both runs")
     return out
@@ -318,15 +345,20 @@ def refine_loop_step(ra: Replayer, rb: Replayer, step: int, states: tuple[Any, A
         out["notes"].append(f"{len(only)} field(s) of A's step have no counterpart in B's (e.g. {only[0]}): "
                             "compared only what both compute")
     items = [(kind, name, get, fb[name][1]) for kind, name, get in fa if name in fb]
-    first, detail, rows = None, None, []
-    for kind, name, get_a, get_b in items:
-        va, vb = get_a(), get_b()
-        if va is None or vb is None:
-            continue
-        d = compare_tensors(va, vb)
+    values = [(kind, name, va, vb) for kind, name, get_a, get_b in items
+              for va, vb in [(get_a(), get_b())] if va is not None and vb is not None]
+    # Where the tensors live (replay/tensor_distance.py DeviceDiff): fingerprints, then statistics
+    # of the ones that differ; only the first differing pair is fetched.
+    diff = DeviceDiff()
+    fps_a, fps_b = diff.fingerprints([v[2] for v in values]), diff.fingerprints([v[3] for v in values])
+    first, pair, rows = None, None, []
+    for (kind, name, va, vb), fpa, fpb in zip(values, fps_a, fps_b):
+        d = diff.summary(va, vb, (fpa, fpb))
         rows.append({"kind": kind, **_brief(name, d)})
         if first is None and not d["equal"]:
-            first, detail = (kind, name), d
+            first, pair = (kind, name), (va, vb)
+    detail = _exact(diff, first[1], pair, rows) if first is not None else None
+    out["fetched"] = {"leaves": diff.fetched_leaves, "bytes": diff.fetched_bytes}
     out["compared"] = rows
     out["chain"] = []
     for row in rows:  # one entry per kind compared, up to the first that differs

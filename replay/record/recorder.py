@@ -4,9 +4,12 @@ The recorder holds a step's outputs on device and copies them to the host only o
 ready (up to MAX_PENDING steps later; then it waits for the oldest), so the host never waits on
 a running step to record it: on a CPU backend that wait cost 2-5% of a 62 ms step (it competes
 with the step for the cores; bench/overhead.py's "api" section, 2026-12-01). Only process 0
-writes; every process gathers its slice of the per-example hashes, so the record holds what each
-host really fed, in global order. A crash loses the records not yet written (at most
-MAX_PENDING + 1 steps), which a resume re-records from its checkpoint.
+writes; every process contributes its slice of the per-example hashes, so the record holds what
+each host really fed, in global order. On several hosts the hashes arrive as a gather still
+running on device (replay/record/gather.py): such a record is read no earlier than the next
+step's `record` call, i.e. after the next step was dispatched, and only once the gather is
+ready. A crash loses the records not yet written (at most MAX_PENDING + 1 steps), which a resume
+re-records from its checkpoint.
 
 One recording path: `run.step` (replay/record/step.py) and the trainer (trainer/loop.py) both
 hand their step's metrics to `Recorder.record`. Cost: at most MAX_PENDING records held, O(1) in
@@ -20,23 +23,14 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from replay.record.gather import GatheredHashes, Timeline, hashes_ready
 from replay.record.hashing import batch_hash
 from traces import Schema, StepRecord, TraceWriter
+
 
 def lanes_to_uint64(lanes_Tx2: np.ndarray) -> np.ndarray:
     lanes = np.asarray(lanes_Tx2, np.uint32).astype(np.uint64)
     return (lanes[:, 0] << np.uint64(32)) | lanes[:, 1]
-
-
-def gather_example_hashes(local_hashes: np.ndarray) -> np.ndarray:
-    """Every process's per-example hashes, concatenated in process order (= global order)."""
-    if jax.process_count() == 1:
-        return np.asarray(local_hashes, np.uint64)
-    from jax.experimental import multihost_utils
-
-    words = np.asarray(local_hashes, np.uint64).view(np.uint32).reshape(-1, 2)  # no uint64 on device
-    gathered = np.asarray(multihost_utils.process_allgather(words, tiled=True), np.uint32)
-    return np.ascontiguousarray(gathered).reshape(-1).view(np.uint64)
 
 
 class RecordSchemaError(ValueError):
@@ -86,6 +80,7 @@ def to_record(schema: Schema, step: int, metrics: dict, example_hashes: np.ndarr
     arrays in schema order (with "tensor_names", the names measured, checked against the
     schema), or {tensor name: value} dicts. A record that does not fit raises RecordSchemaError.
     """
+    example_hashes = np.asarray(example_hashes, np.uint64)  # a multi-host gather (gather.py) reads here
     layer = "fingerprints" in metrics
     if layer:
         metrics = {**metrics, "fingerprints": _tensors(schema, step, metrics, "fingerprints"),
@@ -107,7 +102,10 @@ def to_record(schema: Schema, step: int, metrics: dict, example_hashes: np.ndarr
 class Pending:
     step: int
     metrics: dict  # device arrays, not yet fetched
-    example_hashes: np.ndarray
+    example_hashes: np.ndarray | GatheredHashes  # global order; on several hosts still being gathered
+
+    def ready(self) -> bool:
+        return hashes_ready(self.example_hashes) and _ready(self.metrics)
 
 
 class Recorder:
@@ -120,19 +118,29 @@ class Recorder:
 
     MAX_PENDING = 4  # records held on device at most: bounds how far the host runs ahead
 
-    def __init__(self, schema: Schema, writer: TraceWriter | None, level: str):
+    def __init__(self, schema: Schema, writer: TraceWriter | None, level: str, timeline: Timeline | None = None):
         self.schema = schema
         self.writer = writer
         self.level = level
+        self.timeline = timeline  # debug: when each step was dispatched, gathered, written
         self._queue: list[Pending] = []
         self.last: StepRecord | None = None  # the newest record written (for progress display)
         self.rewritten = 0  # steps that were already in the trace and re-recorded bit-identically
 
-    def record(self, step: int, metrics: dict, example_hashes: np.ndarray) -> None:
+    def record(self, step: int, metrics: dict, example_hashes: np.ndarray | GatheredHashes) -> None:
+        """Queues step `step`'s record (called right after the step was dispatched) and writes
+        those of earlier steps that are ready."""
+        if self.timeline is not None:
+            self.timeline.mark("dispatched", step)
+            self.timeline.watch(step, metrics)
         if self.level == "off":
             return
         self._queue.append(Pending(step, metrics, example_hashes))
-        while self._queue and (len(self._queue) > self.MAX_PENDING or _ready(self._queue[0].metrics)):
+        # A gather still in flight is never read in the call that queued it: step k's hashes reach
+        # the host after step k+1 was dispatched, by construction rather than by timing.
+        newest_waits = isinstance(example_hashes, GatheredHashes)
+        while self._queue and (len(self._queue) > self.MAX_PENDING or (
+                self._queue[0].ready() and not (newest_waits and len(self._queue) == 1))):
             self._write(self._queue.pop(0))
 
     def flush(self) -> None:
@@ -140,10 +148,17 @@ class Recorder:
             self._write(self._queue.pop(0))
 
     def _write(self, pending: Pending) -> None:
+        hashes = pending.example_hashes
+        if isinstance(hashes, GatheredHashes):
+            hashes = hashes.fetch()
+            if self.timeline is not None:
+                self.timeline.mark("gathered", pending.step)
         host = jax.device_get(pending.metrics)
-        rec = to_record(self.schema, pending.step, host, pending.example_hashes)
+        rec = to_record(self.schema, pending.step, host, np.asarray(hashes, np.uint64))
         if self.writer is not None and not self.writer.append(rec):
             self.rewritten += 1
+        if self.timeline is not None:
+            self.timeline.mark("written", pending.step)
         self.last = rec
 
 

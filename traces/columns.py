@@ -1,8 +1,8 @@
 """Columns of a trace: one field of many records at once, streamed segment by segment.
 
-The scalar fields (flags, rng, batch hash, metrics) come from each segment's index: ~50
-bytes a step, never the records; at 1.4M steps a metric column reads ~75 MB of index
-columns and holds 4 bytes a step. The per-example fields (example hashes, per-example
+The scalar fields (flags, rng, batch hash, metrics) come from each segment's index, never
+the records: one column alone (index version 2), so at 1.4M steps a metric column reads
+~5.6 MB (all metrics of a step: 4 bytes a metric) and holds 4 bytes a step. The per-example fields (example hashes, per-example
 metrics) and the layer fields (fingerprints, RMS) are in the records only: a chunk of
 frames is read at once, each frame's checksum checked, decompressed, and decoded by numpy
 for all records of the chunk together (one structured view per record layout), so memory
@@ -57,11 +57,13 @@ def metric(reader: TraceReader, name: str, start: int | None = None, stop: int |
     schema = reader.schema
     j = schema.metric_index(name)
     value, bits = METRIC_DTYPES[schema.metric_dtype]
-    return _concat([c.metric_bits[:, j] for c in step_columns(reader, start, stop)], np.zeros(0, bits)).view(value)
+    return _concat([reader.column(i, "metric_bits")[lo:hi, j] for i, lo, hi in segment_ranges(reader, start, stop)],
+                   np.zeros(0, bits)).view(value)
 
 
 def batch_hashes(reader: TraceReader, start: int | None = None, stop: int | None = None) -> np.ndarray:
-    return _concat([c.batch_hash for c in step_columns(reader, start, stop)], np.zeros(0, np.uint64))
+    return _concat([reader.column(i, "batch_hash")[lo:hi] for i, lo, hi in segment_ranges(reader, start, stop)],
+                   np.zeros(0, np.uint64))
 
 
 # ------------------------------------------------------------------------------ fields inside the records

@@ -2,17 +2,22 @@
 
 It holds what commands scan, so they need not read the segment: each record's frame offset
 and checksum, its fixed scalar fields (flags, rng, batch hash, metrics) and a key of its
-example hashes, and every example hash of the segment sorted, with its slot, in checksummed
-blocks: "where was this example fed" is one block read per segment. It is derived data: a
-missing, stale or damaged index is rebuilt in memory from its segment (`MemoryIndex`), which
-costs reading the segment once; `write_index` persists one.
+example hashes, each column checksummed alone, a summary of the columns (how two runs'
+segments are compared without reading them), every example hash of the segment sorted,
+with its slot, in checksummed blocks, and a filter of those hashes (traces/filter.py):
+"where was this example fed" is one 64-byte filter block a segment, and a table block
+where the filter says "maybe". It is derived data: a missing, stale or damaged index is
+rebuilt in memory from its segment (`MemoryIndex`), which costs reading the segment once;
+`IndexBuilder.write` persists one. traces/index_file.py reads the files.
 
 Sizes at 1,024 examples a step and 16,384 records a segment: ~50 bytes a step of columns,
-12 bytes an example in the table; ~1.7 MB of columns and block heads a segment.
+12 bytes an example in the table and 1.6 in the filter; ~1.7 MB of columns and block heads
+and 27 MB of filter a segment; writing one costs ~1.5 s at seal plus ~1-3 s for the filter.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 import zlib
@@ -21,21 +26,27 @@ from pathlib import Path
 
 import numpy as np
 
+from traces import filter as example_filter
 from traces.errors import SchemaError, TraceCorruptError
 from traces.schema import METRIC_DTYPES, Schema
-from traces.segment import SegmentFile
 from traces.sorting import stable_argsort
 
 INDEX_SUFFIX = ".idx"
 INDEX_MAGIC = b"RPLYIDX1"
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: per-column checksums, a segment summary and the example filter (FORMAT.md); 1 is still read
 BLOCK_ENTRIES = 256
 TABLE_CHUNK_BLOCKS = 4096  # blocks built at once when writing (12 MB)
 _SCAN_CHUNK = 1 << 20  # examples searched at once in memory (bounds the working arrays to ~20 MB)
 # magic, version, reserved, schema digest, first step, record count, segment content crc, block entries,
 # segment size, crc of the columns, crc of the block heads, reserved; then a crc of these 60 bytes
 _IHEAD = struct.Struct("<8sHHIQQIIQIII")
-INDEX_HEADER_SIZE = _IHEAD.size + 4
+INDEX_HEADER_SIZE_V1 = _IHEAD.size + 4
+# version 2 goes on: crc32 of each column, the segment summary (16 bytes), the filter's block count, 0;
+# then a crc of all the preceding 116 bytes
+_IHEAD_EXT = struct.Struct("<7I16sQI")
+INDEX_HEADER_SIZE = _IHEAD.size + _IHEAD_EXT.size + 4
+COLUMN_NAMES = ("offsets", "frame_crc", "flags", "rng", "batch_hash", "metric_bits", "examples_key")
+SUMMARY_COLUMNS = COLUMN_NAMES[1:]  # what traces.compare compares; offsets only say where frames lie
 _MIX_SEED = 0x5EED1DE8  # examples_key's per-position multipliers: splitmix64(j + seed) | 1
 
 
@@ -113,6 +124,23 @@ def encode_columns(schema: Schema, cols: StepColumns) -> bytes:
         raw = np.ascontiguousarray(getattr(cols, name), dtype).tobytes()
         buf[pos : pos + len(raw)] = raw
     return bytes(buf)
+
+
+def column_spans(schema: Schema, n: int) -> dict[str, tuple[np.dtype, tuple, int, int]]:
+    """name -> (dtype, shape, offset in the columns, bytes) of each column (without its padding)."""
+    layout, _ = _column_layout(schema, n)
+    return {name: (dtype, shape, pos, dtype.itemsize * int(np.prod(shape))) for name, dtype, shape, pos in layout}
+
+
+def summary(schema: Schema, columns: bytes, n: int) -> bytes:
+    """The segment summary: blake2b-128 of the SUMMARY_COLUMNS' bytes, in order. Two segments
+    with equal summaries hold records that traces.compare cannot tell apart by their columns."""
+    spans = column_spans(schema, n)
+    h = hashlib.blake2b(digest_size=16)
+    for name in SUMMARY_COLUMNS:
+        _, _, pos, size = spans[name]
+        h.update(memoryview(columns)[pos : pos + size])
+    return h.digest()
 
 
 def decode_columns(schema: Schema, data: bytes, first_step: int, n: int) -> StepColumns:
@@ -204,10 +232,16 @@ class IndexBuilder:
                 table[:, 8 * K :] = padded_slots.view(np.uint8).reshape(b1 - b0, 4 * K)
                 block_crc[b0:b1] = [zlib.crc32(row) for row in table]
                 f.write(memoryview(table).cast("B"))
+            bloom = example_filter.build(hs)
+            f.write(bloom)
             heads = fence.tobytes() + block_crc.tobytes()
             heads += b"\0" * (heads_size - len(heads))
+            spans = column_spans(schema, len(self))
             head = _IHEAD.pack(INDEX_MAGIC, INDEX_VERSION, 0, schema.digest(), self.first_step, len(self), content_crc,
                                K, segment_size, zlib.crc32(columns), zlib.crc32(heads), 0)
+            head += _IHEAD_EXT.pack(*[zlib.crc32(memoryview(columns)[pos : pos + size]) for _, _, pos, size in
+                                      (spans[name] for name in COLUMN_NAMES)],
+                                    summary(schema, columns, len(self)), len(bloom) // example_filter.BLOCK_BYTES, 0)
             f.seek(0)
             for part in (head, struct.pack("<I", zlib.crc32(head)), columns, heads):
                 f.write(part)
@@ -279,124 +313,4 @@ class MemoryIndex:
         return hs[a:b], slots[a:b].astype(np.int64)
 
 
-class FileIndex:
-    """An index file, bound to its segment by first step, record count, size and the seal's
-    checksum; each part is checked when first read (columns, block heads, each block)."""
-
-    def __init__(self, path: Path, schema: Schema, first_step: int, count: int, content_crc: int, segment_size: int):
-        self.path, self.schema = path, schema
-        with SegmentFile(path) as f:
-            head = f.read(0, INDEX_HEADER_SIZE)
-            size = f.size
-        if len(head) < INDEX_HEADER_SIZE or head[:8] != INDEX_MAGIC:
-            raise IndexUnusable("not an index file (bad magic or too short)")
-        if struct.unpack_from("<I", head, _IHEAD.size)[0] != zlib.crc32(head[: _IHEAD.size]):
-            raise IndexUnusable("its header checksum does not match")
-        (_, version, _, digest, first, n, crc, K, seg_size, self._columns_crc, self._heads_crc, _) = _IHEAD.unpack_from(head)
-        if version > INDEX_VERSION:
-            raise IndexUnusable(f"written by a newer replay (index version {version})")
-        if (digest, first, n, crc, seg_size) != (schema.digest(), first_step, count, content_crc, segment_size):
-            raise IndexUnusable("it describes another version of its segment (stale)")
-        if K < 1:
-            raise IndexUnusable("its block size is 0")
-        self.first_step, self.count, self.K = first_step, count, K
-        self.entries = count * schema.examples_per_step
-        self.blocks = -(-self.entries // K)
-        _, self._columns_size = _column_layout(schema, count)
-        self._heads_size = _pad8(12 * self.blocks)
-        self._table_at = INDEX_HEADER_SIZE + self._columns_size + self._heads_size
-        if size != self._table_at + self.blocks * 12 * K:
-            raise IndexUnusable(f"it is {size} bytes, its header implies {self._table_at + self.blocks * 12 * K}")
-        self._cols: StepColumns | None = None
-        self._fence: np.ndarray | None = None
-        self._block_crc: np.ndarray | None = None
-
-    def _read(self, offset: int, size: int) -> bytes:
-        try:
-            with SegmentFile(self.path) as f:
-                data = f.read(offset, size)
-        except Exception as e:  # noqa: BLE001 - unreadable now: the segment still answers
-            raise IndexUnusable(str(e)) from None
-        if len(data) != size:
-            raise IndexUnusable("it was truncated after it was opened")
-        return data
-
-    def columns(self) -> StepColumns:
-        if self._cols is None:
-            data = self._read(INDEX_HEADER_SIZE, self._columns_size)
-            if zlib.crc32(data) != self._columns_crc:
-                raise IndexUnusable("its columns' checksum does not match")
-            self._cols = decode_columns(self.schema, data, self.first_step, self.count)
-        return self._cols
-
-    def _heads(self) -> tuple[np.ndarray, np.ndarray]:
-        if self._fence is None:
-            data = self._read(INDEX_HEADER_SIZE + self._columns_size, self._heads_size)
-            if zlib.crc32(data) != self._heads_crc:
-                raise IndexUnusable("its block heads' checksum does not match")
-            self._fence = np.frombuffer(data, "<u8", self.blocks)
-            self._block_crc = np.frombuffer(data, "<u4", self.blocks, 8 * self.blocks)
-        return self._fence, self._block_crc
-
-    def _blocks(self, wanted: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Entries of the given blocks (ascending; adjacent ones read at once), each block's
-        checksum checked: one pread of 3 KB a block, and one numpy decode for all of them."""
-        K, size = self.K, 12 * self.K
-        crcs = self._heads()[1]
-        pieces = []
-        try:
-            with SegmentFile(self.path) as f:
-                i = 0
-                while i < len(wanted):
-                    j = i + 1
-                    while j < len(wanted) and wanted[j] == wanted[j - 1] + 1:
-                        j += 1
-                    pieces.append(f.read(self._table_at + wanted[i] * size, (j - i) * size))
-                    i = j
-        except TraceCorruptError as e:  # unreadable now: the segment still answers
-            raise IndexUnusable(str(e)) from None
-        data = b"".join(pieces)
-        if len(data) != len(wanted) * size:
-            raise IndexUnusable("it was truncated after it was opened")
-        view = memoryview(data)
-        for k, block in enumerate(wanted):
-            if zlib.crc32(view[k * size : (k + 1) * size]) != crcs[block]:
-                raise IndexUnusable(f"block {block}'s checksum does not match")
-        rows = np.frombuffer(data, np.uint8).reshape(len(wanted), size)
-        hashes = rows[:, : 8 * K].copy().view("<u8").reshape(-1)
-        slots = rows[:, 8 * K :].copy().view("<u4").reshape(-1)
-        if wanted and wanted[-1] == self.blocks - 1:  # the last block is padded past the entries
-            pad = self.blocks * K - self.entries
-            hashes, slots = hashes[: hashes.size - pad], slots[: slots.size - pad]
-        return hashes, slots
-
-    def sample(self) -> np.ndarray:
-        """Every block's first hash (every BLOCK_ENTRIES-th sorted hash)."""
-        return self._heads()[0] if self.blocks else np.zeros(0, np.uint64)
-
-    def find(self, queries: np.ndarray, limit: int):
-        """(query index, slot) of the first `limit` occurrences of each sorted unique query.
-        Reads the block that can hold each query's first occurrence (and the next ones while
-        they start with it): one read of 3 KB a query a segment."""
-        if not self.blocks:
-            return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        fence = self._heads()[0]
-        left = np.searchsorted(fence, queries, "left")
-        right = np.searchsorted(fence, queries, "right")
-        first = np.maximum(left - 1, 0)
-        last = np.minimum(np.maximum(right, first + 1), first + 2 + limit // self.K)  # exclusive
-        wanted = np.unique(np.concatenate([np.arange(a, b) for a, b in zip(first.tolist(), last.tolist())]))
-        hashes, slots = self._blocks(wanted.tolist())
-        return _hits(hashes, slots, queries, limit)
-
-    def table(self, lo: int, hi: int | None) -> tuple[np.ndarray, np.ndarray]:
-        """The (hash, slot) entries with lo <= hash < hi (hi None: no upper bound), sorted."""
-        if not self.blocks:
-            return np.zeros(0, np.uint64), np.zeros(0, np.int64)
-        fence = self._heads()[0]
-        first = max(int(np.searchsorted(fence, np.uint64(lo), "left")) - 1, 0)
-        stop = self.blocks if hi is None else max(int(np.searchsorted(fence, np.uint64(hi), "left")), first + 1)
-        hs, slots = self._blocks(list(range(first, stop)))
-        a = np.searchsorted(hs, np.uint64(lo), "left")
-        b = hs.size if hi is None else np.searchsorted(hs, np.uint64(hi), "left")
-        return hs[a:b], slots[a:b].astype(np.int64)
+from traces.index_file import FileIndex  # noqa: E402,F401 - it reads what this file writes

@@ -10,8 +10,8 @@ learns a segment's steps from its last 20 bytes and finds step k's frame in the 
 
 Costs at 1.4M steps of 1,024 examples (86 segments of 16,384 records, ~12 KB a step):
 opening reads 48 bytes a sealed segment, and the unsealed tail (one segment at most, up to
-~200 MB) with every frame's checksum; reading step k reads its segment's index columns once
-(~0.9 MB) and the frame (~12 KB).
+~200 MB) with every frame's checksum; reading step k reads its segment's offsets column once
+(~130 KB) and the frame (~12 KB).
 """
 
 from __future__ import annotations
@@ -275,6 +275,20 @@ class TraceReader:
             return self._cached(("index", i), None).columns()
         return self._cached(("columns", i), lambda: self._memory_index(i, keep_hashes=False)).columns()
 
+    def column(self, i: int, name: str) -> np.ndarray:
+        """Segment i's index column `name`: alone from an index file of version 2, else columns(i)'s."""
+        index = self._file_index(i)
+        if index is not None:
+            try:
+                return index.column(name)
+            except IndexUnusable as e:
+                self._index_unusable(self.segments[i], e)
+        return getattr(self.columns(i), name)
+
+    def summary(self, i: int) -> bytes | None:
+        """Segment i's summary (FORMAT.md) from its index file's header; None without one (or version 1)."""
+        return getattr(self._file_index(i), "summary", None)
+
     def index_builder(self, i: int, keep_hashes: bool = True) -> tuple[IndexBuilder, int]:
         """(an IndexBuilder holding segment i's records, where its frames end), read from the
         segment CHUNK frames at a time, every frame's checksum and (sealed) the seal's checked:
@@ -306,7 +320,7 @@ class TraceReader:
                 seg.offsets = self._memory[key].columns().offsets
         if seg.offsets is None and seg.sealed and self._file_index(i) is not None:
             try:
-                seg.offsets = seg.index.columns().offsets
+                seg.offsets = seg.index.column("offsets")
             except IndexUnusable as e:
                 self._index_unusable(seg, e)
         if seg.offsets is None:

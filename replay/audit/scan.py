@@ -9,13 +9,17 @@ three things are global and small: the per-step count of same-batch copies (whic
 whether a batch's copies are evidence of duplicate content), the per-step row keys that find
 whole replayed batches, and the findings themselves.
 
-At 1.4M steps of 1,024 examples: the index tables are read once (~17 GB, 12 bytes a sighting)
-and sorted a range at a time; memory ~0.5 GB plus 8 bytes a repeat found. When the dataset
-size is unknown the distinct count is needed first: one more pass.
+At 1.4M steps of 1,024 examples: the index tables are read once (~17 GB, 12 bytes a sighting),
+a range's hashes sorted alone and only repeated hashes' sightings ordered by slot (all of them
+when most hashes repeat: several epochs); memory ~0.5 GB plus 8 bytes a repeat found. The
+records' checksums are read beside it in a thread (BytesCheck, another ~17 GB): neither fits a
+24 GB page cache, so at that size the audit runs at the disk's speed. When the dataset size
+is unknown the distinct count is needed first: one more pass.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -212,26 +216,95 @@ def _ranges(reader: traces.TraceReader, segments: list[int], entries: int) -> li
     return list(zip(bounds, bounds[1:] + [None]))
 
 
-def trace_partitions(reader: traces.TraceReader, start: int, stop: int):
-    """(hashes, global slots) of every sighting in steps start..stop-1, one hash range at a time,
-    each sorted by (hash, slot); read from the segments' indexes."""
+def range_part(pieces: list[tuple[np.ndarray, np.ndarray]], N: int, B: int, copies) -> Part:
+    """`analyze` of one hash range given as per-segment pieces (hashes sorted, global slots),
+    segments in slot order. Only hashes seen more than once need their slots in order: the
+    range's hashes are sorted alone (numpy's SIMD sort, no argsort), which gives the distinct
+    count and times seen, and the sightings of the repeated hashes (rare within one epoch)
+    are gathered from the pieces by bisection and analysed. When most hashes repeat (several
+    epochs) the whole range is sorted by (hash, slot) instead, as `analyze` expects."""
+    hs = np.concatenate([h for h, _ in pieces]) if pieces else np.zeros(0, np.uint64)
+    M = hs.size
+    if M == 0:
+        return Part()
+    s = np.sort(hs)
+    new = np.empty(M, bool)
+    new[0] = True
+    np.not_equal(s[1:], s[:-1], out=new[1:])
+    if new.all():  # no hash of the range repeats: the common case within one epoch
+        return Part(distinct=M, seen={1: M})
+    starts = np.flatnonzero(new)
+    counts = np.diff(starts, append=M)
+    repeated = s[starts[counts > 1]]
+    if repeated.size * 8 > M:
+        order, hs = stable_argsort(hs)  # pieces come in slot order: stable keeps (hash, slot)
+        return analyze(hs, np.concatenate([g for _, g in pieces])[order], N, B, copies)
+    sub_h, sub_g = [], []
+    for h, g in pieces:
+        lo, hi = np.searchsorted(h, repeated, "left"), np.searchsorted(h, repeated, "right")
+        n = hi - lo
+        at = np.repeat(lo - np.r_[0, np.cumsum(n)[:-1]], n) + np.arange(int(n.sum()))
+        sub_h.append(h[at])
+        sub_g.append(g[at])
+    sub_h, sub_g = np.concatenate(sub_h), np.concatenate(sub_g)
+    order = np.lexsort((sub_g, sub_h))
+    part = analyze(sub_h[order], sub_g[order], N, B, copies)
+    times, how_many = np.unique(counts, return_counts=True)
+    part.distinct, part.seen = int(starts.size), {int(t): int(c) for t, c in zip(times, how_many)}
+    return part
+
+
+def range_distinct(pieces: list[tuple[np.ndarray, np.ndarray]]) -> int:
+    hs = np.sort(np.concatenate([h for h, _ in pieces])) if pieces else np.zeros(0, np.uint64)
+    return int(hs.size and np.count_nonzero(hs[1:] != hs[:-1]) + 1)
+
+
+def trace_pieces(reader: traces.TraceReader, start: int, stop: int):
+    """Per hash range, the list of (hashes sorted, global slots) of each segment's sightings in
+    steps start..stop-1, segments in order; read from the segments' indexes."""
     B = reader.schema.examples_per_step
     segments = [i for i, s in enumerate(reader.segments) if s.first_step < stop and s.first_step + s.count > start]
     entries = sum(reader.segments[i].count for i in segments) * B
     for lo, hi in _ranges(reader, segments, entries):
-        hs_parts, gs_parts = [], []
+        pieces = []
         for i in segments:
             seg = reader.segments[i]
             hs, slots = reader.with_index(i, lambda index: index.table(lo, hi))
-            slots = slots + seg.first_step * B
+            slots += seg.first_step * B  # in place: table() returns a fresh int64 array
             if seg.first_step < start or seg.first_step + seg.count > stop:
                 keep = (slots >= start * B) & (slots < stop * B)
                 hs, slots = hs[keep], slots[keep]
-            hs_parts.append(hs)
-            gs_parts.append(slots)
-        hs, gs = np.concatenate(hs_parts), np.concatenate(gs_parts)
-        order, hs = stable_argsort(hs)  # segments come in slot order: stable keeps (hash, slot)
-        yield hs, gs[order]
+            pieces.append((hs, slots))
+        yield pieces
+
+
+class BytesCheck:
+    """reader.check_bytes(start, stop) in a thread while the caller analyses the indexes: both
+    mostly wait on the disk, crc32 and numpy's sorts, which release the GIL. The check only
+    reads (segment files, the tail's offsets known since opening); `result()` raises its error."""
+
+    def __init__(self, reader: traces.TraceReader, start: int, stop: int):
+        self._args, self._error = (reader, start, stop), None
+        self._thread = threading.Thread(target=self._run, name="replay-audit-check", daemon=True)
+
+    def _run(self) -> None:
+        reader, start, stop = self._args
+        try:
+            reader.check_bytes(start, stop)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller by result()
+            self._error = e
+
+    def __enter__(self) -> "BytesCheck":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self._thread.join()
+        return False
+
+    def result(self) -> None:
+        if self._error is not None:
+            raise self._error
 
 
 def trace_keys(reader: traces.TraceReader, start: int, stop: int) -> np.ndarray:

@@ -45,7 +45,8 @@ class BytesRead:
     """Bytes this process reads (read/pread syscalls: /proc/self/io rchar) while in the block.
 
     Counts every way of reading a file, so it bounds what a reader reads whatever its code;
-    the trace reader reads with pread, never mmap (which rchar would not see).
+    the trace reader reads with pread; only an index's example filter is memory-mapped
+    (traces/filter.py: rchar does not see it), and only searches for examples use it.
     """
 
     def __enter__(self) -> "BytesRead":

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from traces import Run, TraceCorruptError, TraceReader, TraceWriter, columns, compare, fed, first_fed, write_indexes
+from traces import filter as example_filter
 from traces.index import INDEX_HEADER_SIZE, FileIndex, _column_layout, examples_key, index_path
 from tests.traces.helpers import BytesRead, make_record, make_schema
 
@@ -88,11 +89,12 @@ def _flip(path, offset):
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("where", ["header", "columns", "heads", "block", "truncated", "stale"])
+@pytest.mark.parametrize("where", ["header", "columns", "heads", "block", "filter", "truncated", "stale"])
 def test_a_damaged_or_stale_index_is_rebuilt_from_its_segment_and_answers_the_same(run, where):
     path, schema, recs = run
     idx = path / "trace" / "000000000000.idx"
     columns_size = _column_layout(schema, PER)[1]
+    filter_at = idx.stat().st_size - example_filter.filter_blocks(PER * schema.examples_per_step) * 64
     if where == "header":
         _flip(idx, 20)
     elif where == "columns":
@@ -100,7 +102,10 @@ def test_a_damaged_or_stale_index_is_rebuilt_from_its_segment_and_answers_the_sa
     elif where == "heads":
         _flip(idx, INDEX_HEADER_SIZE + columns_size + 3)
     elif where == "block":
-        _flip(idx, idx.stat().st_size - 100)
+        _flip(idx, filter_at - 100)  # the last table block
+    elif where == "filter":  # the filter block the search below reads
+        nb = example_filter.filter_blocks(PER * schema.examples_per_step)
+        _flip(idx, filter_at + 64 * int(example_filter.block_of(recs[5].example_hashes[2:3], nb)[0]) + 3)
     elif where == "truncated":
         idx.write_bytes(idx.read_bytes()[:-7])
     else:

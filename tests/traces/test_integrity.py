@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from traces import (
-    Damage, ManifestCorruptError, NewerFormatError, Run, TraceCorruptError, TraceError, describe_damage,
+    FORMAT_VERSION, Damage, ManifestCorruptError, NewerFormatError, Run, TraceCorruptError, TraceError, describe_damage,
     manifest_checksum, same_bits, write_manifest,
 )
 from tests.traces.helpers import BytesRead, make_record, make_schema
@@ -89,7 +89,7 @@ def test_a_format_version_that_is_not_a_positive_integer_is_refused(tmp_path, ve
 
 def test_a_newer_format_version_asks_to_upgrade_before_checking_the_checksum(tmp_path):
     write_run(tmp_path / "run", n=3)
-    edit_manifest(tmp_path / "run", lambda m: m.update(format_version=2))
+    edit_manifest(tmp_path / "run", lambda m: m.update(format_version=FORMAT_VERSION + 1))
     with pytest.raises(NewerFormatError, match="upgrade replay"):
         Run.open(tmp_path / "run")
 

@@ -23,4 +23,6 @@ except ImportError:
 
 def test_traces_imports_without_jax():
     out = subprocess.run([sys.executable, "-c", BLOCK_JAX], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["1", "True", "jax", "blocked"]
+    from traces import FORMAT_VERSION
+
+    assert out.split() == [str(FORMAT_VERSION), "True", "jax", "blocked"]

@@ -1,0 +1,101 @@
+"""A segment's example filter: a blocked Bloom filter of its example hashes (FORMAT.md, "Segment index").
+
+"Was this example fed in this segment?" is answered by one 64-byte block a hash, read through
+a memory map; only a "maybe" goes on to the sorted table, which confirms it exactly. So a
+search that finds nothing in a segment (most segments, for most hashes) costs one cache
+line a hash there, not a 3 KB table block and the 0.8 MB of block heads.
+
+Each block is 480 filter bits and the crc32 of its 60 bytes: a damaged block is found when
+it is read, never believed. A hash's block comes from its high 32 bits (multiply-shift), so
+a table sorted by hash fills the blocks in order, a chunk at a time, in cache; its 6 bits
+come from splitmix64(hash). 12 bits an example (1.5 bytes): a "maybe" for a hash not there
+about 0.7% of the time for uniformly distributed hashes (the format's example hashes are
+64-bit digests; skewed ones only cost more table reads, never a wrong answer).
+
+At 16,384 records of 1,024 examples: 25 MB a segment, built in ~0.5 s at seal.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+from traces.errors import TraceCorruptError
+
+BLOCK_BYTES = 64
+BLOCK_BITS = 480  # 60 bytes of bits, then a u32 crc32 of them
+BITS_PER_EXAMPLE = 12
+K_BITS = 6
+_BUILD_ENTRIES = 1 << 20  # sorted hashes turned into bits at once (~12 MB of working bools)
+
+
+class FilterDamaged(TraceCorruptError):
+    """A filter block whose checksum does not match. The index reader turns it into IndexUnusable
+    (and rebuilds the index from its segment), so it reaches no user; if it did, it would be
+    what it is, a damaged file of the run (exit 2)."""
+
+
+def filter_blocks(entries: int) -> int:
+    return max(1, -(-entries * BITS_PER_EXAMPLE // BLOCK_BITS))
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def block_of(hashes: np.ndarray, blocks: int) -> np.ndarray:
+    """The block of each hash: (hash >> 32) * blocks >> 32, monotone in the hash."""
+    return ((hashes >> np.uint64(32)) * np.uint64(blocks)) >> np.uint64(32)
+
+
+def bit_positions(hashes: np.ndarray) -> np.ndarray:
+    """(n, K_BITS) bit positions in 0..479 of each hash's block: 10-bit fields of splitmix64(hash)."""
+    g = _splitmix64(hashes)
+    fields = (g[:, None] >> (np.arange(K_BITS, dtype=np.uint64) * np.uint64(10))) & np.uint64(1023)
+    fields *= np.uint64(BLOCK_BITS)
+    fields >>= np.uint64(10)
+    return fields.view(np.int64)  # < 480: the same bits
+
+
+def build(sorted_hashes: np.ndarray) -> bytes:
+    """The filter of a segment's example hashes, given sorted (the index table's order)."""
+    hs = np.asarray(sorted_hashes, np.uint64)
+    nb = filter_blocks(hs.size)
+    bits = np.zeros((nb, BLOCK_BITS // 8), np.uint8)
+    for lo in range(0, hs.size, _BUILD_ENTRIES):
+        part = hs[lo : lo + _BUILD_ENTRIES]
+        blocks = block_of(part, nb).view(np.int64)  # < 2**32
+        b0, b1 = int(blocks[0]), int(blocks[-1]) + 1
+        local = np.zeros((b1 - b0) * BLOCK_BITS, bool)
+        local[((blocks - b0) * BLOCK_BITS)[:, None] + bit_positions(part)] = True
+        bits[b0:b1] |= np.packbits(local.reshape(b1 - b0, BLOCK_BITS), axis=1, bitorder="little")
+    out = np.zeros((nb, BLOCK_BYTES), np.uint8)
+    out[:, : BLOCK_BITS // 8] = bits
+    out[:, BLOCK_BITS // 8 :] = np.array([zlib.crc32(row) for row in bits], "<u4").view(np.uint8).reshape(nb, 4)
+    return out.tobytes()
+
+
+def maybe(blocks_view: np.ndarray, queries: np.ndarray) -> np.ndarray:
+    """bool per query: False when the hash is certainly not in the filtered set.
+
+    `blocks_view`: uint8 (blocks, 64), typically a memory map; touches one block a query and
+    checks the crc32 of every block it touches (raises FilterDamaged)."""
+    q = np.asarray(queries, np.uint64)
+    if not q.size:
+        return np.zeros(0, bool)
+    nb = blocks_view.shape[0]
+    which = block_of(q, nb).view(np.int64)
+    rows = np.asarray(blocks_view[which])  # one gather: the pages come from the cache or the disk
+    stored = rows[:, BLOCK_BITS // 8 :].copy().view("<u4").reshape(-1)
+    bits = np.ascontiguousarray(rows[:, : BLOCK_BITS // 8])
+    first = np.unique(which, return_index=True)[1]
+    for k in first.tolist():
+        if zlib.crc32(bits[k]) != int(stored[k]):
+            raise FilterDamaged(f"filter block {int(which[k])}'s checksum does not match")
+    pos = bit_positions(q)
+    got = (bits[np.arange(q.size)[:, None], pos >> 3] >> (pos & 7).astype(np.uint8)) & 1
+    return got.all(axis=1)

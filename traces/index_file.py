@@ -1,0 +1,222 @@
+"""Reading an index file (traces/index.py writes them; FORMAT.md, "Segment index").
+
+Opening one reads its header (120 bytes; 64 in version 1). What a command asks for is read
+and checked alone: one column (version 2: its own checksum; version 1: all columns), the block
+heads, table blocks, filter blocks. The segment summary in the header lets two segments be
+compared without reading their columns.
+
+At 1.4M steps (86 segments): a metric column is 64 KB a segment; a search for 1,024 hashes
+touches 1,024 filter blocks of 64 bytes a segment, and the block heads and a 3 KB table
+block only where the filter says "maybe".
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from traces import filter as example_filter
+from traces.errors import TraceCorruptError
+from traces.index import (
+    _IHEAD, _IHEAD_EXT, COLUMN_NAMES, INDEX_HEADER_SIZE, INDEX_HEADER_SIZE_V1, INDEX_MAGIC, INDEX_VERSION, IndexUnusable,
+    StepColumns, _column_layout, _hits, _pad8, column_spans, decode_columns,
+)
+from traces.schema import Schema
+from traces.segment import SegmentFile
+
+
+class FileIndex:
+    """An index file, bound to its segment by first step, record count, size and the seal's
+    checksum; each part is checked when first read (a column, block heads, each block)."""
+
+    def __init__(self, path: Path, schema: Schema, first_step: int, count: int, content_crc: int, segment_size: int):
+        self.path, self.schema = path, schema
+        with SegmentFile(path) as f:
+            head = f.read(0, INDEX_HEADER_SIZE)
+            size = f.size
+        if len(head) < INDEX_HEADER_SIZE_V1 or head[:8] != INDEX_MAGIC:
+            raise IndexUnusable("not an index file (bad magic or too short)")
+        version = struct.unpack_from("<H", head, 8)[0]
+        if version > INDEX_VERSION:
+            raise IndexUnusable(f"written by a newer replay (index version {version})")
+        self.version, self.header_size = version, INDEX_HEADER_SIZE_V1 if version == 1 else INDEX_HEADER_SIZE
+        if len(head) < self.header_size:
+            raise IndexUnusable("it is shorter than its header")
+        at = self.header_size - 4
+        if struct.unpack_from("<I", head, at)[0] != zlib.crc32(head[:at]):
+            raise IndexUnusable("its header checksum does not match")
+        (_, _, _, digest, first, n, crc, K, seg_size, self._columns_crc, self._heads_crc, _) = _IHEAD.unpack_from(head)
+        self.column_crc: dict[str, int] = {}
+        self.summary: bytes | None = None  # version 1 has none
+        self.filter_blocks = 0
+        if version >= 2:
+            *crcs, self.summary, self.filter_blocks, _ = _IHEAD_EXT.unpack_from(head, _IHEAD.size)
+            self.column_crc = dict(zip(COLUMN_NAMES, crcs))
+        if (digest, first, n, crc, seg_size) != (schema.digest(), first_step, count, content_crc, segment_size):
+            raise IndexUnusable("it describes another version of its segment (stale)")
+        if K < 1:
+            raise IndexUnusable("its block size is 0")
+        self.first_step, self.count, self.K = first_step, count, K
+        self.entries = count * schema.examples_per_step
+        self.blocks = -(-self.entries // K)
+        _, self._columns_size = _column_layout(schema, count)
+        self._heads_size = _pad8(12 * self.blocks)
+        self._table_at = self.header_size + self._columns_size + self._heads_size
+        self._filter_at = self._table_at + self.blocks * 12 * K
+        if version >= 2 and self.filter_blocks != example_filter.filter_blocks(self.entries):
+            raise IndexUnusable(f"its filter has {self.filter_blocks} blocks, {self.entries} examples need "
+                                f"{example_filter.filter_blocks(self.entries)}")
+        implied = self._filter_at + self.filter_blocks * example_filter.BLOCK_BYTES
+        if size != implied:
+            raise IndexUnusable(f"it is {size} bytes, its header implies {implied}")
+        self._cols: StepColumns | None = None
+        self._column: dict[str, np.ndarray] = {}
+        self._fence: np.ndarray | None = None
+        self._block_crc: np.ndarray | None = None
+
+    def _read(self, offset: int, size: int) -> bytes:
+        try:
+            with SegmentFile(self.path) as f:
+                data = f.read(offset, size)
+        except Exception as e:  # noqa: BLE001 - unreadable now: the segment still answers
+            raise IndexUnusable(str(e)) from None
+        if len(data) != size:
+            raise IndexUnusable("it was truncated after it was opened")
+        return data
+
+    def columns(self) -> StepColumns:
+        if self._cols is None:
+            data = self._read(self.header_size, self._columns_size)
+            if zlib.crc32(data) != self._columns_crc:
+                raise IndexUnusable("its columns' checksum does not match")
+            self._cols = decode_columns(self.schema, data, self.first_step, self.count)
+        return self._cols
+
+    def column(self, name: str) -> np.ndarray:
+        """One column (StepColumns' field `name`), read and checked alone in version 2: a metric
+        column is 4 bytes a record instead of ~50."""
+        if self._cols is not None or not self.column_crc:
+            return getattr(self.columns(), name)
+        if name not in self._column:
+            dtype, shape, pos, size = column_spans(self.schema, self.count)[name]
+            data = self._read(self.header_size + pos, size)
+            if zlib.crc32(data) != self.column_crc[name]:
+                raise IndexUnusable(f"its {name} column's checksum does not match")
+            self._column[name] = np.frombuffer(data, dtype, int(np.prod(shape))).reshape(shape)
+        return self._column[name]
+
+    def maybe(self, queries: np.ndarray) -> np.ndarray | None:
+        """bool per query, False where the hash is certainly not in the segment (the filter;
+        version 2), or None (version 1: no filter)."""
+        if not self.filter_blocks:
+            return None
+        # Mapped for this search only: the kernel maps pages around each one touched, which
+        # would count against the process's RSS if every segment's filter stayed mapped.
+        try:
+            with open(self.path, "rb") as f:
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as e:
+            raise IndexUnusable(str(e)) from None
+        try:
+            if len(mapped) != self._filter_at + self.filter_blocks * example_filter.BLOCK_BYTES:
+                raise IndexUnusable("it changed size after it was opened")
+            blocks = np.frombuffer(mapped, np.uint8, self.filter_blocks * example_filter.BLOCK_BYTES,
+                                   self._filter_at).reshape(self.filter_blocks, example_filter.BLOCK_BYTES)
+            try:
+                found, damage = example_filter.maybe(blocks, queries), None
+            except example_filter.FilterDamaged as e:  # its traceback holds the map: let it go first
+                found, damage = None, str(e)
+            del blocks
+        finally:
+            mapped.close()
+        if damage is not None:
+            raise IndexUnusable(damage)
+        return found
+
+    def _heads(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._fence is None:
+            data = self._read(self.header_size + self._columns_size, self._heads_size)
+            if zlib.crc32(data) != self._heads_crc:
+                raise IndexUnusable("its block heads' checksum does not match")
+            self._fence = np.frombuffer(data, "<u8", self.blocks)
+            self._block_crc = np.frombuffer(data, "<u4", self.blocks, 8 * self.blocks)
+        return self._fence, self._block_crc
+
+    def _blocks(self, wanted: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Entries of the given blocks (ascending; adjacent ones read at once), each block's
+        checksum checked: one pread of 3 KB a block, and one numpy decode for all of them."""
+        K, size = self.K, 12 * self.K
+        crcs = self._heads()[1]
+        pieces = []
+        try:
+            with SegmentFile(self.path) as f:
+                i = 0
+                while i < len(wanted):
+                    j = i + 1
+                    while j < len(wanted) and wanted[j] == wanted[j - 1] + 1:
+                        j += 1
+                    pieces.append(f.read(self._table_at + wanted[i] * size, (j - i) * size))
+                    i = j
+        except TraceCorruptError as e:  # unreadable now: the segment still answers
+            raise IndexUnusable(str(e)) from None
+        data = b"".join(pieces)
+        if len(data) != len(wanted) * size:
+            raise IndexUnusable("it was truncated after it was opened")
+        view = memoryview(data)
+        for k, block in enumerate(wanted):
+            if zlib.crc32(view[k * size : (k + 1) * size]) != crcs[block]:
+                raise IndexUnusable(f"block {block}'s checksum does not match")
+        rows = np.frombuffer(data, np.uint8).reshape(len(wanted), size)
+        hashes = rows[:, : 8 * K].copy().view("<u8").reshape(-1)
+        slots = rows[:, 8 * K :].copy().view("<u4").reshape(-1)
+        if wanted and wanted[-1] == self.blocks - 1:  # the last block is padded past the entries
+            pad = self.blocks * K - self.entries
+            hashes, slots = hashes[: hashes.size - pad], slots[: slots.size - pad]
+        return hashes, slots
+
+    def sample(self) -> np.ndarray:
+        """Every block's first hash (every BLOCK_ENTRIES-th sorted hash)."""
+        return self._heads()[0] if self.blocks else np.zeros(0, np.uint64)
+
+    def find(self, queries: np.ndarray, limit: int):
+        """(query index, slot) of the first `limit` occurrences of each sorted unique query.
+        The filter first (version 2): only the queries it does not rule out go on. Then the
+        block that can hold each one's first occurrence (and the next ones while they start
+        with it) is read: one read of 3 KB a query."""
+        none = np.zeros(0, np.int64), np.zeros(0, np.int64)
+        if not self.blocks:
+            return none
+        kept = self.maybe(queries)
+        if kept is not None:
+            sub = np.flatnonzero(kept)
+            if not sub.size:
+                return none
+            qi, slots = self._find(queries[sub], limit)
+            return sub[qi], slots
+        return self._find(queries, limit)
+
+    def _find(self, queries: np.ndarray, limit: int):
+        fence = self._heads()[0]
+        left = np.searchsorted(fence, queries, "left")
+        right = np.searchsorted(fence, queries, "right")
+        first = np.maximum(left - 1, 0)
+        last = np.minimum(np.maximum(right, first + 1), first + 2 + limit // self.K)  # exclusive
+        wanted = np.unique(np.concatenate([np.arange(a, b) for a, b in zip(first.tolist(), last.tolist())]))
+        hashes, slots = self._blocks(wanted.tolist())
+        return _hits(hashes, slots, queries, limit)
+
+    def table(self, lo: int, hi: int | None) -> tuple[np.ndarray, np.ndarray]:
+        """The (hash, slot) entries with lo <= hash < hi (hi None: no upper bound), sorted."""
+        if not self.blocks:
+            return np.zeros(0, np.uint64), np.zeros(0, np.int64)
+        fence = self._heads()[0]
+        first = max(int(np.searchsorted(fence, np.uint64(lo), "left")) - 1, 0)
+        stop = self.blocks if hi is None else max(int(np.searchsorted(fence, np.uint64(hi), "left")), first + 1)
+        hs, slots = self._blocks(list(range(first, stop)))
+        a = np.searchsorted(hs, np.uint64(lo), "left")
+        b = hs.size if hi is None else np.searchsorted(hs, np.uint64(hi), "left")
+        return hs[a:b], slots[a:b].astype(np.int64)

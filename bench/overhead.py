@@ -24,6 +24,10 @@ its config, `--api-example ''` skips it). Its figures are under "api", with the 
 Prints one JSON object on its last line: step_overhead, layer_overhead (budgets from issue 3:
 <= 0.01 and <= 0.03), the median seconds per step of each level, and how they were measured;
 "api" holds the user loop's; "within_budget" is true only when both are.
+`--attention-rounds N` adds the attention comparison (issue 14): the preset's step at level off
+with model.attention=explicit (the hand-written softmax) and =fused (jax.nn.dot_product_attention),
+interleaved round by round as the levels are; "attention" holds both medians and the paired
+ratio fused / explicit - 1 (budget <= 0.01: no slower, within this machine's noise).
 Wall time is what the budgets are about; the same ratios in process CPU time (cpu_*) and the
 load average are printed too, because on a shared machine other processes' load moves wall
 time far more than recording does.
@@ -51,7 +55,7 @@ from trainer.mesh import MeshError
 from replay.record.recorder import Recorder
 from trainer.step import LEVELS, tensor_schema
 
-BUDGETS = {"step_overhead": 0.01, "layer_overhead": 0.03}
+BUDGETS = {"step_overhead": 0.01, "layer_overhead": 0.03, "attention_slowdown": 0.01}
 
 
 class Lane:
@@ -140,6 +144,31 @@ def measure(preset: str, rounds: int, steps_per_round: int, warmup_rounds: int, 
     return result
 
 
+def compare_attention(preset: str, rounds: int, steps_per_round: int, warmup_rounds: int,
+                      overrides: list[str]) -> dict:
+    """Level-off step time with the explicit and the fused attention, interleaved round by round."""
+    impls = ("explicit", "fused")
+    wall: dict[str, list[float]] = {a: [] for a in impls}
+    with tempfile.TemporaryDirectory(prefix="replay-bench-attention-") as tmp:
+        lanes = {a: Lane(apply_overrides(get_preset(preset), overrides + [f"model.attention={a}"]), "off",
+                         Path(tmp) / a) for a in impls}
+        try:
+            for r in range(warmup_rounds + rounds):
+                for a in (impls if r % 2 == 0 else impls[::-1]):
+                    seconds, _ = lanes[a].run_round(steps_per_round)
+                    if r >= warmup_rounds:
+                        wall[a].append(seconds)
+        finally:
+            for lane in lanes.values():
+                lane.close()
+    med = {a: statistics.median(s) for a, s in wall.items()}
+    paired = statistics.median(f / e for f, e in zip(wall["fused"], wall["explicit"])) - 1
+    return {"median_explicit_s": round(med["explicit"], 6), "median_fused_s": round(med["fused"], 6),
+            "fused_vs_explicit": round(med["fused"] / med["explicit"] - 1, 5), "paired_fused_vs_explicit":
+            round(paired, 5), "rounds": rounds, "budget_fused_vs_explicit": BUDGETS["attention_slowdown"],
+            "no_slower": paired <= BUDGETS["attention_slowdown"]}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="demo")
@@ -154,6 +183,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="an override of that example's Config (repeatable)")
     parser.add_argument("--api-rounds", type=int, default=0, help="measured rounds of the example (default: --rounds)")
     parser.add_argument("--api-steps-per-round", type=int, default=5, help="example steps per level per round")
+    parser.add_argument("--attention-rounds", type=int, default=0,
+                        help="measured rounds of the explicit vs fused attention comparison (0: skip)")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.steps_per_round < 1 or args.warmup_rounds < 0:
         parser.error("--rounds and --steps-per-round must be >= 1, --warmup-rounds >= 0")
@@ -164,6 +195,9 @@ def main(argv: list[str] | None = None) -> None:
 
             _api_lanes.check_config(args.api_example, api_config)  # bad input fails before minutes of measuring
         result = measure(args.preset, args.rounds, args.steps_per_round, args.warmup_rounds, args.overrides)
+        if args.attention_rounds:
+            result["attention"] = compare_attention(args.preset, args.attention_rounds, args.steps_per_round,
+                                                    args.warmup_rounds, args.overrides)
     except (ConfigError, DataError, MeshError, ValueError) as e:  # bad input: one line, exit 2, as `replay train`
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

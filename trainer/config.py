@@ -38,6 +38,15 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"  # activations and matmul inputs
     param_dtype: Literal["float32", "bfloat16"] = "float32"  # stored params (and optimizer)
     bf16_block: int = -1  # fault injection only (layer-bf16): this block computes in bfloat16; -1 none
+    # Port-bug switches (issue 13): the default is the reference's (HF OLMo 3) behaviour; the other
+    # value is a bug a port makes, so a JAX run can be set up as that buggy port and bisected.
+    rope_style: Literal["rotate_half", "interleaved"] = "rotate_half"  # pairs (i, i+H/2) as HF, or (2i, 2i+1)
+    qk_norm_scope: Literal["projection", "head"] = "projection"  # QK-norm statistics over all heads (OLMo) or each
+    attention: Literal["explicit", "fused"] = "explicit"  # own softmax (fixed-order backward) or dot_product_attention
+    sliding_window: int = 0  # OLMo 3: a sliding layer's query sees itself and the W-1 keys before; 0 = all layers full
+    full_attention_every: int = 4  # with sliding_window: block i is full attention when (i + 1) % N == 0 (OLMo 3: 4)
+    remat: Literal["none", "full", "dots"] = "none"  # recompute blocks in the backward: no, all, all but matmuls
+    scan_layers: bool = False  # run the blocks as one lax.scan over stacked params; traces still name every layer
 
     def __post_init__(self) -> None:
         _positive(self, "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
@@ -53,6 +62,8 @@ class ModelConfig:
                               f"model.n_kv_heads={self.n_kv_heads}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
+        _non_negative(self, "sliding_window")
+        _positive(self, "full_attention_every")
 
     @property
     def head_dim(self) -> int:
@@ -86,9 +97,11 @@ class OptimizerConfig:
     eps: float = 1e-8  # Adam denominator epsilon
     grad_clip: float = 1.0  # global-norm clip; 0 disables
     z_loss: float = 0.0  # coefficient of log(Z)^2, keeps logits from drifting; 0 disables
+    eps_placement: Literal["outside", "inside"] = "outside"  # m/(sqrt(v)+eps) as torch; inside: port bug m/sqrt(v+eps)
+    microbatches: int = 1  # gradient accumulation: a step sums this many sequential microbatches' gradients
 
     def __post_init__(self) -> None:
-        _positive(self, "lr", "decay_steps", "eps")
+        _positive(self, "lr", "decay_steps", "eps", "microbatches")
         _non_negative(self, "warmup_steps", "min_lr_ratio", "weight_decay", "grad_clip", "z_loss")
         if self.warmup_steps > self.decay_steps:
             raise ConfigError(f"optimizer.warmup_steps={self.warmup_steps} must be <= "
@@ -136,6 +149,19 @@ class TraceConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CheckConfig:
+    """Silent-data-corruption checks in training (mesh-invariant mode only; trainer/sdc.py)."""
+
+    rerun_every: int = 0  # re-run one step in N on devices rotated along the data axis and compare; 0 off
+    rotate: int = 1  # the rotation of that re-run: device d computes the microbatches of device d + rotate
+    replicas: bool = False  # level layer: record each microbatch's gradient fingerprints ("replica/...")
+
+    def __post_init__(self) -> None:
+        _non_negative(self, "rerun_every")
+        _positive(self, "rotate")
+
+
+@dataclass(frozen=True, kw_only=True)
 class Config:
     seed: int = 0  # the one root seed; init/data/dropout streams derive from it by name
     steps: int = 20  # total training steps of the run
@@ -145,6 +171,7 @@ class Config:
     mesh: MeshConfig = field(default_factory=MeshConfig)  # device layout
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # orbax saves
     trace: TraceConfig = field(default_factory=TraceConfig)  # what is recorded
+    check: CheckConfig = field(default_factory=CheckConfig)  # silent-data-corruption checks
 
     def __post_init__(self) -> None:
         if self.seed < 0:
@@ -157,7 +184,7 @@ class Config:
 
 
 _TOKEN_LIMIT = {"uint16": 2**16, "uint32": 2**32}
-SECTIONS: tuple[str, ...] = ("model", "data", "optimizer", "mesh", "checkpoint", "trace")
+SECTIONS: tuple[str, ...] = ("model", "data", "optimizer", "mesh", "checkpoint", "trace", "check")
 
 
 def _positive(obj: Any, *names: str) -> None:
@@ -182,6 +209,7 @@ def _section_of(obj: Any) -> str:
 _SECTION_TYPES: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "optimizer": OptimizerConfig,
     "mesh": MeshConfig, "checkpoint": CheckpointConfig, "trace": TraceConfig,
+    "check": CheckConfig,
 }
 
 
@@ -218,17 +246,20 @@ def _demo() -> Config:
     )
 
 
-def _olmo(d_model: int, n_layers: int, n_heads: int, d_ff: int, lr: float) -> Config:
+def _olmo(d_model: int, n_layers: int, n_heads: int, d_ff: int, lr: float, sliding_window: int = 0) -> Config:
     # OLMo-2/3 shapes for accelerators (not run here): dolma2 tokenizer (100278 ids padded
     # to 100352), 4096-token context, rope 500k, QK-norm, untied, bf16 activations with fp32
-    # master weights, 1024 x 4096 = 4M tokens per step, FSDP over every device.
-    # Not modelled: OLMo-3's sliding-window layers and its 8k/long-context extension.
+    # master weights, 1024 x 4096 = 4M tokens per step, FSDP over every device, fused attention
+    # (mesh-invariant mode needs model.attention=explicit). OLMo 3's sliding-window layers (HF
+    # Olmo3Config: window 4096, every 4th layer full) equal full attention at 4096 tokens; they
+    # act from model.seq_len > 4096 (OLMo 3's 8k context, not the preset's default).
     return Config(
         seed=0, steps=1_000_000,
         model=ModelConfig(vocab_size=100_352, d_model=d_model, n_layers=n_layers,
                           n_heads=n_heads, n_kv_heads=n_heads, d_ff=d_ff, seq_len=4096,
                           rope_theta=500_000.0, dropout=0.0, tied_embeddings=False,
-                          qk_norm=True, norm_eps=1e-6, dtype="bfloat16", param_dtype="float32"),
+                          qk_norm=True, norm_eps=1e-6, dtype="bfloat16", param_dtype="float32",
+                          attention="fused", sliding_window=sliding_window, full_attention_every=4),
         data=DataConfig(source="embedded:default", token_dtype="uint32", global_batch_size=1024),
         optimizer=OptimizerConfig(lr=lr, warmup_steps=2000, decay_steps=1_000_000,
                                   min_lr_ratio=0.1, weight_decay=0.1, b1=0.9, b2=0.95,
@@ -243,7 +274,7 @@ PRESETS: dict[str, Config] = {
     "tiny": _tiny(),
     "demo": _demo(),
     "olmo-1b": _olmo(d_model=2048, n_layers=16, n_heads=16, d_ff=8192, lr=4e-4),
-    "olmo3-7b": _olmo(d_model=4096, n_layers=32, n_heads=32, d_ff=11008, lr=3e-4),
+    "olmo3-7b": _olmo(d_model=4096, n_layers=32, n_heads=32, d_ff=11008, lr=3e-4, sliding_window=4096),
 }
 
 
@@ -363,6 +394,9 @@ def from_dict(d: dict[str, Any]) -> Config:
     if not isinstance(d, dict):
         raise ConfigError(f"config must be a dict, got {type(d).__name__}")
     top = _field_types(Config)
+    if "check" not in d:  # recorded before the SDC checks existed: it ran with none, i.e. the defaults
+        d = {**d, "check": dataclasses.asdict(CheckConfig())}
+    d = _fill_added_later(d)
     _check_keys(d, Config, "")
     kwargs: dict[str, Any] = {}
     for name, tp in top.items():
@@ -386,6 +420,26 @@ def from_dict(d: dict[str, Any]) -> Config:
 # permutation (trainer/order.py); this trainer would feed such a run other batches.
 _BEFORE_SAMPLER = ("config is missing key 'data.sampler': the run was recorded by an older trainer whose data "
                    "order this version no longer produces; replay or resume it with the version that recorded it")
+
+
+# Fields added after runs were first recorded, each with the value that is what the trainer did
+# before the field existed (bit for bit: the defaults' results did not change when they were
+# added), so an older manifest reads as the config it ran. A field whose absence cannot be read
+# as one behaviour (data.sampler) is not here: such a run is refused instead.
+_ADDED_LATER: dict[str, dict[str, Any]] = {
+    "model": {"rope_style": "rotate_half", "qk_norm_scope": "projection", "attention": "explicit",
+              "sliding_window": 0, "full_attention_every": 4, "remat": "none", "scan_layers": False},
+    "optimizer": {"eps_placement": "outside", "microbatches": 1},
+}
+
+
+def _fill_added_later(d: dict[str, Any]) -> dict[str, Any]:
+    out = dict(d)
+    for section, added in _ADDED_LATER.items():
+        sub = out.get(section)
+        if isinstance(sub, dict) and any(k not in sub for k in added):
+            out[section] = {**{k: v for k, v in added.items() if k not in sub}, **sub}
+    return out
 
 
 def _check_keys(d: dict[str, Any], cls: type, prefix: str) -> None:

@@ -13,6 +13,11 @@ motivating case is reproducing an OLMo run; this placement plus QK-norm is OLMo-
 for loss spikes, which `replay spike` is meant to study. OLMo-2 normalises q and k over
 the whole projection (all heads at once), not per head, and so does this model.
 
+Layout: this file holds the numerics every layer shares (fixed-order sums, softmax, RMSNorm and
+their fixed-order backward passes, which tests patch here), the taps and the public API
+(apply, init_params, the name functions, counts); trainer/attention.py the attention and RoPE;
+trainer/layers.py the blocks, the network, remat and the scan over layers.
+
 Shape suffixes: B batch, L query positions, S key positions, D d_model, N query heads,
 K key/value heads, G = N / K query heads per kv head, H head_dim, F d_ff, V vocab.
 
@@ -27,7 +32,6 @@ so asking for block_03's internals does not keep every block's attention matrix 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 from collections.abc import Mapping
 from typing import Any
@@ -55,17 +59,19 @@ def _tap(mod: nn.Module, leaf: str, x: jax.Array, *, layer: bool = False) -> Non
     layer-level collection when `layer`."""
     path = tuple(mod.path) + ((leaf,) if leaf else ())
     name = _TAP + ".".join(path)
-    keep = dict(init_fn=lambda: None, reduce_fn=_sow_once)
-    if path[0].startswith("block_"):
-        mod.sow(_fine_collection(path[0]), name, x, **keep)
+    if path and path[0].startswith("block_"):
+        mod.sow(_fine_collection(path[0]), name, x, **_SOW_ONCE)
     if layer:
-        mod.sow(LAYERS, name, x, **keep)
+        mod.sow(LAYERS, name, x, **_SOW_ONCE)
 
 
 def _sow_once(prev: Any, x: jax.Array) -> jax.Array:
     if prev is not None:  # a module called twice would silently overwrite its capture
         raise RuntimeError("an intermediate was sown twice in one forward pass")
     return x
+
+
+_SOW_ONCE = dict(init_fn=lambda: None, reduce_fn=_sow_once)
 
 
 def _dtype(name: str) -> jnp.dtype:
@@ -167,9 +173,10 @@ def _rms_norm_fixed_bwd(eps: float, res, g: jax.Array):
     gs = g * scale32
     # d/dx of x * rms(x): gs * rms - x * rms^3 * sum(gs * x) / D, the sum in fixed order.
     dx = gs * rms - x32 * (rms * rms * rms) * (tree_sum(gs * x32) / x32.shape[-1])
-    # d/dscale: sum over every leading axis, as a fixed-order sum over the rows.
-    rows = (g * x32 * rms).reshape(-1, x32.shape[-1])
-    dscale = tree_sum(rows.T)[:, 0]
+    # d/dscale: sum over every leading axis, as a fixed-order sum over the rows. The scale may
+    # span the last two axes (QK-norm per head: scale [N, H], statistics over H).
+    rows = (g * x32 * rms).reshape(-1, scale32.size)
+    dscale = tree_sum(rows.T)[:, 0].reshape(scale32.shape)
     return dx, dscale
 
 
@@ -185,6 +192,7 @@ def logsumexp(logits: jax.Array) -> jax.Array:
 
 class RMSNorm(nn.Module):
     cfg: ModelConfig
+    group: int = 0  # statistics over groups of this many trailing elements (one head); 0 = all
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -193,148 +201,20 @@ class RMSNorm(nn.Module):
         # Statistics in float32 whatever the activation dtype: bf16 mean-of-squares loses
         # ~3 significant digits over d_model=4096 elements.
         x32 = x.astype(jnp.float32)
+        scale32 = scale.astype(jnp.float32)
+        if self.group:  # the scale keeps its [D] shape, so the weights convert either way
+            x32 = x32.reshape(x.shape[:-1] + (x.shape[-1] // self.group, self.group))
+            scale32 = scale32.reshape(x32.shape[-2:])
         if _FIXED_BACKWARD[-1]:
-            y32 = _rms_norm_fixed(x32, scale.astype(jnp.float32), self.cfg.norm_eps)
+            y32 = _rms_norm_fixed(x32, scale32, self.cfg.norm_eps)
         else:
-            y32 = _rms_norm(x32, scale.astype(jnp.float32), self.cfg.norm_eps)[0]
-        return y32.astype(_dtype(self.cfg.dtype))
-
-
-def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """sin and cos, each [L, H/2] float32, for rotate-half RoPE (the OLMo/HF layout)."""
-    inv_freq_H2 = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    angle_LxH2 = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq_H2[None, :]
-    return jnp.sin(angle_LxH2), jnp.cos(angle_LxH2)
-
-
-def apply_rope(x: jax.Array, sin_LxH2: jax.Array, cos_LxH2: jax.Array) -> jax.Array:
-    """Rotate x of shape [B, L, ..., H] by position; computed in float32."""
-    extra = x.ndim - 3  # head axes between L and H
-    sin = sin_LxH2.reshape(sin_LxH2.shape[:1] + (1,) * extra + sin_LxH2.shape[1:])
-    cos = cos_LxH2.reshape(cos_LxH2.shape[:1] + (1,) * extra + cos_LxH2.shape[1:])
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+            y32 = _rms_norm(x32, scale32, self.cfg.norm_eps)[0]
+        return y32.reshape(x.shape).astype(_dtype(self.cfg.dtype))
 
 
 def _dense(cfg: ModelConfig, features: int, name: str) -> nn.Dense:
     return nn.Dense(features, use_bias=False, dtype=_dtype(cfg.dtype),
                     param_dtype=_dtype(cfg.param_dtype), kernel_init=_init(cfg), name=name)
-
-
-class Attention(nn.Module):
-    cfg: ModelConfig
-
-    @nn.compact
-    def __call__(self, x_BxLxD: jax.Array, sin_LxH2: jax.Array, cos_LxH2: jax.Array) -> jax.Array:
-        cfg = self.cfg
-        N, K, H = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        B, L, _ = x_BxLxD.shape
-        q_BxLxNH = _dense(cfg, N * H, "q")(x_BxLxD)
-        _tap(self, "q", q_BxLxNH)
-        k_BxLxKH = _dense(cfg, K * H, "k")(x_BxLxD)
-        _tap(self, "k", k_BxLxKH)
-        v_BxLxKH = _dense(cfg, K * H, "v")(x_BxLxD)
-        _tap(self, "v", v_BxLxKH)
-        if cfg.qk_norm:  # OLMo-2: over the full projection width, before splitting heads
-            q_BxLxNH = RMSNorm(cfg, name="q_norm")(q_BxLxNH)
-            _tap(self, "q_norm", q_BxLxNH)
-            k_BxLxKH = RMSNorm(cfg, name="k_norm")(k_BxLxKH)
-            _tap(self, "k_norm", k_BxLxKH)
-        # Query head n = k * G + g uses kv head k (the layout of HF's repeat_kv).
-        q_BxLxKxGxH = apply_rope(q_BxLxNH.reshape(B, L, K, N // K, H), sin_LxH2, cos_LxH2)
-        _tap(self, "q_rope", q_BxLxKxGxH)
-        k_BxSxKxH = apply_rope(k_BxLxKH.reshape(B, L, K, H), sin_LxH2, cos_LxH2)
-        _tap(self, "k_rope", k_BxSxKxH)
-        v_BxSxKxH = v_BxLxKH.reshape(B, L, K, H)
-
-        # Scores and softmax in float32: bf16 logits lose the small differences between
-        # nearby keys that attention is made of, and softmax's exp amplifies the error.
-        logits_BxKxGxLxS = jnp.einsum("blkgh,bskh->bkgls", q_BxLxKxGxH, k_BxSxKxH,
-                                      preferred_element_type=jnp.float32) * (H ** -0.5)
-        causal_LxS = jnp.tril(jnp.ones((L, L), dtype=jnp.bool_))
-        # Finite fill, not -inf: -inf - (-inf) = nan in a fully masked row (none here, but
-        # a future padding mask could make one).
-        logits_BxKxGxLxS = jnp.where(causal_LxS, logits_BxKxGxLxS, jnp.finfo(jnp.float32).min)
-        _tap(self, "logits", logits_BxKxGxLxS)
-        probs_BxKxGxLxS = softmax(logits_BxKxGxLxS)
-        _tap(self, "probs", probs_BxKxGxLxS)
-        ctx_BxLxKxGxH = jnp.einsum("bkgls,bskh->blkgh",
-                                   probs_BxKxGxLxS.astype(_dtype(cfg.dtype)), v_BxSxKxH)
-        ctx_BxLxNH = ctx_BxLxKxGxH.reshape(B, L, N * H)
-        _tap(self, "ctx", ctx_BxLxNH)
-        out_BxLxD = _dense(cfg, cfg.d_model, "o")(ctx_BxLxNH)
-        _tap(self, "out", out_BxLxD)
-        return out_BxLxD
-
-
-class MLP(nn.Module):
-    cfg: ModelConfig
-
-    @nn.compact
-    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
-        cfg = self.cfg
-        gate_BxLxF = _dense(cfg, cfg.d_ff, "gate")(x_BxLxD)
-        _tap(self, "gate", gate_BxLxF)
-        up_BxLxF = _dense(cfg, cfg.d_ff, "up")(x_BxLxD)
-        _tap(self, "up", up_BxLxF)
-        act_BxLxF = nn.silu(gate_BxLxF) * up_BxLxF  # SwiGLU
-        _tap(self, "act", act_BxLxF)
-        down_BxLxD = _dense(cfg, cfg.d_model, "down")(act_BxLxF)
-        _tap(self, "down", down_BxLxD)
-        return down_BxLxD
-
-
-class Block(nn.Module):
-    cfg: ModelConfig
-
-    @nn.compact
-    def __call__(self, x_BxLxD: jax.Array, sin_LxH2: jax.Array, cos_LxH2: jax.Array,
-                 deterministic: bool) -> jax.Array:
-        cfg = self.cfg
-        h_BxLxD = Attention(cfg, name="attn")(x_BxLxD, sin_LxH2, cos_LxH2)
-        h_BxLxD = RMSNorm(cfg, name="attn_norm")(h_BxLxD)
-        _tap(self, "attn_norm", h_BxLxD)
-        h_BxLxD = nn.Dropout(cfg.dropout, name="attn_dropout")(h_BxLxD, deterministic=deterministic)
-        _tap(self, "attn", h_BxLxD, layer=True)  # the branch as added to the residual
-        x_BxLxD = x_BxLxD + h_BxLxD
-        h_BxLxD = MLP(cfg, name="mlp")(x_BxLxD)
-        h_BxLxD = RMSNorm(cfg, name="mlp_norm")(h_BxLxD)
-        _tap(self, "mlp_norm", h_BxLxD)
-        h_BxLxD = nn.Dropout(cfg.dropout, name="mlp_dropout")(h_BxLxD, deterministic=deterministic)
-        _tap(self, "mlp", h_BxLxD, layer=True)
-        x_BxLxD = x_BxLxD + h_BxLxD
-        _tap(self, "", x_BxLxD, layer=True)
-        return x_BxLxD
-
-
-class Transformer(nn.Module):
-    cfg: ModelConfig
-
-    @nn.compact
-    def __call__(self, tokens_BxL: jax.Array, deterministic: bool = True) -> jax.Array:
-        cfg = self.cfg
-        embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=_init(cfg),
-                         dtype=_dtype(cfg.dtype), param_dtype=_dtype(cfg.param_dtype),
-                         name="embed")
-        x_BxLxD = embed(tokens_BxL)
-        _tap(self, "embed", x_BxLxD, layer=True)
-        sin_LxH2, cos_LxH2 = rope_tables(tokens_BxL.shape[1], cfg.head_dim, cfg.rope_theta)
-        for i, name in enumerate(block_names(cfg)):
-            # bf16_block exists for the layer-bf16 fault (trainer/faults.py): one block computes
-            # in bfloat16 while its parameters and the residual stream stay as configured.
-            block_cfg = dataclasses.replace(cfg, dtype="bfloat16") if i == cfg.bf16_block else cfg
-            x_BxLxD = Block(block_cfg, name=name)(x_BxLxD, sin_LxH2, cos_LxH2, deterministic)
-        x_BxLxD = RMSNorm(cfg, name="final_norm")(x_BxLxD)
-        _tap(self, "final_norm", x_BxLxD, layer=True)
-        if cfg.tied_embeddings:
-            logits_BxLxV = embed.attend(x_BxLxD)
-        else:
-            logits_BxLxV = _dense(cfg, cfg.vocab_size, "lm_head")(x_BxLxD)
-        # The loss (log-softmax, z-loss) is computed in float32 from here on.
-        logits_BxLxV = logits_BxLxV.astype(jnp.float32)
-        _tap(self, "logits", logits_BxLxV, layer=True)
-        return logits_BxLxV
 
 
 # ------------------------------------------------------------------------ public API
@@ -360,14 +240,14 @@ def block_capture_names(cfg: Config | ModelConfig, block: str) -> list[str]:
     if block not in block_names(m):
         raise ValueError(f"unknown block {block!r}; valid: {', '.join(block_names(m))}")
     attn = ["q", "k", "v"] + (["q_norm", "k_norm"] if m.qk_norm else [])
-    attn += ["q_rope", "k_rope", "logits", "probs", "ctx", "out"]
+    # the fused attention never materialises its scores and probabilities
+    attn += ["q_rope", "k_rope"] + (["logits", "probs"] if m.attention == "explicit" else []) + ["ctx", "out"]
     names = [f"{block}.attn.{n}" for n in attn] + [f"{block}.attn_norm", f"{block}.attn"]
     names += [f"{block}.mlp.{n}" for n in ("gate", "up", "act", "down")]
     return names + [f"{block}.mlp_norm", f"{block}.mlp", block]
 
 
 def _collect(tree: Mapping[str, Any], out: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    # Walk in insertion order, which flax keeps as execution order (jit would sort keys).
     for key, value in tree.items():
         if key.startswith(_TAP):
             out[key[len(_TAP):]] = value
@@ -388,6 +268,8 @@ def apply(cfg: Config | ModelConfig, params: Any, tokens_BxL: jax.Array, *,
       when called eagerly; jit returns dicts with sorted keys, so take the order from the
       name functions.
     """
+    from trainer.layers import Transformer
+
     m = _model_cfg(cfg)
     model = Transformer(m)
     variables = {"params": params}
@@ -405,9 +287,13 @@ def apply(cfg: Config | ModelConfig, params: Any, tokens_BxL: jax.Array, *,
     logits_BxLxV, state = model.apply(variables, tokens_BxL, deterministic, rngs=rngs,
                                       mutable=[collection])
     captured = _collect(state[collection], {})
-    if list(captured) != names:  # checked at trace time: costs nothing per step
+    # Checked at trace time, costs nothing per step: flax keeps insertion (= execution) order,
+    # except that a lifted transform (nn.remat) rebuilds the collection with sorted keys; then
+    # only the set is checked, and the order comes from the names.
+    got, want = (list(captured), names) if m.remat == "none" else (sorted(captured), sorted(names))
+    if got != want:
         raise RuntimeError(f"captured {list(captured)} != declared {names}")
-    return logits_BxLxV, captured
+    return logits_BxLxV, {n: captured[n] for n in names}
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -415,6 +301,8 @@ def init_params(cfg: Config | ModelConfig, key: jax.Array) -> Any:
     """Parameters as a plain nested dict; a pure function of (cfg, key). Jitted so the bits
     are the same whether the caller runs it eagerly or inside its own jit with shardings
     (threefry_partitionable makes random bits independent of the sharding)."""
+    from trainer.layers import Transformer
+
     m = _model_cfg(cfg)
     tokens_BxL = jnp.zeros((1, 1), jnp.int32)  # parameter shapes do not depend on L
     return Transformer(m).init({"params": key}, tokens_BxL, True, mutable=["params"])["params"]
@@ -425,6 +313,8 @@ def param_names(cfg: Config | ModelConfig) -> tuple[str, ...]:
     """Dotted paths of every parameter leaf, in execution order ("embed.embedding",
     "block_00.attn.q.kernel", ...). jax's tree functions sort dict keys, so use this for
     the order of anything recorded per parameter."""
+    from trainer.layers import Transformer
+
     m = _model_cfg(cfg)
     order: list[str] = []
 
@@ -467,5 +357,10 @@ def flops_per_token(cfg: Config | ModelConfig) -> float:
     PaLM does; GQA does not change it because every query head still attends.
     """
     m = _model_cfg(cfg)
+    from trainer.attention import layer_window
+
     n_matmul = param_count(m) - (0 if m.tied_embeddings else m.vocab_size * m.d_model)
-    return float(6 * n_matmul + 12 * m.n_layers * m.d_model * m.seq_len)
+    # A sliding-window layer's query attends to at most `window` keys (OLMo 3: equal to full
+    # attention up to 4096 tokens).
+    keys = sum(min(m.seq_len, layer_window(m, i) or m.seq_len) for i in range(m.n_layers))
+    return float(6 * n_matmul + 12 * m.d_model * keys)

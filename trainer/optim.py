@@ -30,8 +30,11 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
 
     # inject_hyperparams keeps the learning rate each update used in the optimizer state, so
     # the step records the rate that was applied, not one recomputed beside it.
+    # eps_placement "inside" (a port bug, issue 13) is optax's eps_root: m / sqrt(v + eps). The
+    # default passes no eps_root, so its optimizer state has the structure it always had.
+    eps = {"eps": cfg.eps} if cfg.eps_placement == "outside" else {"eps": 0.0, "eps_root": cfg.eps}
     adamw = optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
-        learning_rate=lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+        learning_rate=lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, **eps,
         weight_decay=cfg.weight_decay, mask=decay_mask,
     )
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw) if cfg.grad_clip > 0 else adamw

@@ -12,8 +12,10 @@ the donated state is written in place (trainer/donation.py: input_output_alias a
 the compiled HLO), the parameter count, parameter and optimizer bytes per device, FLOPs per
 step (the model's 6N + attention, trainer/model.py, and XLA's cost analysis of the program),
 whether it fits a named device's HBM (DEVICE_HBM) and the time it took to trace, lower and
-compile. Model options (remat, scan, precision, where the config has them) are config fields:
-`--set model.FIELD=VALUE`; the report carries the whole model section.
+compile. Model options: `--remat none|full|dots` (model.remat), `--scan` (model.scan_layers),
+`--precision fp32|bf16` (bf16: bfloat16 compute with float32 master weights and optimizer
+state; model.dtype / model.param_dtype), or any `--set model.FIELD=VALUE`; the report carries
+the whole model section and the precision policy.
 
 The device count of a JAX process is fixed when JAX initialises, so this module runs in its
 own process with N virtual CPU devices (`plan_env(N)`: XLA_FLAGS
@@ -47,6 +49,19 @@ _COUNT_FLAG = "--xla_force_host_platform_device_count"
 # default, XLA_PYTHON_CLIENT_MEM_FRACTION), so "fits" is a necessary condition, not a promise.
 DEVICE_HBM: dict[str, int] = {"tpu-v5p": 95 * 10**9, "tpu-v6e": 32 * 10**9, "h100": 80 * 10**9,
                               "h200": 141 * 10**9}
+REMAT = ("none", "full", "dots")  # as trainer.config.ModelConfig.remat
+# --precision: (model.dtype, model.param_dtype). The optimizer state takes the parameters' dtype.
+PRECISION: dict[str, tuple[str, str]] = {"fp32": ("float32", "float32"), "bf16": ("bfloat16", "float32")}
+
+
+def option_overrides(remat: str | None = None, scan: bool = False, precision: str | None = None) -> list[str]:
+    """The config overrides the --remat, --scan and --precision options stand for."""
+    out = [] if remat is None else [f"model.remat={remat}"]
+    out += ["model.scan_layers=true"] if scan else []
+    if precision is not None:
+        compute, params = PRECISION[precision]
+        out += [f"model.dtype={compute}", f"model.param_dtype={params}"]
+    return out
 
 
 def plan_env(n_devices: int, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -151,6 +166,9 @@ def plan(cfg: Any, n_devices: int | None = None, preset: str | None = None,
         "mesh": {"data": int(mesh.shape["data"]), "fsdp": int(mesh.shape["fsdp"])},
         "mesh_invariant": ({"n_microbatches": cfg.mesh.n_microbatches} if cfg.mesh.mesh_invariant else None),
         "model": dataclasses.asdict(cfg.model),
+        "precision": {"compute": cfg.model.dtype, "params": cfg.model.param_dtype,
+                      "optimizer": sorted({str(a.dtype) for a in jax.tree.leaves(abstract.opt_state)
+                                           if np.issubdtype(a.dtype, np.floating)})},
         "trace_level": level,
         "params": int(n_params),
         "global_batch_size": cfg.data.global_batch_size,
@@ -187,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="config override, e.g. mesh.fsdp=8 (repeatable)")
     parser.add_argument("--level", choices=LEVELS, default=LEVEL, help="trace level of the compiled step")
     parser.add_argument("--device-kind", choices=sorted(DEVICE_HBM), help="say whether it fits this device's HBM")
+    parser.add_argument("--remat", choices=REMAT, help="recompute each block in the backward (model.remat)")
+    parser.add_argument("--scan", action="store_true", help="scan over stacked layers (model.scan_layers)")
+    parser.add_argument("--precision", choices=sorted(PRECISION), help="fp32, or bf16 compute with fp32 master weights")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args(argv)
 
@@ -196,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plan: {msg}", file=sys.stderr, flush=True)
 
     try:
-        cfg = apply_overrides(get_preset(args.preset), args.overrides)
+        options = option_overrides(args.remat, args.scan, args.precision)
+        cfg = apply_overrides(get_preset(args.preset), options + args.overrides)
         from trainer.mesh import MeshError
 
         try:

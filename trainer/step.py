@@ -9,6 +9,9 @@
            gradient leaf (backward, in the order backprop computes them: last layer first),
            every parameter leaf after the update (update, execution order)
 
+With optimizer.microbatches = M > 1 the gradient is accumulated over M sequential microbatches
+(`_accumulated_grads`); the records are the same fields, in global example order.
+
 Fingerprints only read the bits of tensors the step computes anyway; training results are
 identical at every level (tested), so recording can be switched on for any run.
 """
@@ -21,13 +24,15 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
-from trainer import model, rng
+from trainer import layers, model, rng
 from trainer.config import Config
 from replay.record.fingerprint import fingerprint_lanes, fingerprints_and_sums_of_squares
 from trainer.optim import applied_lr, make_optimizer
 
 LEVELS = ("off", "step", "layer")
+BATCH_AXES = ("data", "fsdp")  # as trainer.mesh.BATCH_AXES (not imported: mesh imports step)
 # (name, causal kind) of the scalar metrics, in the order a record stores them.
 METRICS = (("loss", "loss"), ("z_loss", "loss"), ("grad_norm", "backward"), ("lr", "update"), ("param_norm", "update"))
 
@@ -99,6 +104,41 @@ def loss_fn(params: Any, cfg: Config, inputs_BxL: jax.Array, targets_BxL: jax.Ar
     return loss + z_loss, {"loss": loss, "z_loss": z_loss, "example_loss": ce_B, "layers": layers}
 
 
+def _accumulated_grads(params: Any, cfg: Config, batch: dict, step_key: jax.Array, capture: bool) -> tuple[dict, Any]:
+    """Gradient accumulation (optimizer.microbatches = M): the mean of M microbatches' gradients,
+    summed in order by a lax.scan, so activations live for B / M examples at a time.
+
+    Microbatch m holds examples m, m + M, m + 2M, ...: a device's contiguous share of the batch
+    holds an equal share of every microbatch, so the split moves no data between devices. Its
+    dropout key is the step key folded with m. aux comes back in global example order."""
+    from trainer.config import ConfigError
+
+    M = cfg.optimizer.microbatches
+    B = batch["inputs"].shape[0]
+    if B % M:
+        raise ConfigError(f"optimizer.microbatches={M} needs a global batch divisible by it, not {B}")
+
+    def split(x: jax.Array) -> jax.Array:  # [B, ...] -> [M, B / M, ...]
+        return jnp.swapaxes(x.reshape((B // M, M) + x.shape[1:]), 0, 1)
+
+    def merge(x: jax.Array) -> jax.Array:  # [M, B / M, ...] -> [B, ...]
+        return jnp.swapaxes(x, 0, 1).reshape((B,) + x.shape[2:])
+
+    def body(acc: Any, xs: tuple) -> tuple[Any, dict]:
+        inputs, targets, m = xs
+        inputs, targets = layers.constrain_batch(inputs), layers.constrain_batch(targets)  # see layers.py
+        key = jax.random.fold_in(step_key, m.astype(jnp.uint32))
+        (_, aux), g = jax.value_and_grad(loss_fn, has_aux=True)(params, cfg, inputs, targets, key, capture)
+        return jax.tree.map(jnp.add, acc, g), aux
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    grads, aux_M = jax.lax.scan(body, zeros, (split(batch["inputs"]), split(batch["targets"]), jnp.arange(M)))
+    aux = {"loss": jnp.mean(aux_M["loss"]), "z_loss": jnp.mean(aux_M["z_loss"]),
+           "example_loss": merge(aux_M["example_loss"]),
+           "layers": {name: merge(x) for name, x in aux_M["layers"].items()}}
+    return aux, jax.tree.map(lambda g: g / M, grads)
+
+
 def train_step(state: TrainState, batch: dict, *, cfg: Config, level: str = "step",
                mesh: Any = None) -> tuple[TrainState, dict]:
     """One optimizer step on `batch` ({"inputs": int32[B, L], "targets": int32[B, L]}).
@@ -106,11 +146,23 @@ def train_step(state: TrainState, batch: dict, *, cfg: Config, level: str = "ste
     step_key = rng.step_key(jax.random.wrap_key_data(state.key, impl="threefry2x32"), state.step)
     if cfg.mesh.mesh_invariant:  # --- mesh-invariant mode: fixed-order microbatched gradients
         from trainer import invariant
+        from trainer.config import ConfigError
+
+        if cfg.optimizer.microbatches > 1:
+            raise ConfigError("optimizer.microbatches does not apply in mesh-invariant mode; its microbatches are "
+                              "mesh.n_microbatches: leave optimizer.microbatches=1")
 
         (_, aux), grads = invariant.value_and_grad(state.params, cfg, batch, step_key, level == "layer", mesh)
     else:
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (_, aux), grads = grad_fn(state.params, cfg, batch["inputs"], batch["targets"], step_key, level == "layer")
+        # Loops (the scan over layers, gradient accumulation) keep the batch axis sharded inside.
+        sharding = None if mesh is None else NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+        with layers.batch_sharding(sharding):
+            if cfg.optimizer.microbatches > 1:
+                aux, grads = _accumulated_grads(state.params, cfg, batch, step_key, level == "layer")
+            else:
+                grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+                (_, aux), grads = grad_fn(state.params, cfg, batch["inputs"], batch["targets"], step_key,
+                                          level == "layer")
     opt_in = state.opt_state
     if level == "layer":
         # Summarise the state entering the step before the update overwrites it in place.

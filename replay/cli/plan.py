@@ -19,8 +19,12 @@ Examples (olmo3-7b: about 45 s on 2 busy CPU cores for 8 or 64 devices, 41 s for
     replay plan --preset tiny --devices 4 --level layer --json
     replay plan --preset tiny --devices 8 --set mesh.mesh_invariant=true --set mesh.n_microbatches=8
 
-Model options (remat, scan over layers, precision) are not flags here: where the config has
-them they are `--set model.FIELD=VALUE`, and the report shows the whole model section.
+Model options: `--remat none|full|dots`, `--scan` (one lax.scan over stacked layers),
+`--precision fp32|bf16` (bf16: bfloat16 compute, float32 master weights and optimizer state);
+they are config fields (model.remat, model.scan_layers, model.dtype / model.param_dtype), so
+`--set model.FIELD=VALUE` works too, and the report shows the whole model section.
+
+    replay plan --preset olmo3-7b --devices 256 --remat full --scan --device-kind tpu-v5p
 
 Exit codes: 0 ok; 2 bad input (unknown preset or override, a device count the mesh or the
 batch cannot use); 3 if the child process failed otherwise (a bug in replay).
@@ -54,12 +58,23 @@ def plan(
     device_kind: Annotated[
         Optional[str], typer.Option("--device-kind", help="Say whether it fits: tpu-v5p, tpu-v6e, h100, h200.")
     ] = None,
+    remat: Annotated[
+        Optional[str], typer.Option("--remat", help="Recompute each block in the backward: none, full, dots.")
+    ] = None,
+    scan: Annotated[bool, typer.Option("--scan", help="Run the blocks as one scan over stacked layers.")] = False,
+    precision: Annotated[
+        Optional[str], typer.Option("--precision", help="fp32, or bf16 (bf16 compute, fp32 weights and optimizer).")
+    ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of a table.")] = False,
 ) -> None:
     """Compile the train step for N devices from abstract shapes and print per-device memory (nothing is allocated)."""
     from trainer.config import apply_overrides, get_preset
-    from trainer.plan import DEVICE_HBM, LEVELS, plan_env
+    from trainer.plan import DEVICE_HBM, LEVELS, PRECISION, REMAT, plan_env
 
+    if remat is not None and remat not in REMAT:
+        console.fail(f"--remat {remat}: unknown; use one of {', '.join(REMAT)}")
+    if precision is not None and precision not in PRECISION:
+        console.fail(f"--precision {precision}: unknown; use one of {', '.join(PRECISION)}")
     apply_overrides(get_preset(preset), list(overrides or []))  # bad preset or key: exit 2 before starting JAX
     if devices < 1:
         console.fail(f"--devices {devices}: the mesh needs at least 1 device")
@@ -70,6 +85,8 @@ def plan(
 
     cmd = [sys.executable, "-m", "trainer.plan", "--preset", preset, "--devices", str(devices), "--json",
            "--level", level] + (["--device-kind", device_kind] if device_kind else [])
+    cmd += (["--remat", remat] if remat else []) + (["--scan"] if scan else [])
+    cmd += ["--precision", precision] if precision else []
     for item in overrides or []:
         cmd += ["--set", item]
     report, error, code = _run_child(cmd, plan_env(devices))
@@ -154,6 +171,15 @@ def _fit(f: dict[str, Any]) -> str:
             "(the runtime keeps part of it)")
 
 
+def _options(r: dict[str, Any]) -> str:
+    m, p = r["model"], r.get("precision") or {}
+    window = (f"sliding window {m['sliding_window']} (every {m['full_attention_every']}th layer full)"
+              if m.get("sliding_window") else "full attention")
+    return (f"attention {m.get('attention')}, {window}, remat {m.get('remat')}, "
+            f"{'scan over layers' if m.get('scan_layers') else 'layers unrolled'}; compute {p.get('compute')}, "
+            f"params {p.get('params')}, optimizer {'/'.join(p.get('optimizer', []))}")
+
+
 def render(r: dict[str, Any]) -> None:
     b, mem, sec = r["bytes"], r.get("memory_per_device") or {}, r["seconds"]
     inv = r.get("mesh_invariant")
@@ -161,6 +187,7 @@ def render(r: dict[str, Any]) -> None:
         ("preset", r["preset"]),
         ("devices", f"{r['devices']} (virtual {r['backend']} devices; mesh data={r['mesh']['data']} x fsdp={r['mesh']['fsdp']})"),
         ("trace level", f"{r['trace_level']} (the step compiled with {r['trace_level']}-level recording)"),
+        ("model options", _options(r)),
     ]
     if inv:
         rows.append(("mesh-invariant", f"{inv['n_microbatches']} microbatches, fixed-order reduce-scatter"))

@@ -137,3 +137,31 @@ def test_device_count_the_batch_cannot_use_exit_2():
                           f"global_batch_size={batch}", "3 devices")
     assert_one_line_error(invoke("plan", "--preset", "tiny", "--devices", "4", "--set", "mesh.fsdp=3"), 2,
                           "mesh.fsdp=3", "4 devices")
+
+
+def test_model_option_flags_are_config_overrides():
+    from trainer.plan import option_overrides
+
+    assert option_overrides() == []
+    assert option_overrides("full", True, "bf16") == ["model.remat=full", "model.scan_layers=true",
+                                                       "model.dtype=bfloat16", "model.param_dtype=float32"]
+    assert option_overrides(precision="fp32") == ["model.dtype=float32", "model.param_dtype=float32"]
+
+
+def test_unknown_remat_or_precision_exit_2_one_line():
+    assert_one_line_error(invoke("plan", "--preset", "tiny", "--devices", "2", "--remat", "half"), 2, "--remat", "dots")
+    assert_one_line_error(invoke("plan", "--preset", "tiny", "--devices", "2", "--precision", "fp8"), 2,
+                          "--precision", "bf16")
+
+
+@pytest.mark.slow
+def test_plan_with_remat_scan_and_bf16_compiles_and_reports_them():
+    result = invoke("plan", "--preset", "tiny", "--devices", "2", "--remat", "full", "--scan", "--precision", "bf16",
+                    "--set", "model.attention=fused", "--json")
+    assert result.exit_code == 0, result.stderr
+    r = json.loads(result.stdout)
+    m = r["model"]
+    assert (m["remat"], m["scan_layers"], m["dtype"], m["param_dtype"], m["attention"]) == \
+        ("full", True, "bfloat16", "float32", "fused")
+    assert r["precision"] == {"compute": "bfloat16", "params": "float32", "optimizer": ["float32"]}
+    assert r["donation"]["in_place"] and r["params"] == param_count(get_preset("tiny"))

@@ -37,12 +37,20 @@ class Schema:
     tensors: tuple[tuple[str, str], ...] = ()  # (name, causal kind) fingerprinted, execution order
     example_metrics: tuple[str, ...] = ()  # per-example float32 vectors, e.g. ("loss",)
     metric_dtype: str = "float32"  # every scalar metric is stored as the exact bits of this dtype
+    sketch_width: int = 0  # format_version 2: float32 distance sketch per tensor (traces/sketch.py); 0 = none
 
     def __post_init__(self):
         if self.examples_per_step < 0 or self.rng_words < 0:
             raise SchemaError("schema: examples_per_step and rng_words must be >= 0")
         if self.metric_dtype not in METRIC_DTYPES:
             raise SchemaError(f"schema: metric_dtype {self.metric_dtype!r} is not one of {sorted(METRIC_DTYPES)}")
+        if self.sketch_width:
+            from traces.sketch import check_width
+
+            try:
+                check_width(self.sketch_width)
+            except ValueError as e:
+                raise SchemaError(f"schema: {e}") from None
         for what, items, kinds in (("metric", self.metrics, METRIC_KINDS), ("tensor", self.tensors, TENSOR_KINDS)):
             names = [n for n, _ in items]
             if len(set(names)) != len(names):
@@ -68,7 +76,7 @@ class Schema:
 
     # Serialization -------------------------------------------------------------------
     def to_json(self) -> dict:
-        return {
+        d = {
             "examples_per_step": self.examples_per_step,
             "rng_words": self.rng_words,
             "metric_dtype": self.metric_dtype,
@@ -76,6 +84,9 @@ class Schema:
             "tensors": [{"name": n, "kind": k} for n, k in self.tensors],
             "example_metrics": list(self.example_metrics),
         }
+        if self.sketch_width:  # absent without sketches, so a version-1 schema keeps its digest
+            d["sketch_width"] = self.sketch_width
+        return d
 
     @classmethod
     def from_json(cls, d: dict) -> "Schema":
@@ -87,6 +98,7 @@ class Schema:
                 metrics=tuple((str(m["name"]), str(m["kind"])) for m in d["metrics"]),
                 tensors=tuple((str(t["name"]), str(t["kind"])) for t in d.get("tensors", [])),
                 example_metrics=tuple(str(x) for x in d.get("example_metrics", [])),
+                sketch_width=int(d.get("sketch_width", 0)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise SchemaError(f"schema in manifest is malformed ({e!r}): the run.json was edited or damaged") from None
@@ -107,6 +119,9 @@ class Schema:
         ]
         if flags & FLAG_LAYER:
             fields += [("fingerprints", "<u8", (len(self.tensors),)), ("rms", "<f4", (len(self.tensors),))]
+            if self.sketch_width:
+                fields += [("sketches", "<f4", (len(self.tensors), self.sketch_width)),
+                           ("norms", "<f4", (len(self.tensors),))]
         if flags & FLAG_EXAMPLE_METRICS:
             fields += [("example_metrics", "<f4", (len(self.example_metrics), self.examples_per_step))]
         return np.dtype(fields)
@@ -124,6 +139,8 @@ class StepRecord:
     fingerprints: np.ndarray | None = None  # uint64[len(tensors)] when layer-level
     rms: np.ndarray | None = None  # float32[len(tensors)] when layer-level
     example_metrics: np.ndarray | None = field(default=None)  # float32[n_example_metrics, examples]
+    sketches: np.ndarray | None = None  # float32[len(tensors), sketch_width] when layer-level and sketched
+    norms: np.ndarray | None = None  # float32[len(tensors)]: each tensor's L2 norm, beside its sketch
 
     @property
     def flags(self) -> int:
@@ -143,6 +160,11 @@ def encode_record(schema: Schema, rec: StepRecord) -> bytes:
     flags = rec.flags
     if rec.fingerprints is not None and rec.rms is None:
         raise SchemaError(f"step {rec.step}: layer-level record has fingerprints but no rms values")
+    if flags & FLAG_LAYER and schema.sketch_width and (rec.sketches is None or rec.norms is None):
+        raise SchemaError(f"step {rec.step}: the schema records {schema.sketch_width}-wide distance sketches, the "
+                          "layer-level record has none: record sketches and norms with the fingerprints")
+    if rec.sketches is not None and not schema.sketch_width:
+        raise SchemaError(f"step {rec.step}: the record has distance sketches but the schema has no sketch_width")
     body = np.zeros((), dtype=schema.layout(flags))
     value_dtype, _ = METRIC_DTYPES[schema.metric_dtype]
     parts = {
@@ -153,6 +175,8 @@ def encode_record(schema: Schema, rec: StepRecord) -> bytes:
         "fingerprints": (rec.fingerprints, np.uint64),
         "rms": (rec.rms, np.float32),
         "example_metrics": (rec.example_metrics, np.float32),
+        "sketches": (rec.sketches, np.float32),
+        "norms": (rec.norms, np.float32),
     }
     for name in body.dtype.names:
         value, dtype = parts[name]
@@ -193,6 +217,8 @@ def decode_record(schema: Schema, data: bytes) -> StepRecord:
         fingerprints=body["fingerprints"].copy() if flags & FLAG_LAYER else None,
         rms=body["rms"].copy() if flags & FLAG_LAYER else None,
         example_metrics=body["example_metrics"].copy() if flags & FLAG_EXAMPLE_METRICS else None,
+        sketches=body["sketches"].copy() if "sketches" in layout.names else None,
+        norms=body["norms"].copy() if "norms" in layout.names else None,
     )
 
 

@@ -16,7 +16,7 @@ import zstandard
 
 from traces.errors import NewerFormatError, TraceCorruptError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: distance sketches in layer-level records (traces/sketch.py); 1 still read
 SEGMENT_MAGIC = b"RPLYSEG1"
 SEGMENT_SUFFIX = ".seg"
 DEFAULT_SEGMENT_RECORDS = 16384

@@ -106,6 +106,16 @@ class BisectReport:
         first = self.comparison.first
         return first.name if first and first.kind in TENSOR_KINDS and not self.found_before_trace else None
 
+    @property
+    def first_layer(self) -> str | None:
+        """The layer (tensor) named, as `layer` (the name the cross-framework report uses too)."""
+        return self.layer
+
+    @property
+    def within_noise(self) -> bool:
+        """No divergence: identical, or differing only by the noise the contract allows for this pair."""
+        return (self.identical and self.whole) or (self.noise_only and self.failure is None)
+
     def fields(self) -> list[dict]:
         """The fields that differ at the divergent step, in causal order: the trace's record of
         it, or, for a step found by replay before the trace's first difference, what the
@@ -219,10 +229,18 @@ def comparability_problem(a: Run, b: Run) -> str | None:
     return None
 
 
-def bisect(run_a: Run, run_b: Run, refine: bool = True) -> BisectReport:
+def bisect(run_a: Run, run_b: Run, refine: bool = True):
     """Manifest diff, first divergence in the traces, data refinement and, with `refine`, the
-    replay steps: layer refinement and binary search by replay (replay/bisect/refine.py)."""
+    replay steps: layer refinement and binary search by replay (replay/bisect/refine.py).
+
+    A torch run (replay.torch) against a JAX run, in either order, is bisected across frameworks
+    instead (replay/bisect/cross.py): a `CrossReport`, distances judged against a noise floor.
+    Both reports have first_step, first_layer, cause, within_noise and to_json()."""
+    from replay.bisect.cross import cross_bisect, is_cross
     from replay.bundle.format import describe_damage, run_damage, shown_path
+
+    if is_cross(run_a, run_b):
+        return cross_bisect(run_a, run_b, refine=refine)
 
     report = BisectReport(shown_path(run_a), shown_path(run_b), manifest_diff(run_a.manifest, run_b.manifest),
                           compare(run_a.trace, run_b.trace))

@@ -15,7 +15,8 @@ def bisect(
     run_a: Annotated[Path, typer.Argument(help="The reference run.")],
     run_b: Annotated[Path, typer.Argument(help="The run to compare with it.")],
     json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
-    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write both loss curves and their difference to this PNG.")] = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write both loss curves and their difference to this PNG "
+                                                 "(across frameworks: a heat map of every layer's distance over steps).")] = None,
     no_refine: Annotated[bool, typer.Option("--no-refine", help="Trace scan only: no replays (no layer refinement, "
                                                                 "no binary search over sparse traces).")] = False,
     allow_incomplete: Annotated[bool, typer.Option("--allow-incomplete", help="Compare a crashed run's readable "
@@ -40,6 +41,15 @@ def bisect(
         console.fail(f"{run_a} and {run_b} are the same run; bisect compares two different runs "
                      "(to check one run against itself, replay it: replay run RUN)")
     a, b = open_run(run_a), open_run(run_b)  # run folders, or bundles (`replay pack`)
+    from replay.bisect.cross import is_cross
+
+    if is_cross(a, b):  # a torch run against a JAX run: distances against the noise floor
+        from replay.cli.bisect_cross import run_cross
+
+        _check_comparable(a, b, allow_incomplete, allow_damaged, names=False)
+        with named_as_bundle(a), named_as_bundle(b), allowing(allow_code):
+            run_cross(a, b, json_out=json_out, plot=plot, no_refine=no_refine)
+        return
     _check_comparable(a, b, allow_incomplete, allow_damaged)
     with named_as_bundle(a), named_as_bundle(b), allowing(allow_code):  # replays load each run's own code
         report = run_bisect(a, b, refine=not no_refine)
@@ -65,7 +75,7 @@ def bisect(
         raise typer.Exit(EXIT_DIVERGED)
 
 
-def _check_comparable(a, b, allow_incomplete: bool, allow_damaged: bool) -> None:
+def _check_comparable(a, b, allow_incomplete: bool, allow_damaged: bool, names: bool = True) -> None:
     """Bad input for a bisect: one line, exit 2."""
     from replay.bisect import comparability_problem
     from replay.bundle import damage_error, shown_path
@@ -78,7 +88,7 @@ def _check_comparable(a, b, allow_incomplete: bool, allow_damaged: bool) -> None
             run, f"run {name} ({shown_path(run)})", "pass --allow-damaged to compare the steps it can read")
         if damaged:
             raise damaged
-    problem = comparability_problem(a, b)
+    problem = comparability_problem(a, b) if names else None  # across frameworks: names are compared by bisect
     if problem:
         console.fail(problem)
 

@@ -23,7 +23,8 @@ from jax import lax
 
 from traces.fingerprint import GOLDEN, SUB_BYTE_RE, lane_seeds
 
-__all__ = ["fingerprint_lanes", "fingerprints_and_sums_of_squares", "fingerprint_tree", "lanes_to_int",
+__all__ = ["fingerprint_lanes", "fingerprints_and_sums_of_squares", "fingerprint_tree", "lanes_to_int", "sketch_and_norm",
+           "sketches_of",
            "state_fingerprint", "tree_to_ints"]
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
@@ -201,3 +202,51 @@ def state_fingerprint(state) -> str:
     for i, (path, x) in enumerate(zip(paths, leaves)):
         h.update(f"{path}|{np.dtype(x.dtype).name}|{list(x.shape)}|{values[i]:016x};".encode())
     return h.hexdigest()
+
+
+# ------------------------------------------------------------------------ distance sketches
+
+def sketch_and_norm(x, width: int) -> tuple[jax.Array, jax.Array]:
+    """float32[W] distance sketch and float32 L2 norm of `x` (traces/sketch.py), as the global tensor.
+
+    The tensor's elements as rows of W (a reshape, free when the last axis is a multiple of W;
+    padded with zeros otherwise), signed per element, then ONE scatter-add of whole rows into
+    segment (row chunk, row offset): float32 sums of at most CHUNK_ROWS / W rows on average,
+    then a reduce over chunks, then the XOR permutation of a [W, W] table. Within
+    traces/sketch.py's tolerance of the float64 reference. Global indices (iota): call it
+    outside shard_map.
+    """
+    from traces.sketch import CHUNK_ROWS, ROW_SEED, SIGN_SEED, check_width
+
+    width = check_width(width)
+    x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        raise TypeError(f"sketch_and_norm: complex dtype {x.dtype} has no distance sketch")
+    v = x.astype(jnp.float32).reshape(-1)
+    n = v.shape[0]
+    rows = max(1, -(-n // width))
+    if rows * width != n:
+        v = jnp.pad(v, (0, rows * width - n))
+    v = v.reshape(rows, width)
+    e = (lax.broadcasted_iota(jnp.uint32, (rows, width), 0) * jnp.uint32(width)
+         + lax.broadcasted_iota(jnp.uint32, (rows, width), 1))
+    negative = (_fmix32(e * jnp.uint32(GOLDEN) + jnp.uint32(SIGN_SEED)) >> 31) == 1
+    signed = jnp.where(negative, -v, v)
+    r = jnp.arange(rows, dtype=jnp.uint32)
+    offset = _fmix32(r * jnp.uint32(GOLDEN) + jnp.uint32(ROW_SEED)) & jnp.uint32(width - 1)
+    chunks = -(-rows // CHUNK_ROWS)
+    seg = ((r // jnp.uint32(CHUNK_ROWS)) * jnp.uint32(width) + offset).astype(jnp.int32)
+    table = jax.ops.segment_sum(signed, seg, num_segments=chunks * width).reshape(chunks, width, width).sum(axis=0)
+    # sketch[b] = sum over offsets k of table[k, b XOR k]
+    k = np.arange(width, dtype=np.int32)
+    sketch = jnp.take_along_axis(table, jnp.asarray(k[None, :] ^ k[:, None]), axis=1).sum(axis=0)
+    flat = x.astype(jnp.float32)
+    return sketch, jnp.sqrt(jnp.sum(flat * flat))
+
+
+def sketches_of(xs, width: int) -> tuple[jax.Array, jax.Array]:
+    """float32[T, W] sketches and float32[T] norms of T tensors (rows in the order given)."""
+    if not xs:
+        return jnp.zeros((0, width), jnp.float32), jnp.zeros((0,), jnp.float32)
+    pairs = [sketch_and_norm(x, width) for x in xs]
+    return jnp.stack([s for s, _ in pairs]), jnp.stack([n for _, n in pairs])

@@ -15,10 +15,12 @@ Per step it records the per-example hashes of the rows (equal to the JAX side's 
 the metrics as exact float32 bits, a hash of the RNG state, and at the layer level the tensor
 fingerprints of traces/fingerprint.py: the parameters and optimizer state entering the step,
 every layer's forward output (module forward hooks), every gradient after backward, every
-parameter after the optimizer step. `names=` records them under another framework's names and
+parameter after the optimizer step, each with its distance sketch (traces/sketch.py; trace
+format_version 2), from which bisect measures how far a JAX run is from this one. `names=` records them under another framework's names and
 layouts (trainer/reference.py: the JAX trainer's), so the two runs' tensors pair by name.
 
     fingerprint.py  the tensor fingerprint in torch ops (fingerprint.fingerprint: one tensor's)
+    sketch.py       the distance sketch in torch ops (sketch.sketch: one tensor's)
     hashing.py      per-example hashes of a torch batch, the batch hash
     names.py        which tensors, under which names and layouts
     taps.py         the hooks that fingerprint them inside a step

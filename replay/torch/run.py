@@ -35,6 +35,7 @@ from replay.torch.names import TensorNames, own_names
 from replay.torch.step import Pending, Staged, StepRecording, split_metrics
 from replay.torch.taps import Taps
 from traces import Run, Schema
+from traces.sketch import DEFAULT_WIDTH, check_width
 
 RECORDED_BY = "replay.torch"
 LEVELS = ("step", "layer")
@@ -67,7 +68,7 @@ class TorchRun:
 
     def __init__(self, path: str | os.PathLike, *, config: Any = None, model: torch.nn.Module | None = None,
                  optimizer: Any = None, names: TensorNames | None = None, level: str = "layer",
-                 metric_kinds: dict | None = None):
+                 metric_kinds: dict | None = None, sketch_width: int = DEFAULT_WIDTH):
         from replay.record.manifest import git_commit
 
         self.path = Path(path)
@@ -90,7 +91,8 @@ class TorchRun:
         if self.path.exists() and (not self.path.is_dir() or any(self.path.iterdir())):
             raise TorchRecordError(f"{self.path}: exists and is not empty; record into a new folder")
         names = None if model is None else (names or own_names(model))
-        self._taps = Taps(model, names, optimizer) if level == "layer" else None
+        self.sketch_width = check_width(sketch_width) if sketch_width and level == "layer" else 0
+        self._taps = Taps(model, names, optimizer, self.sketch_width) if level == "layer" else None
         manifest = {"recorded_by": RECORDED_BY, "config": config, "environment": environment(),
                     "argv": list(sys.argv), "record": {"level": level, "metric_kinds": self.metric_kinds},
                     "names": None if names is None else names.to_json(), "checkpoints": []}
@@ -147,7 +149,9 @@ class TorchRun:
             self._check(step, B, scalars, examples, tensors)
         device = self._taps.device if self._taps is not None else torch.device("cpu")
         staged = Staged({"metrics": [v for _, v in scalars], "examples": [v for _, v in examples],
-                         "lanes": [s[0] for s in summaries], "ss": [s[1] for s in summaries]}, device)
+                         "lanes": [s[0] for s in summaries], "ss": [s[1] for s in summaries],
+                         "sketches": [s[3] for s in summaries] if self.sketch_width else [],
+                         "sketch_ss": [s[4] for s in summaries] if self.sketch_width else []}, device)
         pending = Pending(step=step, hashes=rec.hashes, rng=rec.rng, staged=staged, sizes=[s[2] for s in summaries],
                           second_calls=self._taps.second_calls() if self._taps is not None else {})
         self.flush()  # the previous step's record: its device work is done by now
@@ -158,7 +162,8 @@ class TorchRun:
         names = [n for n, _ in scalars]
         kinds = ["loss" if n == "loss" else self.metric_kinds.get(n, "update") for n in names]
         self.schema = Schema(examples_per_step=B, rng_words=2, metrics=tuple(zip(names, kinds)),
-                             tensors=tuple(tensors), example_metrics=tuple(n for n, _ in examples))
+                             tensors=tuple(tensors), example_metrics=tuple(n for n, _ in examples),
+                             sketch_width=self.sketch_width if tensors else 0)
         self._run.update_manifest(schema=self.schema.to_json())
         self._run.schema = self.schema
         self._writer = self._run.writer()
@@ -221,7 +226,7 @@ class TorchRun:
 
 def init(path: str | os.PathLike, *, config: Any = None, model: torch.nn.Module | None = None,
          optimizer: Any = None, names: TensorNames | None = None, level: str = "layer",
-         metric_kinds: dict | None = None) -> TorchRun:
+         metric_kinds: dict | None = None, sketch_width: int = DEFAULT_WIDTH) -> TorchRun:
     """Starts recording a torch loop into `path` (a new or empty folder).
 
     model: the module whose layers, gradients and parameters the layer level records (hooks are
@@ -230,6 +235,8 @@ def init(path: str | os.PathLike, *, config: Any = None, model: torch.nn.Module 
       trainer's), so tensors are recorded under the JAX run's names and layouts; default: the
       model's own names. level: "layer" or "step" (metrics, example hashes, RNG only).
       metric_kinds: causal kind of a metric beyond the trainer's (loss, z_loss, grad_norm, lr,
-      param_norm); default "update"."""
+      param_norm); default "update". sketch_width: the width of each tensor's distance sketch at
+      the layer level (traces/sketch.py; a power of two, 0 for none): what lets bisect measure
+      how far this run is from another without replaying it."""
     return TorchRun(path, config=config, model=model, optimizer=optimizer, names=names, level=level,
-                    metric_kinds=metric_kinds)
+                    metric_kinds=metric_kinds, sketch_width=sketch_width)

@@ -127,21 +127,25 @@ class Pending:
 
     def to_record(self, schema: Schema) -> StepRecord:
         for layer, calls in self.second_calls.items():
-            fps = {tuple(int(v) for v in lanes.cpu()) for lanes, _, _ in calls}
+            fps = {tuple(int(v) for v in call[0].cpu()) for call in calls}
             if len(fps) > 1:
                 raise TorchRecordError(
                     f"step {self.step}: layer {layer} ran {len(calls)} times with different outputs (microbatches, or a "
                     "module used twice); a recorded layer runs once per step: record one forward per step, or name "
                     "the layers to record with replay.torch.init(..., names=...)")
         host = self.staged.wait()
-        fingerprints = rms = None
+        fingerprints = rms = sketches = norms = None
         if schema.tensors:
             lanes = host["lanes"].astype(np.uint64)
             fingerprints = (lanes[:, 0] << np.uint64(32)) | lanes[:, 1]
             rms = np.sqrt(host["ss"] / np.maximum(np.asarray(self.sizes, np.float64), 1.0)).astype(np.float32)
+            if schema.sketch_width:
+                sketches = host["sketches"].astype(np.float32)
+                norms = np.sqrt(host["sketch_ss"]).astype(np.float32)
         return StepRecord(step=self.step, rng=self.rng, batch_hash=batch_hash(self.hashes),
                           example_hashes=self.hashes, metrics=host["metrics"], fingerprints=fingerprints, rms=rms,
-                          example_metrics=host["examples"] if schema.example_metrics else None)
+                          example_metrics=host["examples"] if schema.example_metrics else None,
+                          sketches=sketches, norms=norms)
 
 
 def split_metrics(step: int, values: dict[str, torch.Tensor], batch: int) -> tuple[list, list]:

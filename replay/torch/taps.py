@@ -23,21 +23,33 @@ import torch
 from replay.torch.errors import TorchRecordError
 from replay.torch.fingerprint import lanes_and_sum_of_squares, words_lanes
 from replay.torch.names import TensorNames, leaf_modules, resolve
+from replay.torch.sketch import sketch_and_norm
 
-Summary = tuple[torch.Tensor, torch.Tensor, int]  # (int64[2] lanes, float64 sum of squares, elements)
+# (int64[2] lanes, float64 sum of squares, elements, float64[W] sketch or None, float64 its sum of squares or None)
+Summary = tuple[torch.Tensor, torch.Tensor, int, "torch.Tensor | None", "torch.Tensor | None"]
 
 
-def _summary(t: torch.Tensor) -> Summary:
+def _summary(t: torch.Tensor, width: int = 0) -> Summary:
     lanes, ss = lanes_and_sum_of_squares(t)
-    return lanes, ss, t.numel()
+    sketch, sketch_ss = sketch_and_norm(t, width) if width else (None, None)
+    return lanes, ss, t.numel(), sketch, sketch_ss
 
 
-def _tree(parts: list[Summary], device: torch.device) -> Summary:
-    """The trainer's pytree summary: the fingerprint of the leaves' lanes stacked as uint32[T, 2]."""
+def _tree(parts: list[Summary], device: torch.device, width: int = 0) -> Summary:
+    """The trainer's pytree summary: the fingerprint of the leaves' lanes stacked as uint32[T, 2];
+    its sketch the sum of the leaves' sketches (traces/FORMAT.md, "Distance sketches")."""
+    sketch = sketch_ss = None
+    if width:
+        sketch = torch.zeros(width, dtype=torch.float64, device=device)
+        sketch_ss = torch.zeros((), dtype=torch.float64, device=device)
+        for p in parts:
+            sketch, sketch_ss = sketch + p[3].to(device), sketch_ss + p[4].to(device)
     if not parts:
-        return torch.zeros(2, dtype=torch.int64, device=device), torch.zeros((), dtype=torch.float64, device=device), 0
-    stacked = torch.stack([lanes.to(device) for lanes, _, _ in parts])
-    return (words_lanes(stacked, "uint32"), sum(ss.to(device) for _, ss, _ in parts), sum(n for _, _, n in parts))
+        return (torch.zeros(2, dtype=torch.int64, device=device), torch.zeros((), dtype=torch.float64, device=device), 0,
+                sketch, sketch_ss)
+    stacked = torch.stack([p[0].to(device) for p in parts])
+    return (words_lanes(stacked, "uint32"), sum(p[1].to(device) for p in parts), sum(p[2] for p in parts),
+            sketch, sketch_ss)
 
 
 def _output_tensor(out: Any) -> torch.Tensor | None:
@@ -50,8 +62,9 @@ def _output_tensor(out: Any) -> torch.Tensor | None:
 
 
 class Taps:
-    def __init__(self, model: torch.nn.Module, names: TensorNames, optimizer: Any = None):
+    def __init__(self, model: torch.nn.Module, names: TensorNames, optimizer: Any = None, sketch_width: int = 0):
         self.params, layers = resolve(model, names)
+        self.width = sketch_width
         self.optimizer = optimizer
         self.discover = layers is None
         self.layer_names: list[str] | None = None if self.discover else [n for n, _ in layers]
@@ -81,13 +94,13 @@ class Taps:
                 if t is None:
                     raise TorchRecordError(f"layer {name} returned a {type(out).__name__}, not a tensor; map the "
                                            "layer to a module whose output is the tensor to record")
-            self._fwd.setdefault(name, []).append(_summary(t))
+            self._fwd.setdefault(name, []).append(_summary(t, self.width))
         return hook
 
     def _grad_hook(self, entry):
         def hook(param):
             if self.active and param.grad is not None:  # fires per backward: the last (the sum) wins
-                self._grads[entry.trace] = _summary(entry.view(param.grad))
+                self._grads[entry.trace] = _summary(entry.view(param.grad), self.width)
         return hook
 
     # ------------------------------------------------------------------------------ a step
@@ -122,7 +135,7 @@ class Taps:
         for entry, param in reversed(self.params):
             kinds.append((f"grad/{entry.trace}", "backward"))
             summaries.append(self._grads.get(entry.trace) or self._late_grad(entry, param))
-        after = [_summary(entry.view(param)) for entry, param in self.params]
+        after = [_summary(entry.view(param), self.width) for entry, param in self.params]
         self._last_params = (self._versions(), after)
         kinds += [(f"param/{entry.trace}", "update") for entry, _ in self.params]
         summaries += after
@@ -139,7 +152,7 @@ class Taps:
         # No hook fired this step: a gradient assigned by hand, or none (an unused parameter, for
         # which JAX's grad is zeros, and so is this record).
         g = param.grad if param.grad is not None else torch.zeros_like(param)
-        return _summary(entry.view(g))
+        return _summary(entry.view(g), self.width)
 
     def _versions(self) -> list:
         return [(p.data_ptr(), p._version, tuple(p.shape)) for _, p in self.params]
@@ -148,8 +161,8 @@ class Taps:
         if self._last_params is not None and self._last_params[0] == self._versions():
             parts = self._last_params[1]  # unchanged since the last step's param/* pass
         else:
-            parts = [_summary(entry.view(param)) for entry, param in self.params]
-        return _tree(parts, self.device)
+            parts = [_summary(entry.view(param), self.width) for entry, param in self.params]
+        return _tree(parts, self.device, self.width)
 
     def _opt_summary(self) -> Summary:
         """The optimizer's state tensors in parameter order, each slot's keys sorted, in the trace layout."""
@@ -159,8 +172,8 @@ class Taps:
             for key in sorted(state):
                 v = state[key]
                 if isinstance(v, torch.Tensor):
-                    parts.append(_summary(entry.view(v) if v.shape == param.shape else v))
-        return _tree(parts, self.device)
+                    parts.append(_summary(entry.view(v) if v.shape == param.shape else v, self.width))
+        return _tree(parts, self.device, self.width)
 
     def remove(self) -> None:
         for h in self._handles:

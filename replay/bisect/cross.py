@@ -1,0 +1,251 @@
+"""`bisect TORCH_RUN JAX_RUN`: where a JAX port leaves its PyTorch reference, layer by layer.
+
+Bits are never expected to match across frameworks, so instead of the first differing field:
+
+1. Inputs, bit for bit: the batch hash of every common step (a column of each trace: 8 bytes
+   a step) and the initial parameters' fingerprint (`state/params` at the first step). A
+   difference is the cause ("data" at its step, "init" at step 0): nothing after it is judged.
+2. Distances: for the steps examined, the relative distance of every tensor and metric both
+   runs record (replay/bisect/cross_distance.py: from the traces' distance sketches, or by
+   replaying the JAX run), in causal order: forward layers, loss, gradients, parameters after
+   the update.
+3. The noise floor (replay/bisect/cross_floor.py): the distance two correct implementations
+   reach, measured. The first examined step where some field exceeds it, and the first field
+   there in causal order, name the step, the layer and the cause.
+
+Steps examined: every common step up to DENSE_STEPS; beyond, DENSE_STEPS evenly spaced ones,
+then a binary search between the last one within the floor and the first one above it (a
+divergence does not heal: once above, later steps stay above), so a million-step pair costs
+~DENSE_STEPS + 20 records of each run (or that many replayed steps plus the replay up to them),
+and the report holds only those steps' distances.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from replay.bisect.cross_distance import compared_names, from_replay, from_traces, sketches_in_both
+from replay.bisect.cross_floor import floor_for
+from traces import Run
+
+DENSE_STEPS = 256
+RECORDED_BY_TORCH = "replay.torch"
+CAUSE_TEXT = {"data": "data (the batches differ)", "init": "init (the initial parameters differ)",
+              "forward": "forward layer", "loss": "loss", "backward": "gradient", "update": "optimizer update"}
+
+
+from replay.cli.errors import UserError  # noqa: E402 - a one-line user error, exit 2 (no heavy imports)
+
+
+class CrossBisectError(UserError):
+    """The two runs cannot be compared across frameworks (another batch size, no common step): exit 2."""
+
+
+def framework(run: Run) -> str:
+    """"torch" for a run replay.torch recorded, else the environment's framework ("jax" by default)."""
+    if run.manifest.get("recorded_by") == RECORDED_BY_TORCH:
+        return "torch"
+    return str((run.manifest.get("environment") or {}).get("framework", "jax"))
+
+
+def is_cross(run_a: Run, run_b: Run) -> bool:
+    return framework(run_a) != framework(run_b)
+
+
+@dataclass
+class CrossReport:
+    run_a: str
+    run_b: str
+    torch_side: str  # "A" or "B"
+    inputs: dict  # {"data": {...}, "init": {...}}
+    names: list[tuple[str, str]]  # (name, kind) compared, causal order
+    distances: dict[int, dict[str, float]] = field(default_factory=dict)  # examined steps only
+    floor: dict[str, float] = field(default_factory=dict)  # name -> floor at the first step above (or the last)
+    first_step: int | None = None
+    first_layer: str | None = None
+    cause: str | None = None
+    ratio: float | None = None  # distance / floor at (first_step, first_layer)
+    source: str = "traces"  # or "replay"
+    steps: tuple[int, int] = (0, 0)  # the common steps [start, end)
+    notes: list[str] = field(default_factory=list)
+    failure: Exception | None = None
+    max_ratio: float = 0.0  # the largest distance / floor seen where nothing was above
+
+    @property
+    def within_noise(self) -> bool:
+        return self.first_step is None and self.failure is None
+
+    @property
+    def jax_side(self) -> str:
+        return "B" if self.torch_side == "A" else "A"
+
+    @property
+    def cause_text(self) -> str | None:
+        if self.cause is None:
+            return None
+        text = CAUSE_TEXT.get(self.cause, self.cause)
+        return f"{text} {self.first_layer}" if self.cause == "forward" and self.first_layer else text
+
+    # Names shared with BisectReport, so callers need not tell the two apart.
+    @property
+    def layer(self) -> str | None:
+        return self.first_layer
+
+    @property
+    def identical(self) -> bool:
+        return False  # bits are not expected across frameworks
+
+    @property
+    def noise_only(self) -> bool:
+        return self.within_noise
+
+    def to_json(self) -> dict:
+        from replay.bisect import finite_json
+
+        return finite_json({
+            "cross_framework": True, "run_a": self.run_a, "run_b": self.run_b, "torch_side": self.torch_side,
+            "within_noise": self.within_noise, "first_step": self.first_step, "first_layer": self.first_layer,
+            "cause": self.cause, "cause_text": self.cause_text, "ratio": self.ratio, "max_ratio_within": self.max_ratio,
+            "inputs": self.inputs, "source": self.source, "steps": list(self.steps),
+            "examined": sorted(self.distances), "names": [n for n, _ in self.names],
+            "kinds": {n: k for n, k in self.names}, "floor": self.floor,
+            "distances": {str(k): v for k, v in sorted(self.distances.items())},
+            "error": None if self.failure is None else str(self.failure), "notes": self.notes,
+        })
+
+
+def _common_steps(a: Run, b: Run) -> tuple[int, int]:
+    start, end = max(a.trace.start, b.trace.start), min(a.trace.end, b.trace.end)
+    if end <= start:
+        raise CrossBisectError(f"{a.path} and {b.path} record no step in common (A: steps {a.trace.start}.."
+                               f"{a.trace.end - 1}, B: {b.trace.start}..{b.trace.end - 1})")
+    return start, end
+
+
+def _check_inputs(report: CrossReport, t: Run, j: Run, start: int, end: int) -> bool:
+    """Data (batch hashes, every common step) and init (state/params at `start`): True when both agree."""
+    from traces.columns import batch_hashes
+
+    ht, hj = batch_hashes(t.trace, start, end), batch_hashes(j.trace, start, end)
+    differ = np.flatnonzero(ht != hj)
+    report.inputs["data"] = {"equal": not differ.size, "steps": [start, end],
+                             "first_step": int(start + differ[0]) if differ.size else None}
+    if differ.size:
+        k = int(start + differ[0])
+        rt, rj = t.trace.read(k), j.trace.read(k)
+        pos = np.flatnonzero(rt.example_hashes != rj.example_hashes)
+        report.inputs["data"]["positions"] = pos[:16].tolist()
+        report.first_step, report.cause, report.first_layer = k, "data", None
+        return False
+    rt, rj = t.trace.read(start), j.trace.read(start)
+    names_t, names_j = t.schema.tensor_names, j.schema.tensor_names
+    if "state/params" in names_t and "state/params" in names_j and rt.fingerprints is not None \
+            and rj.fingerprints is not None:
+        ft, fj = int(rt.fingerprints[names_t.index("state/params")]), int(rj.fingerprints[names_j.index("state/params")])
+        report.inputs["init"] = {"equal": ft == fj, "step": start, "torch": f"{ft:016x}", "jax": f"{fj:016x}"}
+        if ft != fj:
+            report.first_step, report.cause, report.first_layer = start, "init", "state/params"
+            return False
+    else:
+        report.inputs["init"] = {"equal": None, "step": start}
+        report.notes.append(f"the initial parameters could not be compared: step {start} is not recorded at the "
+                            "layer level in both runs")
+    return True
+
+
+def _above(report: CrossReport, step: int, dist: dict[str, float]) -> tuple[str, str, float, float] | None:
+    """The first (name, kind, distance, floor) above the floor at `step`, causal order, or None."""
+    for name, kind in report.names:
+        if name not in dist:
+            continue
+        f = floor_for(name, kind, step)
+        d = dist[name]
+        if not (d <= f):  # NaN is above
+            return name, kind, d, f
+        report.max_ratio = max(report.max_ratio, d / f if f > 0 else 0.0)
+    return None
+
+
+def _examined(start: int, end: int) -> list[int]:
+    if end - start <= DENSE_STEPS:
+        return list(range(start, end))
+    return sorted({int(round(x)) for x in np.linspace(start, end - 1, DENSE_STEPS)})
+
+
+def cross_bisect(run_a: Run, run_b: Run, refine: bool = True) -> CrossReport:
+    """The cross-framework report for a torch run and a JAX run (either order). `refine=False`
+    allows no replay: a JAX run without sketches is then judged on its metrics alone."""
+    from replay.bundle.format import shown_path
+
+    torch_side = "A" if framework(run_a) == "torch" else "B"
+    t, j = (run_a, run_b) if torch_side == "A" else (run_b, run_a)
+    names_src = (t.manifest.get("names") or {}).get("source", "")
+    report = CrossReport(shown_path(run_a), shown_path(run_b), torch_side, {}, compared_names(t, j))
+    if not str(names_src).startswith("trainer.reference"):
+        report.notes.append(f"the torch run's tensors are named by {names_src or 'its own module names'}, not "
+                            "trainer.reference.tensor_names: only the tensors of the same name are compared")
+    if not any(k != "loss" and n in t.schema.tensor_names for n, k in report.names):
+        report.notes.append("no tensor is recorded under the same name in both runs: only metrics are compared")
+    if t.schema.examples_per_step != j.schema.examples_per_step:
+        raise CrossBisectError(f"the runs feed different batch sizes ({t.schema.examples_per_step} vs "
+                               f"{j.schema.examples_per_step} examples a step): train both sides on the same batches")
+    start, end = _common_steps(t, j)
+    report.steps = (start, end)
+    if not _check_inputs(report, t, j, start, end):
+        return report
+    if sketches_in_both(t, j):
+        source = lambda steps: from_traces(t, j, steps, report.names)  # noqa: E731
+    elif refine and t.schema.sketch_width:
+        report.source = "replay"
+        source = lambda steps: from_replay(t, j, steps, report.names)  # noqa: E731
+    else:
+        report.source = "metrics"
+        report.names = [(n, k) for n, k in report.names if n not in t.schema.tensor_names]
+        report.notes.append("tensor distances need distance sketches in both traces or a replay of the JAX run "
+                            "(not allowed by --no-refine, or the torch run has none): metrics only")
+        source = lambda steps: from_traces(t, j, steps, report.names)  # noqa: E731
+    try:
+        _scan(report, source, start, end)
+    except Exception as e:  # noqa: BLE001 - the CLI raises it after the report (2 bad input, 3 a bug)
+        report.failure = e
+    return report
+
+
+def _scan(report: CrossReport, source, start: int, end: int) -> None:
+    steps = _examined(start, end)
+    below = None
+    for k, dist in source(steps):
+        report.distances[k] = dist
+        hit = _above(report, k, dist)
+        if hit is not None:
+            if below is not None and k - below > 1:  # sampled: search the steps in between
+                k, hit = _search(report, source, below, k, hit)
+            _found(report, k, hit)
+            return
+        below = k
+    report.floor = {n: floor_for(n, kind, end - 1) for n, kind in report.names}
+
+
+def _search(report: CrossReport, source, lo: int, hi: int, hit):
+    """The first step in (lo, hi] above the floor, lo within it, hi above (binary search)."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        _, dist = next(iter(source([mid])))
+        report.distances[mid] = dist
+        h = _above(report, mid, dist)
+        if h is None:
+            lo = mid
+        else:
+            hi, hit = mid, h
+    return hi, hit
+
+
+def _found(report: CrossReport, step: int, hit) -> None:
+    name, kind, d, f = hit
+    report.first_step, report.first_layer = step, name
+    report.cause = "init" if kind == "state" else kind
+    report.ratio = d / f if f > 0 else math.inf
+    report.floor = {n: floor_for(n, k, step) for n, k in report.names}

@@ -1,0 +1,151 @@
+"""Per-step, per-tensor relative distances between a torch run and a JAX run (cross-framework bisect).
+
+Two sources, the first that applies:
+
+- traces: both runs recorded distance sketches of one width (trace format_version 2): each
+  tensor's distance is estimated from the two records alone (traces/sketch.py), no replay.
+- replay: the JAX run has no sketches (recorded before format 2, or by a recorder that does
+  not write them): it is replayed here from its checkpoints through the steps examined, its
+  tensors at those steps recomputed (replay/recompute.py) and sketched on the host, and
+  compared with the torch run's recorded sketches. Costs a replay of every step up to the last
+  one examined.
+
+Scalar metrics (loss, z_loss, grad_norm, lr, param_norm) come from both traces: |a - b| / max(|a|, |b|).
+A tensor whose fingerprints are equal in both runs is at distance 0, whatever the sketches say.
+Cost per examined step: two records read (traces), or one replayed step (replay); memory O(tensors).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from traces import Run
+from traces.sketch import relative_distance, sketch
+
+SKIPPED = ("state/opt_state",)  # torch's and optax's optimizer states are different structures
+
+
+def compared_names(torch_run: Run, jax_run: Run) -> list[tuple[str, str]]:
+    """(name, kind) of what both runs record, in causal order: the JAX run's tensors and metrics."""
+    from traces.schema import CAUSAL_KINDS
+
+    tt = dict(torch_run.schema.tensors)
+    tensors = [(n, k) for n, k in jax_run.schema.tensors if n in tt and n not in SKIPPED]
+    tm = dict(torch_run.schema.metrics)
+    metrics = [(n, k) for n, k in jax_run.schema.metrics if n in tm]
+    order = {k: i for i, k in enumerate(CAUSAL_KINDS)}
+    return sorted(tensors + metrics, key=lambda nk: order[nk[1]])  # stable: execution order within a kind
+
+
+def _scalar_distance(a: float, b: float) -> float:
+    if a == b or (np.isnan(a) and np.isnan(b)):
+        return 0.0
+    den = max(abs(a), abs(b))
+    return float(abs(a - b) / den) if den > 0 and np.isfinite(den) else float("inf")
+
+
+def _metric_distances(ra, rb, sa, sb, names: Iterable[str]) -> dict[str, float]:
+    ma, mb = ra.metrics_dict(sa), rb.metrics_dict(sb)
+    return {n: _scalar_distance(ma[n], mb[n]) for n in names if n in ma and n in mb}
+
+
+def sketches_in_both(torch_run: Run, jax_run: Run) -> bool:
+    w = torch_run.schema.sketch_width
+    return bool(w) and w == jax_run.schema.sketch_width
+
+
+def from_traces(torch_run: Run, jax_run: Run, steps: Iterable[int], names: list[tuple[str, str]]
+                ) -> Iterable[tuple[int, dict[str, float]]]:
+    """(step, {name: distance}) from the two traces' sketches."""
+    st, sj = torch_run.schema, jax_run.schema
+    it, ij = ({n: i for i, n in enumerate(s.tensor_names)} for s in (st, sj))
+    tensor_names = [n for n, _ in names if n in it]
+    metric_names = [n for n, _ in names if n not in it]
+    for k in steps:
+        rt, rj = torch_run.trace.read(k), jax_run.trace.read(k)
+        out = _metric_distances(rt, rj, st, sj, metric_names)
+        if rt.sketches is not None and rj.sketches is not None:
+            for n in tensor_names:
+                a, b = it[n], ij[n]
+                out[n] = 0.0 if rt.fingerprints[a] == rj.fingerprints[b] else float(
+                    relative_distance(rt.sketches[a], rt.norms[a], rj.sketches[b], rj.norms[b]))
+        yield k, out
+
+
+def _jax_tensors(side: Any, cfg: Any, wanted: set[str]) -> dict[str, np.ndarray]:
+    """The JAX run's tensors at one step, recomputed: forward layers, gradients, parameters after."""
+    import jax
+
+    from trainer.step import get_path
+
+    out: dict[str, np.ndarray] = {}
+    layers = side.layers()
+    for n in wanted:
+        if n in layers:
+            out[n] = np.asarray(jax.device_get(layers[n]))
+    _, grads = side.loss_and_grads()
+    state, _, _ = side.after()
+    for n in wanted:
+        if n.startswith("grad/"):
+            out[n] = np.asarray(jax.device_get(get_path(grads, n.removeprefix("grad/"))))
+        elif n.startswith("param/"):
+            out[n] = np.asarray(jax.device_get(get_path(state.params, n.removeprefix("param/"))))
+    return out
+
+
+def _params_summary(side: Any, width: int) -> tuple[np.ndarray, float]:
+    """The sketch of `state/params` (a pytree summary): the sum of its leaves' sketches, its norm
+    over all of them (traces/FORMAT.md, "Distance sketches")."""
+    import jax
+
+    from trainer import model
+    from trainer.step import get_path
+
+    total, ss = np.zeros(width, np.float64), 0.0
+    for n in model.param_names(side.cfg.model):
+        s, norm = sketch(np.asarray(jax.device_get(get_path(side.params(), n))), width)
+        total += s
+        ss += float(norm) ** 2
+    return total.astype(np.float32), np.float32(np.sqrt(ss))
+
+
+def from_replay(torch_run: Run, jax_run: Run, steps: Iterable[int], names: list[tuple[str, str]],
+                on_replay: Callable[[int], None] | None = None) -> Iterable[tuple[int, dict[str, float]]]:
+    """(step, {name: distance}): the JAX run replayed through the steps (ascending), sketched here."""
+    from replay.recompute import _Side
+    from replay.replayer import Replayer, ReplayUnavailable
+
+    st, sj = torch_run.schema, jax_run.schema
+    width = st.sketch_width
+    it, ij = ({n: i for i, n in enumerate(s.tensor_names)} for s in (st, sj))
+    tensor_names = [n for n, _ in names if n in it]
+    metric_names = [n for n, _ in names if n not in it]
+    r = Replayer("JAX", jax_run)
+    if r.built is None:
+        raise ReplayUnavailable(f"{jax_run.path}: records no distance sketches and is not a trainer run, so its "
+                                "tensors cannot be recomputed here; record it with sketches (trace format 2)")
+    steps = sorted(set(steps))
+    start, state = r.state_at(steps[0]) if steps else (0, None)
+    at = steps[0] if steps else 0
+    for k in steps:
+        state = r.advance(state, at, k, keep_input=False)
+        side = _Side(r, state, k)
+        rt, rj = torch_run.trace.read(k), jax_run.trace.read(k)
+        out = _metric_distances(rt, rj, st, sj, metric_names)
+        if rt.sketches is not None:
+            values = _jax_tensors(side, side.cfg, set(tensor_names))
+            if "state/params" in it:
+                values["state/params"] = _params_summary(side, width)
+            for n in tensor_names:
+                a = it[n]
+                if rj.fingerprints is not None and rt.fingerprints[a] == rj.fingerprints[ij[n]]:
+                    out[n] = 0.0
+                elif n in values:
+                    s, norm = values[n] if isinstance(values[n], tuple) else sketch(values[n], width)
+                    out[n] = float(relative_distance(rt.sketches[a], rt.norms[a], s, norm))
+        state, at = side.after()[0], k + 1
+        if on_replay is not None:
+            on_replay(k)
+        yield k, out

@@ -1,0 +1,125 @@
+"""`replay bisect TORCH_RUN JAX_RUN`: the cross-framework bisect on short pairs (tiny preset, fp32).
+
+One module fixture trains the reference (replay.torch, trainer/reference_train.py) and the JAX
+trainer from the same weights on the same batches, plus the runs that break one input or the
+port: a JAX run with RMSNorm epsilon 1e-5 (the reference's is 1e-6), a torch run from other
+weights, a JAX run on other data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from replay.bisect import bisect  # noqa: E402
+from replay.bisect.cross import CrossReport, DENSE_STEPS, _examined  # noqa: E402
+from tests.cli_util import invoke, last_json  # noqa: E402
+from traces import Run  # noqa: E402
+from trainer.config import get_preset  # noqa: E402
+from trainer.reference_train import jax_config, reference_rows, train_reference  # noqa: E402
+
+STEPS = 2
+CFG = jax_config(dataclasses.replace(get_preset("tiny"), steps=STEPS,
+                                     checkpoint=dataclasses.replace(get_preset("tiny").checkpoint, every_steps=0)))
+
+
+def _jax(path, cfg=CFG):
+    from trainer.loop import train
+
+    train(cfg, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cross")
+    bug = dataclasses.replace(CFG, model=dataclasses.replace(CFG.model, norm_eps=1e-5))
+    return {"torch": train_reference(CFG, d / "torch", STEPS), "jax": _jax(d / "jax"), "jax_eps": _jax(d / "jax_eps", bug)}
+
+
+@pytest.fixture(scope="module")
+def input_runs(runs, tmp_path_factory):
+    from trainer import model, rng
+
+    d = tmp_path_factory.mktemp("cross_inputs")
+    other_weights = model.init_params(CFG.model, rng.init_key(7))
+    return {**runs, "torch_other_init": train_reference(CFG, d / "torch_init", STEPS, start_params=other_weights),
+            "jax_other_data": _jax(d / "jax_data", dataclasses.replace(CFG, seed=1))}
+
+
+def _open(runs, *names):
+    return [Run.open(runs[n]) for n in names]
+
+
+def test_the_reference_is_fed_the_trainers_batches_and_weights(runs):
+    t, j = _open(runs, "torch", "jax")
+    for k in range(STEPS):
+        np.testing.assert_array_equal(t.trace.read(k).example_hashes, j.trace.read(k).example_hashes)
+    i = t.schema.tensor_names.index("state/params")
+    assert t.trace.read(0).fingerprints[i] == j.trace.read(0).fingerprints[j.schema.tensor_names.index("state/params")]
+    assert reference_rows(CFG, 0).shape == (CFG.data.global_batch_size, CFG.model.seq_len + 1)
+
+
+@pytest.fixture(scope="module")
+def clean(runs):
+    return bisect(*_open(runs, "torch", "jax"))
+
+
+def test_a_clean_pair_agrees_within_the_noise_floor_at_every_step(clean):
+    report = clean
+    assert isinstance(report, CrossReport) and report.torch_side == "A"
+    assert report.within_noise and report.first_step is None and report.cause is None, report.to_json()
+    assert sorted(report.distances) == list(range(STEPS)) and report.source == "replay"
+    assert report.inputs["data"]["equal"] and report.inputs["init"]["equal"]
+    # Real distances were measured (rounding noise, not zeros), and are below the floor.
+    forward = [report.distances[0][n] for n, k in report.names if k == "forward" and n != "embed"]
+    assert all(0 < d < 1e-4 for d in forward)
+    assert 0 < report.max_ratio < 1
+
+
+def test_an_rmsnorm_epsilon_port_bug_is_found_at_step_0_in_the_first_normed_layer(runs, tmp_path):
+    # JAX run first: either order is a cross-framework bisect.
+    bad = invoke("bisect", str(runs["jax_eps"]), str(runs["torch"]), "--json", "--plot", str(tmp_path / "h.png"))
+    assert bad.exit_code == 1, bad.output
+    report = last_json(bad)
+    assert report["torch_side"] == "B" and not report["within_noise"]
+    assert (report["first_step"], report["first_layer"], report["cause"]) == (0, "block_00.attn", "forward")
+    assert report["cause_text"] == "forward layer block_00.attn" and report["ratio"] > 100
+    assert report["distances"]["0"]["embed"] == 0  # the embedding precedes every norm: equal bits
+    assert (tmp_path / "h.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow  # two more trainings
+def test_other_weights_are_the_init_and_other_data_is_data(input_runs):
+    runs = input_runs
+    t, j = _open(runs, "torch_other_init", "jax")
+    report = bisect(t, j)
+    assert (report.first_step, report.cause, report.first_layer) == (0, "init", "state/params")
+    assert report.inputs["init"]["equal"] is False and not report.distances  # nothing judged after an input
+    t, j = _open(runs, "torch", "jax_other_data")
+    report = bisect(t, j)
+    assert (report.first_step, report.cause) == (0, "data") and report.inputs["data"]["positions"]
+
+
+def test_the_cli_says_a_clean_pair_agrees_and_exits_0(runs):
+    ok = invoke("bisect", str(runs["torch"]), str(runs["jax"]))
+    assert ok.exit_code == 0, ok.output
+    assert "agree within the noise floor at every examined step" in ok.stdout
+
+
+def test_a_long_pair_examines_a_bounded_number_of_steps():
+    steps = _examined(0, 1_000_000)
+    assert len(steps) <= DENSE_STEPS and steps[0] == 0 and steps[-1] == 999_999
+    assert _examined(5, 9) == [5, 6, 7, 8]
+
+
+def test_a_report_is_json_and_names_the_same_fields_as_a_same_framework_report(runs, clean):
+    json.dumps(clean.to_json(), allow_nan=False)
+    same = bisect(*_open(runs, "jax", "jax"), refine=False)  # the same-framework path, unchanged
+    assert not isinstance(same, CrossReport) and same.within_noise and same.first_layer is None

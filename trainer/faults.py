@@ -27,6 +27,21 @@ bisect against a clean run names it. Each fault mimics a bug seen in real traini
                        update is not (applied after the step's program, at the learning rate
                        the update used, so the step's own metrics are the clean run's too and
                        the first recorded difference of a step-level trace is the loss at S+1)
+
+Silent data corruption (mesh-invariant mode only; the flip happens inside one device's share of
+the step, on a microbatch gradient it computes, before any reduction: trainer/sdc.py):
+
+    sdc@S:device=D[,tensor=NAME][,elem=E][,bit=B]
+                       transient: at step S only, device D's first microbatch gradient of parameter
+                       NAME (default: the middle block's mlp.up.kernel) has bit B (default 20) of its
+                       flat element E (default 0) flipped, once; a re-execution does not repeat it
+    sdc-chip[@S]:device=D[,p=P][,tensor=NAME][,elem=E][,bit=B]
+                       persistent: from step S (default 1) on, at each step with probability P
+                       (default 1), every microbatch gradient device D computes has that bit
+                       flipped. Whether a step is hit is a pure function of (root seed, step,
+                       device) drawn from the stream "sdc-chip/D", so the bad chip misbehaves
+                       the same way whenever it computes that step, in training, in a replay and
+                       in `replay verify` (which re-runs work on other devices)
 """
 
 from __future__ import annotations
@@ -42,7 +57,8 @@ from trainer import data, model
 from trainer.config import Config
 
 FAULTS = ("data-repeat", "dropout-key-reuse", "layer-bf16", "skip-opt-restore", "bitflip", "bad-batch",
-          "weight-decay")
+          "weight-decay", "sdc", "sdc-chip")
+SDC_FAULTS = ("sdc", "sdc-chip")
 BITFLIP_BIT = 20
 REPEAT_WINDOW = 8  # data-repeat: how many recent batches the broken sampler cycles over
 WD_FAULT_EXTRA = 0.5  # weight-decay: decay added to the config's (AdamW decoupled: p -= lr * extra * p)
@@ -62,7 +78,57 @@ class Fault:
         return f"{self.name}@{self.step}"
 
 
+@dataclass(frozen=True)
+class SdcFault(Fault):
+    """A simulated silent data corruption inside device `device`'s work (trainer/sdc.py)."""
+
+    device: int = 0
+    tensor: str = ""  # the parameter whose microbatch gradient is hit; "" = bitflip_param(cfg)
+    elem: int = 0  # flat element index in that gradient
+    bit: int = BITFLIP_BIT
+    p: float = 1.0  # sdc-chip: the chance that a step is hit
+
+    @property
+    def persistent(self) -> bool:
+        return self.name == "sdc-chip"
+
+    def __str__(self) -> str:
+        opts = [f"device={self.device}"] + ([f"p={self.p!r}"] if self.persistent and self.p != 1.0 else [])
+        opts += [f"tensor={self.tensor}"] * bool(self.tensor) + [f"elem={self.elem}"] * bool(self.elem)
+        opts += [f"bit={self.bit}"] if self.bit != BITFLIP_BIT else []
+        return f"{self.name}@{self.step}:{','.join(opts)}"
+
+
+def _parse_sdc(spec: str) -> SdcFault:
+    head, _, opts = spec.partition(":")
+    name, sep, step = head.partition("@")
+    usage = (f"--inject {spec!r}: expected sdc@STEP:device=D or sdc-chip[@STEP]:device=D, optionally "
+             "followed by ,p=P (sdc-chip) ,tensor=PARAM ,elem=E ,bit=B")
+    kw: dict = {}
+    for item in filter(None, opts.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or key not in ("device", "tensor", "elem", "bit", "p") or (key == "p" and name == "sdc"):
+            raise FaultError(usage)
+        try:
+            kw[key] = value if key == "tensor" else float(value) if key == "p" else int(value)
+        except ValueError:
+            raise FaultError(f"--inject {spec!r}: {key}={value!r} is not a number") from None
+    if "device" not in kw or (name == "sdc" and not sep):
+        raise FaultError(usage)
+    try:
+        at = int(step) if sep else 1
+    except ValueError:
+        raise FaultError(f"--inject {spec!r}: STEP must be an integer") from None
+    if at < 1:
+        raise FaultError(f"--inject {spec!r}: STEP must be >= 1 (a fault needs a clean step before it)")
+    if kw["device"] < 0 or not 0 <= kw.get("bit", 0) < 32 or kw.get("elem", 0) < 0 or not 0 < kw.get("p", 1.0) <= 1:
+        raise FaultError(f"--inject {spec!r}: need device >= 0, 0 <= bit < 32, elem >= 0 and 0 < p <= 1")
+    return SdcFault(name, at, **kw)
+
+
 def parse(spec: str) -> Fault:
+    if spec.partition(":")[0].partition("@")[0] in SDC_FAULTS:
+        return _parse_sdc(spec)
     name, sep, step = spec.partition("@")
     if not sep or name not in FAULTS:
         raise FaultError(f"--inject {spec!r}: expected NAME@STEP with NAME one of {', '.join(FAULTS)}")
@@ -103,7 +169,13 @@ class FaultPlan:
     def __init__(self, faults: list[Fault] | tuple[Fault, ...], cfg: Config):
         self.faults = tuple(faults)
         self.cfg = cfg
-        self._at = {f.name: f.step for f in self.faults}
+        self._at = {f.name: f.step for f in self.faults if f.name not in SDC_FAULTS}
+        self.sdc = tuple(f for f in self.faults if isinstance(f, SdcFault))
+        self._sdc_cfg = None
+        if self.sdc:
+            from trainer import sdc
+
+            sdc.check_faults(self.sdc, cfg, has_bf16="layer-bf16" in self._at)
 
     def __bool__(self) -> bool:
         return bool(self.faults)
@@ -138,6 +210,12 @@ class FaultPlan:
 
     def model_cfg(self, step: int) -> Config | None:
         """A config for the faulty program from this step on, or None for the run's own."""
+        if self.sdc and step >= min(f.step for f in self.sdc):
+            if self._sdc_cfg is None:  # built once: it derives every fault's step keys
+                from trainer import sdc
+
+                self._sdc_cfg = sdc.faulty_config(self.cfg, self.sdc)
+            return self._sdc_cfg
         if self.active("layer-bf16", step):
             return dataclasses.replace(self.cfg, model=dataclasses.replace(self.cfg.model, bf16_block=self.cfg.model.n_layers // 2))
         return None

@@ -120,6 +120,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from replay.record.environment import pool_threads
+from trainer.microbatches import Layout, microbatch
 from trainer.config import Config, ConfigError
 
 POOL_THREADS = 8  # the XLA:CPU intra-op pool size mesh-invariant mode pins (PJRT_NPROC)
@@ -315,23 +316,23 @@ def scattered_sum(partials_Px: jax.Array, n_devices: int, m_total: int) -> jax.A
 # ------------------------------------------------------------------------ the gradients
 
 def value_and_grad(params: Any, cfg: Config, batch: dict, step_key: jax.Array, capture: bool,
-                   mesh: Mesh | None, reduction: str = "scatter") -> tuple[tuple[jax.Array, dict], Any]:
+                   mesh: Mesh | None, reduction: str = "scatter",
+                   step: jax.Array | None = None) -> tuple[tuple[jax.Array, dict], Any]:
     """((loss + z_loss, aux), grads) of the mean loss over the global batch, like
     jax.value_and_grad(step.loss_fn, has_aux=True), but computed microbatch by microbatch and
     reduced in one fixed order; every output is replicated. aux: loss, z_loss, example_loss
-    (global order) and, with `capture`, layers (each the global-batch activation).
+    (global order), with `capture` layers (each the global-batch activation) and, trainer/sdc.py,
+    replicas (check.replicas); with `step` and check.rerun_every, check (the re-run's summaries).
 
     `mesh`: the ("data", "fsdp") mesh the batch is sharded over; None = the first device.
     `reduction`: "scatter" (the trainer's: strided microbatches reduce-scattered in the scan where
     the device count is a power of two, else scattered_sum) or "gather" (consecutive microbatches
     and gathered_sum: the previous implementation, the reference tests compare with).
+    `step`: the step counter, which the re-run check needs. A FaultyConfig's SDC faults act here.
     """
-    from trainer import model, step as steplib
+    from trainer import sdc
 
-    if mesh is None:
-        import numpy as np
-
-        mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), BATCH_AXES)
+    mesh = _default_mesh(mesh)
     n = int(mesh.devices.size)
     check(cfg, n)
     m_total = cfg.mesh.n_microbatches
@@ -341,54 +342,56 @@ def value_and_grad(params: Any, cfg: Config, batch: dict, step_key: jax.Array, c
     finish = scattered_sum if reduction == "scatter" else (lambda x, n, m: gathered_sum(x, m))
     local = m_total // n
     levels = _aligned_levels(local)
-    inputs, targets = batch["inputs"], batch["targets"]
-    mb = inputs.shape[0] // m_total  # examples per microbatch
+    faults = getattr(cfg, "sdc", ())
+    replicas = capture and cfg.check.replicas
+    rerun_every = cfg.check.rerun_every if step is not None else 0
     key_data = jax.random.key_data(step_key)
+    step_in = jnp.zeros((), jnp.int32) if step is None else jnp.asarray(step, jnp.int32)
 
-    def gather(x: jax.Array) -> jax.Array:  # local leading axis -> global, in device order
-        return lax.all_gather(x, BATCH_AXES, axis=0, tiled=True)
-
-    def in_order(x_Kx: jax.Array) -> jax.Array:  # [local microbatches, ...] -> [M, ...], global order
-        if not stride:
-            return gather(x_Kx)
-        x_NKx = lax.all_gather(x_Kx, BATCH_AXES, axis=0)  # [device, step]: microbatch step * n + device
-        return jnp.swapaxes(x_NKx, 0, 1).reshape((m_total,) + x_Kx.shape[1:])
-
-    def per_device(params, key_data, inputs_bxL, targets_bxL):
+    def per_device(params, key_data, step_in, inputs_bxL, targets_bxL):
         me = lax.axis_index(BATCH_AXES)
+        layout = Layout(n, local, m_total, stride)
         base = jax.random.wrap_key_data(key_data, impl="threefry2x32")
-        if stride:  # every device gets the batch's tokens (int32: small beside a gradient), takes its own
-            def mine(x_bxL):
-                x_KxNxMBxL = gather(x_bxL).reshape(local, n, mb, -1)
-                return lax.dynamic_index_in_dim(x_KxNxMBxL, me, axis=1, keepdims=False)
-
-            xs = (mine(inputs_bxL), mine(targets_bxL), jnp.arange(local, dtype=jnp.int32) * n + me)
-        else:
-            xs = (inputs_bxL.reshape(local, mb, -1), targets_bxL.reshape(local, mb, -1),
-                  me * local + jnp.arange(local, dtype=jnp.int32))
+        tokens = layout.tokens(inputs_bxL, targets_bxL, gathered=stride or rerun_every > 0)
+        checked = step_in % rerun_every == 0 if rerun_every else None
 
         def body(carry, x):
-            inputs_mb, targets_mb, index = x
-            key = jax.random.fold_in(base, index.astype(jnp.uint32))
-            with model.fixed_order_backward():  # no plain reduces in softmax/RMSNorm backward
-                (_, aux), grads = jax.value_and_grad(steplib.loss_fn, has_aux=True)(
-                    params, cfg, inputs_mb, targets_mb, key, capture)
+            grads, aux = microbatch(params, cfg, base, capture, x[:3])
+            if faults:
+                grads = sdc.corrupt(grads, faults, me, x[3], key_data)
+            lanes = sdc.microbatch_summaries(grads, cfg) if replicas else ()
             if stride:  # this step's n microbatches -> this device's shard of their sum
                 grads = jax.tree.map(lambda g: reduce_block(g, n), grads)
-            return carry, (grads, aux)
+            return carry, (grads, aux, lanes)
 
-        _, (grads_K, aux_K) = lax.scan(body, None, xs)
+        _, (grads_K, aux_K, lanes_K) = lax.scan(body, None, layout.work(tokens, me))
         if stride:
             grads = jax.tree.map(lambda s, p: finish_blocks(s, p.shape, n, m_total), grads_K, params)
         else:  # local complete subtrees first, then the tree over every device's partial sums
             grads = jax.tree.map(lambda g: finish(pair_tree(g, levels), n, m_total), grads_K)
+        in_order = layout.in_order
         loss = pair_tree(in_order(aux_K["loss"])) / m_total
         z_loss = pair_tree(in_order(aux_K["z_loss"])) / m_total
         out = {"loss": loss, "z_loss": z_loss,
                "example_loss": in_order(aux_K["example_loss"]).reshape(m_total * mb),
                "layers": {name: in_order(x).reshape((m_total * mb,) + x.shape[2:]) for name, x in aux_K["layers"].items()}}
+        main = None
+        if replicas:
+            main, rms_MxG = in_order(lanes_K[0]), in_order(lanes_K[1])
+            out["replicas"] = (main.reshape(-1, 2), rms_MxG.reshape(-1))
+        if rerun_every:  # everything inside one cond: a step that is not re-run pays for nothing else
+            out["check"] = lax.cond(checked, lambda: sdc.rerun_check(params, cfg, base, tokens, layout, me, key_data,
+                                                                     step_in, main),
+                                    lambda: sdc.no_check(m_total))
         return (loss + z_loss, out), grads
 
-    fn = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(), P(BATCH_AXES), P(BATCH_AXES)),
+    mb = batch["inputs"].shape[0] // m_total  # examples per microbatch
+    fn = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(), P(), P(BATCH_AXES), P(BATCH_AXES)),
                        out_specs=P(), check_vma=False)
-    return fn(params, key_data, inputs, targets)
+    return fn(params, key_data, step_in, batch["inputs"], batch["targets"])
+
+
+def _default_mesh(mesh: Mesh | None) -> Mesh:
+    import numpy as np
+
+    return Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), BATCH_AXES) if mesh is None else mesh

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from trainer import layers, model, rng
+from trainer import layers, model, rng, sdc
 from trainer.config import Config
 from replay.record.fingerprint import fingerprint_lanes, fingerprints_and_sums_of_squares
 from trainer.optim import applied_lr, make_optimizer
@@ -69,6 +69,7 @@ def tensor_schema(cfg: Config) -> tuple[tuple[str, str], ...]:
         + tuple((name, "forward") for name in model.layer_names(cfg.model))
         + tuple((f"grad/{name}", "backward") for name in reversed(names))
         + tuple((f"param/{name}", "update") for name in names)
+        + sdc.extra_tensors(cfg, "layer")  # empty unless mesh-invariant with check.replicas / rerun_every
     )
 
 
@@ -152,7 +153,8 @@ def train_step(state: TrainState, batch: dict, *, cfg: Config, level: str = "ste
             raise ConfigError("optimizer.microbatches does not apply in mesh-invariant mode; its microbatches are "
                               "mesh.n_microbatches: leave optimizer.microbatches=1")
 
-        (_, aux), grads = invariant.value_and_grad(state.params, cfg, batch, step_key, level == "layer", mesh)
+        (_, aux), grads = invariant.value_and_grad(state.params, cfg, batch, step_key, level == "layer", mesh,
+                                                   step=state.step if level == "layer" else None)
     else:
         # Loops (the scan over layers, gradient accumulation) keep the batch axis sharded inside.
         sharding = None if mesh is None else NamedSharding(mesh, PartitionSpec(BATCH_AXES))
@@ -200,7 +202,8 @@ def train_step(state: TrainState, batch: dict, *, cfg: Config, level: str = "ste
         tensors = ([aux["layers"][n] for n in model.layer_names(cfg.model)]
                    + [get_path(grads, n) for n in reversed(names)]
                    + [get_path(params, n) for n in names])
-        parts = state_summaries + [_summaries(tensors)]
+        # the SDC checks' per-microbatch summaries (trainer/sdc.py), present only when configured
+        parts = state_summaries + [_summaries(tensors)] + [aux[k] for k in ("replicas", "check") if k in aux]
         metrics["fingerprints"] = jnp.concatenate([lanes for lanes, _ in parts])
         metrics["rms"] = jnp.concatenate([rms for _, rms in parts])
     return new_state, metrics

@@ -65,6 +65,7 @@ class BisectReport:
     noise: dict | None = None  # replay/noise.py's verdict when bits are not expected
     damage: dict[str, str] = field(default_factory=dict)  # "A"/"B" -> one line naming its trace's first damage
     failure: Exception | None = None  # the replay the answer needed, failed: raised by the CLI after the report
+    hardware: dict | None = None  # replay/bisect/replica.py: the runs differ in one device's replica results only
 
     @property
     def whole(self) -> bool:
@@ -92,6 +93,8 @@ class BisectReport:
 
     @property
     def cause(self) -> str | None:
+        if self.hardware is not None:  # one replica's results: a chip, not the program or the data
+            return "hardware"
         if self.refinement and self.refinement.get("cause"):
             return self.refinement["cause"]
         first = self.comparison.first
@@ -148,7 +151,7 @@ class BisectReport:
             "trace_first": None if c.first is None else {
                 "step": c.first_step, "kind": c.first.kind, "name": c.first.name,
                 **({"fields": [{"kind": d.kind, "name": d.name} for d in c.diffs]} if self.found_before_trace else {})},
-            "fields": self.fields(), "permutation": self.permutation,
+            "fields": self.fields(), "permutation": self.permutation, "hardware": self.hardware,
             "manifest_diff": [{"key": m.key, "a": m.a, "b": m.b} for m in self.manifest],
             "examples": [{"run": e.run, "position": e.position, "hash": e.example_hash, "seen_before": e.seen}
                          for e in self.examples],
@@ -248,6 +251,9 @@ def bisect(run_a: Run, run_b: Run, refine: bool = True):
         damage = run_damage(run)
         if damage:
             report.damage[name] = describe_damage(run, damage)
+    from replay.bisect.replica import hardware_fault
+
+    report.hardware = hardware_fault(run_a, run_b, report.comparison.first_step)
     first = report.comparison.first
     if first is not None and first.kind == "data":
         _data_at(report, run_a, run_b, report.comparison.first_step, first.positions or [])

@@ -118,6 +118,8 @@ def render(report) -> None:
                 console.status(note)
         return
     rows = [("first divergent step", str(report.first_step)), ("cause", report.cause or "")]
+    if report.hardware is not None:
+        rows.append(("hardware", report.hardware["line"]))
     rows += [(f"run {name}'s trace is damaged", line) for name, line in report.damage.items()]
     if report.failure is not None:
         rows.append(("not confirmed by replay", "the replay this answer needs failed (the error below)"))

@@ -1,0 +1,105 @@
+"""What `check.rerun_every=N` costs a training step: budget <= 1/N + 2% at N = 10 and N = 100.
+
+`tiny` in mesh-invariant mode on 8 virtual CPU devices (8 microbatches), trace level layer. Two
+compiled step programs: without the check, and with check.rerun_every=10 (one program serves every
+N: a step re-runs when its counter is a multiple of N, so what differs with N is only how often).
+Rounds interleave three lanes, each timing `--steps` dispatches of one program on one state:
+base (no check), plain (the check program on a step it does not re-run) and checked (on a step it
+re-runs). Overhead at N = ((N - 1) plain + checked) / (N base) - 1, from the medians over rounds.
+
+    python -m bench.sdc_overhead [--rounds 8] [--steps 5]
+
+`section(rounds, steps)` returns the JSON section for bench/overhead.py (the hook it can call);
+run as a module it re-runs itself with 8 virtual devices and prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+NS = (10, 100)
+
+
+def section(rounds: int = 8, steps: int = 5) -> dict:
+    """Measures in this process (which must have 8 devices and no JAX backend started yet)."""
+    from trainer import invariant
+
+    invariant.prepare_process()
+    import jax
+    import numpy as np
+
+    from trainer import loop, mesh as meshlib
+    from trainer.config import apply_overrides, get_preset
+
+    base = ["mesh.mesh_invariant=true", "mesh.n_microbatches=8", "trace.level=layer"]
+    programs = {}
+    for lane, extra in (("base", []), ("check", ["check.rerun_every=10"])):
+        built = loop.build(apply_overrides(get_preset("tiny"), base + extra))
+        programs[lane] = built
+    arrays, _ = programs["base"].device_batch(0)
+    times: dict[str, list[float]] = {"base": [], "plain": [], "checked": []}
+    same = True
+
+    def timed(built, at_step: int) -> tuple[float, dict]:
+        state = meshlib.init_sharded_state(built.cfg, built.mesh)
+        sharding = state.step.sharding
+        counters = [jax.device_put(np.int32(at_step), sharding) for _ in range(steps + 1)]  # each is donated
+        program = built.compiled["layer"]
+        state, metrics = program(state._replace(step=counters[-1]), arrays)  # warm
+        jax.block_until_ready(metrics)
+        t0 = time.perf_counter()
+        for counter in counters[:-1]:
+            state, metrics = program(state._replace(step=counter), arrays)
+        jax.block_until_ready((state, metrics))
+        return (time.perf_counter() - t0) / steps, jax.device_get(metrics)
+
+    for _ in range(rounds):
+        t, m_base = timed(programs["base"], 1)
+        times["base"].append(t)
+        t, m_plain = timed(programs["check"], 1)
+        times["plain"].append(t)
+        t, _ = timed(programs["check"], 10)
+        times["checked"].append(t)
+        n_fp = len(m_base["fingerprints"])
+        same = same and bool(np.array_equal(m_base["fingerprints"], m_plain["fingerprints"][:n_fp])
+                             and np.array_equal(m_base["loss"], m_plain["loss"]))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    overhead = {str(n): ((n - 1) * med["plain"] + med["checked"]) / (n * med["base"]) - 1 for n in NS}
+    budget = {str(n): 1 / n + 0.02 for n in NS}
+    return {
+        "median_step_s": {k: round(v, 5) for k, v in med.items()},
+        "overhead": {k: round(v, 4) for k, v in overhead.items()}, "budget": {k: round(v, 4) for k, v in budget.items()},
+        "within_budget": all(overhead[k] <= budget[k] for k in budget),
+        "same_results_unchecked_step": same, "rounds": rounds, "steps": steps,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(section(args.rounds, args.steps)))
+        return
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC")}
+    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-m", "bench.sdc_overhead", "--rounds", str(args.rounds), "--steps",
+                           str(args.steps), "--worker"], cwd=ROOT, env=env, capture_output=True, text=True)
+    if done.returncode:
+        sys.stderr.write(done.stderr[-4000:])
+        raise SystemExit(done.returncode)
+    print(done.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""`replay verify RUN --steps A:B [--rotate K]`: re-run steps on other devices, name a bad chip."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from replay.cli import console
+from replay.cli.errors import EXIT_DIVERGED
+
+
+def verify(
+    path: Annotated[Path, typer.Argument(help="The run directory (a mesh-invariant run).")],
+    steps: Annotated[str, typer.Option("--steps", help="A:B (inclusive) or A: the steps to verify.")],
+    rotate: Annotated[int, typer.Option("--rotate", help="Re-run with the work moved K and 2K devices along the "
+                                        "data axis (and unmoved).")] = 1,
+    data: Annotated[Optional[str], typer.Option("--data", help="Where the run's token file is now.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """Re-execute steps A..B with the batch shards on other devices; exit 1 when a device computed wrongly."""
+    from replay.bundle import open_run
+    from replay.cli.replaying import load_replayable, prepare_process, replay_notes
+    from replay.engine import check_range, parse_steps
+    from replay.verify import verify as run_verify
+
+    if rotate < 1:
+        console.fail(f"--rotate {rotate} must be at least 1")
+    target = open_run(path, for_replay=True)
+    prepare_process(target)
+    first, last = parse_steps(steps)
+    replayable, _ = load_replayable(target, path, data, False, lambda cps: check_range(target, first, last, cps))
+    with console.progress(f"verify {path.name}") as bar:
+        task = bar.add_task("verify", total=last - first + 1, info="")
+        report = run_verify(target, replayable, first, last, rotate,
+                            lambda step: bar.update(task, advance=1, info=f"step {step}"))
+    report.notes.extend(replay_notes(replayable))
+    if json_out:
+        console.print_json(report.to_json())
+    else:
+        _render(report)
+    if not report.clean:
+        raise typer.Exit(EXIT_DIVERGED)
+
+
+def _render(report) -> None:
+    console.print_table([
+        ("steps", f"{report.first}..{report.last} ({report.steps_verified} verified, from checkpoint {report.checkpoint})"),
+        ("executions", f"rotations 0, {report.rotate}, {2 * report.rotate} of {report.devices} devices"
+                       + (" and the trace's own per-replica fingerprints" if report.trace_replicas else "")),
+        ("microbatches", str(report.microbatches)),
+        *[("note", n) for n in report.notes],
+    ], title=f"verify {report.run}")
+    if report.clean:
+        console.print_text(f"every device agreed on every microbatch of {report.steps_verified} step(s)", style="green")
+        return
+    console.print_table(
+        [(f.kind, "-" if f.device is None else str(f.device), str(f.step),
+          str(len(f.steps)), ", ".join(map(str, f.microbatches[:8])), ", ".join(f.layers[:4]), f.why)
+         for f in report.findings],
+        columns=("class", "device", "step", "steps", "microbatches", "layers", "why"),
+        title=f"{len(report.findings)} finding(s)")
+    for step, mb in report.unresolved[:10]:
+        console.print_text(f"step {step} microbatch {mb}: no two devices agreed; cannot tell which is wrong", style="red")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("verify")(verify)

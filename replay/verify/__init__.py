@@ -1,0 +1,129 @@
+"""`replay verify`: re-run recorded steps with the work on other devices and name a bad chip.
+
+In mesh-invariant mode each microbatch gradient has the same bits whichever device computes it
+(trainer/microbatches.py), so one device's work can be checked against another's. For each step
+A..B this restores the state entering it (the newest checkpoint at or before A, then the run's own
+steps replayed, faults included, as `replay run` does), and computes every microbatch's per-layer
+gradient fingerprints three times, with the work rotated by 0, K and 2K devices along the data
+axis (trainer/sdc.py `replica_lanes`: no reduction, no update). With the trace's own per-replica
+fingerprints (check.replicas=true) that is four values from three distinct devices per microbatch;
+replay/verify/classify.py votes and names the device that computed wrongly and the class.
+
+Cost: per verified step three forward+backward passes besides the replayed step; memory: one
+step's fingerprints (M x layers x 3) plus the findings; the replay from the checkpoint to A as
+`replay run`. A million-step run costs what its range A..B costs, nothing more.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from replay.engine import ReplayInputError
+from replay.verify.classify import Finding, classify, step_events
+
+REPLICA_PREFIX = "replica/"
+
+
+class VerifyInputError(ReplayInputError):
+    """A run or range `replay verify` cannot check; one line, exit 2."""
+
+
+@dataclass
+class VerifyReport:
+    run: str
+    first: int
+    last: int
+    rotate: int
+    devices: int
+    microbatches: int
+    checkpoint: int
+    trace_replicas: bool  # the trace holds per-replica fingerprints (training's own values compared)
+    findings: list[Finding] = field(default_factory=list)
+    unresolved: list[tuple[int, int]] = field(default_factory=list)  # (step, microbatch) with no majority
+    steps_verified: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def clean(self) -> bool:
+        return not self.findings and not self.unresolved
+
+    def to_json(self) -> dict:
+        return {"run": self.run, "steps": [self.first, self.last], "rotate": self.rotate, "devices": self.devices,
+                "microbatches": self.microbatches, "checkpoint": self.checkpoint,
+                "trace_replicas": self.trace_replicas, "steps_verified": self.steps_verified,
+                "clean": self.clean, "findings": [f.to_json() for f in self.findings],
+                "unresolved": [{"step": s, "microbatch": i} for s, i in self.unresolved], "notes": self.notes}
+
+
+def trace_replicas(schema, record, m: int, layers: list[str]) -> np.ndarray | None:
+    """uint64[M, G] of the record's "replica/mbNN/LAYER" fingerprints, None when not recorded."""
+    from trainer.sdc import replica_name
+
+    names = schema.tensor_names
+    if record.fingerprints is None or replica_name(0, layers[0], m) not in names:
+        return None
+    index = {n: i for i, n in enumerate(names)}
+    return np.asarray([[record.fingerprints[index[replica_name(i, g, m)]] for g in layers] for i in range(m)], np.uint64)
+
+
+def verify(run, replayable, first: int, last: int, rotate: int = 1,
+           on_step: Callable[[int], None] | None = None) -> VerifyReport:
+    """Verify steps first..last of a trainer run (`replayable`: trainer.replayable.TrainerReplay)."""
+    import jax
+
+    from replay.bundle.format import shown_path
+    from replay.engine import check_range
+    from trainer import rng, sdc
+
+    built = replayable.built
+    cfg = built.cfg
+    n, m = int(built.mesh.devices.size), cfg.mesh.n_microbatches
+    if not cfg.mesh.mesh_invariant:
+        raise VerifyInputError(f"{shown_path(run)} is not a mesh-invariant run: only then is one device's work "
+                               "comparable bit for bit with another's; train with --set mesh.mesh_invariant=true")
+    if n < 3:
+        raise VerifyInputError(f"verify needs at least 3 devices to out-vote a bad one; this process has {n} "
+                               "(XLA_FLAGS=--xla_force_host_platform_device_count=8 on a CPU)")
+    rotations = sorted({0, rotate % n, (2 * rotate) % n})
+    if len(rotations) < 3:
+        raise VerifyInputError(f"--rotate {rotate}: rotations 0, {rotate} and {2 * rotate} must put the work on three "
+                               f"different devices of {n}; pick a rotation that is not a multiple of {n // 2 or 1}")
+    start = check_range(run, first, last, replayable.checkpoint_steps())
+    layers = [g for g, _ in sdc.layer_groups(cfg)]
+    plan = built.faults
+    report = VerifyReport(shown_path(run), first, last, rotate, n, m, start, False)
+    fns: dict = {}
+
+    def lanes_of(step_cfg, state, arrays, step: int, k: int) -> np.ndarray:
+        fn = fns.get(step_cfg)  # one program per distinct config (the clean one, the faulty one)
+        if fn is None:
+            fn = fns[step_cfg] = jax.jit(lambda p, key, s, r, b: sdc.replica_lanes(
+                p, step_cfg, b, jax.random.wrap_key_data(key, impl="threefry2x32"), s, r, built.mesh))
+        key = jax.random.key_data(rng.step_key(jax.random.wrap_key_data(state.key, impl="threefry2x32"), state.step))
+        lanes = np.asarray(fn(state.params, key, step, k, arrays), np.uint32)
+        return (lanes[..., 0].astype(np.uint64) << np.uint64(32)) | lanes[..., 1].astype(np.uint64)
+
+    events, state = [], replayable.restore(start)
+    for step in range(start, last + 1):
+        if step >= first:
+            seen = state if not plan else plan.before(state, step, built._init_opt_state)
+            arrays, _ = built.device_batch(plan.batch_step(step) if plan else step, fed_at=step)
+            step_cfg = (plan.model_cfg(step) if plan else None) or cfg
+            runs = {k: lanes_of(step_cfg, seen, arrays, step, k) for k in rotations}
+            trace = trace_replicas(run.schema, run.trace.read(step), m, layers)
+            report.trace_replicas = report.trace_replicas or trace is not None
+            step_ev, unresolved = step_events(step, trace, runs, n)
+            events += step_ev
+            report.unresolved += [(step, i) for i in unresolved]
+            report.steps_verified += 1
+        state, _, _ = replayable.step(state, step)
+        if on_step is not None and step >= first:
+            on_step(step)
+    report.findings = classify(events, layers)
+    if not report.trace_replicas:
+        report.notes.append("the trace holds no per-replica fingerprints (train with --set check.replicas=true): "
+                            "only devices that compute wrongly again now are found, not a transient fault in training")
+    return report

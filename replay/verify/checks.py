@@ -1,0 +1,85 @@
+"""Reading the in-training re-run check (check.rerun_every=N) back from a trace.
+
+A checked step records "check/rerun" tensors (trainer/sdc.py, traces/FORMAT.md "SDC checks"):
+RMS 1.0, and a 64-bit mask per 64 microbatches of those whose gradient fingerprints differed
+between the step and its re-run with the work rotated by check.rotate devices. Microbatch i was
+computed by owner(i) in the step and by executor(i) in the re-run; a device that appears in two
+or more differing microbatches computed wrongly both times: a bad chip, named. A single
+differing microbatch is one of its two devices (a transient fault): `replay verify` tells which.
+
+`describe` reads one record; `scan` streams the records it is given (callers pass a range; the
+column of one tensor at a million steps is 8 MB, so a whole-run scan belongs to a column reader).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+
+def check_tensors(schema) -> list[int]:
+    """Indices of the record's "check/rerun" tensors, in order ([] when the run has no check)."""
+    from trainer.sdc import CHECK_TENSOR
+
+    return [i for i, n in enumerate(schema.tensor_names) if n == CHECK_TENSOR or n.startswith(CHECK_TENSOR + "_")]
+
+
+def describe(manifest: dict, schema, record) -> dict | None:
+    """{"step", "checked", "microbatches", "bad_devices", "pairs", "line"} of one record, None
+    without a check (or a record without tensors: trace.layer_every skipped it)."""
+    from replay.verify.classify import executor, owner
+    from trainer.sdc import mask_microbatches
+
+    where = check_tensors(schema)
+    if not where or record.fingerprints is None:
+        return None
+    cfg = manifest.get("config", {})
+    m = int(cfg.get("mesh", {}).get("n_microbatches", 1))
+    n = int(manifest.get("mesh", {}).get("devices", 1))
+    rotate = int(cfg.get("check", {}).get("rotate", 1)) % max(n, 1)
+    checked = bool(record.rms[where[0]] == 1.0)
+    mbs = mask_microbatches([int(record.fingerprints[i]) for i in where])
+    pairs = [(i, owner(i, n, m), executor(i, n, m, rotate)) for i in mbs]
+    counts = Counter(d for _, a, b in pairs for d in {a, b})
+    bad = sorted(d for d, c in counts.items() if c >= 2)
+    if not checked:
+        line = "not re-run"
+    elif not mbs:
+        line = "re-run on rotated devices: every microbatch agreed"
+    else:
+        line = (f"re-run disagreed on microbatch(es) {', '.join(map(str, mbs))}: "
+                + (f"device(s) {', '.join(map(str, bad))} computed wrongly (a bad chip)" if bad else
+                   "one of devices " + " / ".join(f"{a} or {b}" for _, a, b in pairs) + " (run `replay verify`)"))
+    return {"step": record.step, "checked": checked, "microbatches": mbs, "bad_devices": bad,
+            "pairs": [{"microbatch": i, "step_device": a, "rerun_device": b} for i, a, b in pairs], "line": line}
+
+
+def scan(manifest: dict, schema, records) -> list[dict]:
+    """The checked steps whose re-run disagreed, in step order, from `records` (an iterable)."""
+    out = []
+    for rec in records:
+        d = describe(manifest, schema, rec)
+        if d is not None and d["microbatches"]:
+            out.append(d)
+    return out
+
+
+def scan_run(run, start: int | None = None, stop: int | None = None) -> list[dict]:
+    """`scan` over steps start..stop-1 of `run`, streamed by traces.columns in bounded memory: it
+    decodes the fingerprint columns of every record in the range (at a million steps, the whole
+    trace's tensor columns once: give `show` a range, or read the disagreeing steps it lists)."""
+    from traces import columns
+    from traces.schema import StepRecord
+
+    where = check_tensors(run.schema)
+    if not where:
+        return []
+    out = []
+    for first, fps, rms, layer in columns.fingerprints(run.trace, start, stop):
+        hit = np.flatnonzero(layer & (rms[:, where[0]] == 1.0) & np.any(fps[:, where] != 0, axis=1))
+        for j in hit:
+            rec = StepRecord(int(first + j), np.zeros(0, np.uint32), 0, np.zeros(0, np.uint64), np.zeros(0),
+                             fingerprints=fps[j], rms=rms[j])
+            out.append(describe(run.manifest, run.schema, rec))
+    return out

@@ -1,0 +1,120 @@
+"""Trains and verifies the SDC test runs in one fresh process with 8 virtual CPU devices.
+
+`python -m tests.replay.sdc_probe OUT` writes OUT/results.json, read by tests/replay/test_verify_e2e.py.
+Runs (tiny, mesh-invariant, 8 microbatches, per-replica fingerprints, 12 steps, checkpoints every 6):
+
+    clean        no fault, check off
+    clean-check  no fault, check.rerun_every=10 without per-replica fingerprints (the re-run is
+                 compared with a re-computation): its training must equal `clean` bit for bit
+    chip-check   the same with a chip on device 3 from step 2: the check must name it at step 10
+    faulty-a     11 transients (steps 1..11) + chips on devices 3 (from 2) and 7 (from 5, p=0.5),
+                 check.rerun_every=10
+    faulty-b     11 transients (steps 1..11) + chips on devices 1 (from 4) and 5 (from 8)
+
+Chips sit 4 devices apart so that with --rotate 3 no microbatch is computed by two bad chips in
+one step (the three executions of a microbatch run on devices o, o-3, o+2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+ROTATE = 3
+STEPS = 12
+TENSORS = ("embed.embedding", "block_00.attn.q.kernel", "block_01.mlp.up.kernel", "block_00.mlp.down.kernel",
+           "final_norm.scale", "block_01.attn.o.kernel")
+BASE = ["mesh.mesh_invariant=true", "mesh.n_microbatches=8", f"steps={STEPS}", "checkpoint.every_steps=6",
+        "check.replicas=true"]
+
+
+def transients(offset: int, devices: tuple[int, ...]) -> list[str]:
+    """11 transients on steps 1..11 on `devices` (not the run's chips), six tensors, various elements and bits."""
+    return [f"sdc@{s}:device={devices[(s + offset) % len(devices)]},tensor={TENSORS[(s + offset) % len(TENSORS)]},"
+            f"elem={(s * 7 + offset) % 5},bit={(s * 5 + offset) % 31}" for s in range(1, STEPS)]
+
+
+RUNS = {
+    "clean": ([], []),
+    "clean-check": ([], ["check.rerun_every=10", "check.replicas=false"]),
+    "chip-check": (["sdc-chip@2:device=3,tensor=lm_head.kernel,bit=7"], ["check.rerun_every=10", "check.replicas=false"]),
+    "faulty-a": (transients(0, (0, 1, 2, 4, 5, 6)) + ["sdc-chip@2:device=3,tensor=block_01.mlp.up.kernel,bit=3",
+                                  "sdc-chip@5:device=7,p=0.5,tensor=block_00.attn.q.kernel,bit=12"],
+                 ["check.rerun_every=10"]),
+    "faulty-b": (transients(5, (0, 2, 3, 4, 6, 7)) + ["sdc-chip@4:device=1,tensor=embed.embedding,elem=2,bit=30",
+                                  "sdc-chip@8:device=5,tensor=final_norm.scale,bit=1"], []),
+}
+
+
+def main(out: Path) -> None:
+    from trainer import invariant
+
+    invariant.prepare_process()
+    import jax
+    import numpy as np
+
+    from replay.bisect import bisect
+    from replay.bisect.replica import hardware_fault
+    from replay.verify import verify
+    from traces import Run
+    from trainer import rng
+    from trainer.config import apply_overrides, get_preset
+    from trainer.faults import FaultPlan, parse
+    from trainer.loop import train
+    from trainer.replayable import TrainerReplay
+
+    results: dict = {"devices": jax.device_count(), "runs": {}}
+    for name, (specs, extra) in RUNS.items():
+        cfg = apply_overrides(get_preset("tiny"), BASE + extra)
+        faults = FaultPlan([parse(s) for s in specs], cfg)
+        train(cfg, out / name, faults=faults)
+        run = Run.open(out / name)
+        entry: dict = {"faults": run.manifest["faults"], "tensors": list(run.schema.tensor_names)}
+        if name not in ("clean-check", "chip-check"):
+            report = verify(run, TrainerReplay(run), 0, STEPS - 1, ROTATE)
+            entry["verify"] = report.to_json()
+        recs = [run.trace.read(s) for s in range(STEPS)]
+        names = run.schema.tensor_names
+        keep = [i for i, t in enumerate(names) if not t.startswith(("check/", "replica/"))]
+        entry["records"] = [[int(x) for x in r.fingerprints[keep]] + [int(b) for b in r.metrics.view(np.uint32)]
+                            for r in recs]
+        entry["check"] = {s: [int(r.fingerprints[names.index(t)]) for t in names if t.startswith("check/")]
+                          + [float(r.rms[names.index(t)]) for t in names if t.startswith("check/")]
+                          for s, r in enumerate(recs)}
+        entry["mesh"] = run.manifest["mesh"]
+        results["runs"][name] = entry
+    # Whether each chip of faulty-a fires at a step: the draw the fault makes (host side, same function).
+    cfg = apply_overrides(get_preset("tiny"), BASE)
+    draws = {}
+    for device, p in ((3, 1.0), (7, 0.5)):
+        chip = rng.stream_key(cfg.seed, f"sdc-chip/{device}")
+        hits = []
+        for s in range(STEPS):
+            words = np.asarray(jax.random.key_data(rng.step_key(rng.dropout_key(cfg.seed), s)), np.uint32)
+            draw = jax.random.fold_in(jax.random.fold_in(chip, int(words[0])), int(words[1]))
+            hits.append(bool(jax.random.uniform(draw) < p))
+        draws[device] = hits
+    results["draws_a"] = draws
+    report = bisect(Run.open(out / "faulty-b"), Run.open(out / "clean"), refine=False)
+    results["bisect"] = {"first_step": report.first_step,
+                         "hardware": hardware_fault(Run.open(out / "faulty-b"), Run.open(out / "clean"), report.first_step)}
+    report = bisect(Run.open(out / "clean-check"), Run.open(out / "clean"), refine=False)
+    results["bisect_clean"] = {"first_step": report.first_step, "identical": report.comparison.identical}
+    from typer.testing import CliRunner
+
+    from replay.cli.app import app
+
+    cli = {}
+    for key, args in (("clean", ["clean", "--steps", "0:2"]), ("faulty", ["faulty-b", "--steps", "3:4", "--rotate", "3"]),
+                      ("outside", ["clean", "--steps", "50:60"]), ("rotate", ["clean", "--steps", "0:1", "--rotate", "4"])):
+        done = CliRunner().invoke(app, ["verify", str(out / args[0]), *args[1:], "--json"], env={"REPLAY_DEBUG": None})
+        cli[key] = {"code": done.exit_code, "stdout": done.stdout[-2000:], "stderr": done.stderr[-500:]}
+    results["cli"] = cli
+    (out / "results.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    main(Path(sys.argv[1]))

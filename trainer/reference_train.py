@@ -62,10 +62,13 @@ def train_reference(cfg: Config, run_dir: str | Path, steps: int, *, weights: st
     """Train the reference for `steps` steps into the new run folder `run_dir`; returns its path.
 
     `weights`: a safetensors file of HF-named tensors to start from; `start_params`: trainer
-    params to convert; default the trainer's initial params for `cfg`."""
+    params to convert; default the trainer's initial params for `cfg`. Checkpoints (safetensors,
+    replay/torch/checkpoint.py) at step 0, every `cfg.checkpoint.every_steps` and at the end, as
+    the trainer saves them, so `replay compare --eval` can evaluate the same steps of both runs."""
     import torch
 
     import replay.torch
+    from replay.torch import checkpoint as torch_checkpoint
     from trainer import data
     from trainer.config import to_dict
     from trainer.optim import lr_schedule
@@ -87,6 +90,9 @@ def train_reference(cfg: Config, run_dir: str | Path, steps: int, *, weights: st
     run = replay.torch.init(run_dir, config=config, model=model, optimizer=opt, names=reference.tensor_names(m),
                             sketch_width=DEFAULT_WIDTH if sketch_width is None else sketch_width)
     params = list(model.parameters())
+    every = cfg.checkpoint.every_steps
+    if every and steps > 0:
+        torch_checkpoint.save(run, model, opt)  # checkpoint 0, as trainer/loop.py saves one
     for k in range(steps):
         lr = float(np.float32(schedule(k)))  # the trainer's float32 schedule value for step k
         for group in opt.param_groups:
@@ -108,6 +114,9 @@ def train_reference(cfg: Config, run_dir: str | Path, steps: int, *, weights: st
             rec.metrics(loss=ce, z_loss=z_loss, grad_norm=grad_norm, lr=torch.tensor(lr, dtype=torch.float32),
                         param_norm=param_norm)
         opt.zero_grad(set_to_none=True)
+        done = k + 1
+        if done == steps or (every and done % every == 0):
+            torch_checkpoint.save(run, model, opt)  # the state after `done` steps (flushes the trace first)
     run.finish()
     return Path(run_dir)
 

@@ -132,9 +132,9 @@ def _root(
 
 
 def _register_commands() -> None:
-    from replay.cli import audit, bisect, demo, pack, plan, run, show, spike, train, unpack
+    from replay.cli import audit, bisect, compare, demo, pack, plan, run, show, spike, train, unpack, verify
 
-    for module in (show, train, run, bisect, audit, spike, pack, unpack, plan, demo):
+    for module in (show, train, run, bisect, compare, audit, spike, pack, unpack, plan, demo, verify):
         module.register(app)
 
 

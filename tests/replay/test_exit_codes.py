@@ -26,7 +26,7 @@ from tests.cli_util import assert_error_line, dir_digest, invoke
 ROOT = Path(__file__).resolve().parents[2]
 B = 4
 STEPS = 20
-COMMANDS = ("show", "train", "run", "bisect", "audit", "spike", "pack", "unpack", "plan", "demo")
+COMMANDS = ("show", "train", "run", "bisect", "compare", "audit", "spike", "pack", "unpack", "plan", "demo", "verify")
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +68,8 @@ def _bad_inputs(run: Path, tmp: Path, a_file: Path) -> dict[str, tuple[list[str]
         "unpack": (["unpack", str(a_file), str(tmp / "dir")], ("not a replay bundle",), tmp / "dir"),
         "plan": (["plan", "--preset", "no-such-preset", "--devices", "2"], ("no-such-preset",), None),
         "demo": (["demo", "--out", str(a_file)], ("--out", "is a file"), None),
+        "compare": (["compare", str(run), str(missing), "--eval"], ("no such run", str(missing)), None),
+        "verify": (["verify", str(missing), "--steps", "0:2"], ("no such run",), None),
     }
 
 
@@ -129,6 +131,15 @@ def test_usage_errors_are_one_line_exit_2(run, tmp_path):
             raise AssertionError(f"replay {' '.join(argv)}: {e}") from None
         assert "Usage:" not in result.output, argv
     assert dir_digest(run) == before and not (tmp_path / "out.rpk").exists()
+
+
+def test_every_registered_command_is_checked_here():
+    """A command added without a row in COMMANDS would escape the bad-input and usage checks."""
+    import typer
+
+    from replay.cli.app import app
+
+    assert set(typer.main.get_command(app).commands) == set(COMMANDS)
 
 
 def test_help_is_still_help():

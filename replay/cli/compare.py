@@ -1,0 +1,81 @@
+"""`replay compare A B --eval`: do two runs' checkpoints agree on held-out data (replay/compare/)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from replay.cli import console
+from replay.cli.errors import EXIT_DIVERGED
+
+
+def _parse_steps(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        steps = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        console.fail(f"--steps {text!r}: give checkpoint steps separated by commas, e.g. --steps 10,50,100")
+    if not steps or min(steps) < 0:
+        console.fail(f"--steps {text!r}: give one or more checkpoint steps >= 0, e.g. --steps 10,50,100")
+    return steps
+
+
+def _num(x: float) -> str:
+    return "nan" if isinstance(x, float) and math.isnan(x) else f"{x:.7g}"
+
+
+def compare(
+    run_a: Annotated[Path, typer.Argument(help="The reference run (a trainer run, or a replay.torch run).")],
+    run_b: Annotated[Path, typer.Argument(help="The run to compare with it.")],
+    eval_: Annotated[bool, typer.Option("--eval", help="Evaluate both runs' checkpoints on the same held-out rows, "
+                                                       "each with its own framework's code.")] = False,
+    steps: Annotated[Optional[str], typer.Option("--steps", help="Checkpoint steps to evaluate, comma-separated "
+                                                                 "(default: early, middle and late).")] = None,
+    examples: Annotated[int, typer.Option("--examples", help="Held-out rows to evaluate on.")] = 64,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """Whether two runs' checkpoints agree: the eval-loss difference at early, middle and late
+    checkpoints against the float32 noise floor measured on the runs' own weights.
+    Exit 0 agree, 1 differ, 2 bad input."""
+    from replay.compare import compare_eval
+
+    if not eval_:
+        console.fail("replay compare needs --eval (the only comparison it makes so far); for where two runs part, "
+                     "use replay bisect A B")
+    for path in (run_a, run_b):
+        if not path.exists():
+            console.fail(f"{path}: no such run; pass the folder a training run wrote")
+    if run_a.resolve() == run_b.resolve():
+        console.fail(f"{run_a} and {run_b} are the same run; compare two different runs")
+    report = compare_eval(run_a, run_b, steps=_parse_steps(steps), examples=examples)
+    if json_out:
+        j = report.to_json()
+        for row in j["steps"]:  # JSON has no NaN: a diverged loss is a string
+            for k, v in row.items():
+                if isinstance(v, float) and not math.isfinite(v):
+                    row[k] = str(v)
+        console.print_json(j)
+    else:
+        rows = [(str(r.step), _num(r.loss_a), _num(r.loss_b), _num(r.difference), _num(r.tolerance),
+                 console.styled("agree" if r.agree else "DIFFER", "green" if r.agree else "red")) for r in report.rows]
+        console.print_table(rows, columns=("step", f"eval loss A ({report.framework_a})",
+                                           f"eval loss B ({report.framework_b})", "B - A", "tolerance", ""),
+                            title=f"replay compare --eval: {report.examples} held-out rows, each run with its own code")
+        console.print_text("tolerance = max(4 x (e_A + e_B), 1 ulp of the loss); e_X = mean |float32 - float64 eval "
+                           "loss| of the reference at run X's weights (the float32 noise floor)")
+        if report.agree:
+            n = len(report.rows)
+            console.print_text(f"agree within the noise floor at {n} checkpoint{'s' if n != 1 else ''}", style="green")
+        else:
+            console.print_text(f"differ: first at step {report.first_disagreement}; find the step and layer where they "
+                               f"part with replay bisect {run_a} {run_b}", style="red")
+    if not report.agree:
+        raise typer.Exit(EXIT_DIVERGED)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("compare")(compare)

@@ -1,0 +1,129 @@
+"""Checkpoint agreement: `replay compare A B --eval`.
+
+Evaluates both runs' checkpoints at early, middle and late steps on the same held-out rows
+(heldout.py), each run with its own framework's code (sides.py: the JAX trainer, or the torch
+reference), and judges each step's eval-loss difference against the float32 noise floor measured
+on the pair's own weights (floor.py). JAX vs JAX, torch vs JAX and torch vs torch.
+
+    report = compare_eval("runs/ref", "runs/port")           # steps: early, middle, late
+    report.agree, report.rows[0].difference, report.to_json()
+
+Cost at a million steps: opening the runs reads headers only; the held-out search is one trace-
+index lookup a segment (heldout.py); per evaluated step, each checkpoint restored once and four
+forward passes over the held-out rows (each framework's float32, the reference's float32 and
+float64 for the floor). Nothing grows with the run's length but the checkpoint listing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from replay.compare.errors import CompareInputError
+from replay.compare.floor import GROWTH, rounding_error, tolerance
+from replay.compare.heldout import held_out_rows
+from replay.compare.sides import open_side
+
+DEFAULT_EXAMPLES = 64
+
+__all__ = ["CompareInputError", "EvalComparison", "EvalRow", "compare_eval", "pick_steps"]
+
+
+@dataclass
+class EvalRow:
+    step: int
+    loss_a: float  # mean over the held-out rows of run A's per-row loss, A's framework
+    loss_b: float
+    difference: float  # loss_b - loss_a
+    tolerance: float
+    noise_a: float  # e_A: float32 rounding of the eval loss at A's weights (floor.py)
+    noise_b: float
+
+    @property
+    def agree(self) -> bool:
+        return abs(self.difference) <= self.tolerance
+
+
+@dataclass
+class EvalComparison:
+    run_a: str
+    run_b: str
+    framework_a: str
+    framework_b: str
+    examples: int
+    skipped_trained: int  # candidate rows left out because a run trained on them
+    rows: list[EvalRow] = field(default_factory=list)
+
+    @property
+    def agree(self) -> bool:
+        return all(r.agree for r in self.rows)
+
+    @property
+    def first_disagreement(self) -> int | None:
+        return next((r.step for r in self.rows if not r.agree), None)
+
+    def to_json(self) -> dict:
+        return {"run_a": self.run_a, "run_b": self.run_b, "framework_a": self.framework_a,
+                "framework_b": self.framework_b, "examples": self.examples, "skipped_trained": self.skipped_trained,
+                "agree": self.agree, "first_disagreement": self.first_disagreement,
+                "tolerance_rule": f"max({GROWTH:g} * (e_A + e_B), ulp(loss_a)); e_X = mean |loss32 - loss64| of the "
+                                  "reference at run X's weights",
+                "steps": [{**asdict(r), "agree": r.agree} for r in self.rows]}
+
+
+def pick_steps(common: list[int], wanted: list[int] | None = None) -> list[int]:
+    """`wanted` (each a checkpoint of both runs), or early / middle / late of the common ones:
+    the first after step 0, the one nearest halfway, the last."""
+    if wanted:
+        missing = [k for k in wanted if k not in common]
+        if missing:
+            raise CompareInputError(f"step {missing[0]} is not a checkpoint of both runs (common: "
+                                    f"{_listing(common)}); pass --steps from those")
+        return sorted(set(wanted))
+    trained = [k for k in common if k > 0] or common
+    early, late = trained[0], trained[-1]
+    middle = min(trained, key=lambda k: (abs(k - (early + late) / 2), k))
+    return sorted({early, middle, late})
+
+
+def _listing(steps: list[int], most: int = 10) -> str:
+    if not steps:
+        return "none"
+    shown = ", ".join(map(str, steps[:most]))
+    return shown + (f", ... ({len(steps)} in all)" if len(steps) > most else "")
+
+
+def compare_eval(path_a, path_b, *, steps: list[int] | None = None, examples: int = DEFAULT_EXAMPLES,
+                 on_step=None) -> EvalComparison:
+    """Evaluates both runs at `steps` (default early/middle/late of their common checkpoints)."""
+    a, b = open_side(path_a), open_side(path_b)
+    if _shape(a.cfg.model) != _shape(b.cfg.model):
+        raise CompareInputError(f"{a.path} and {b.path} are different models (sizes differ); compare --eval compares "
+                                "two runs of the same model")
+    common = sorted(set(a.steps()) & set(b.steps()))
+    if not common:
+        raise CompareInputError(f"{a.path} (checkpoints {_listing(a.steps())}) and {b.path} (checkpoints "
+                                f"{_listing(b.steps())}) have no checkpoint step in common; save checkpoints at the "
+                                "same steps in both runs")
+    chosen = pick_steps(common, steps)
+    if examples < 1:
+        raise CompareInputError(f"--examples {examples}: evaluate at least one example")
+    rows, skipped = held_out_rows([a, b], examples, before_step=max(chosen))
+    out = EvalComparison(str(a.path), str(b.path), a.framework, b.framework, len(rows), skipped)
+    for k in chosen:
+        la, lb = a.eval(k, rows).astype("float64"), b.eval(k, rows).astype("float64")
+        ea, eb = rounding_error(a.hf_weights(k), a.cfg, rows), rounding_error(b.hf_weights(k), b.cfg, rows)
+        mean_a, mean_b = float(la.mean()), float(lb.mean())
+        if not (math.isfinite(mean_a) and math.isfinite(mean_b)):
+            tol = 0.0
+        else:
+            tol = tolerance(ea, eb, mean_a)
+        row = EvalRow(k, mean_a, mean_b, mean_b - mean_a, tol, ea, eb)
+        out.rows.append(row)
+        if on_step is not None:
+            on_step(row)
+    return out
+
+
+def _shape(m) -> tuple:
+    return (m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.d_ff, m.seq_len, m.tied_embeddings)

@@ -1,0 +1,51 @@
+"""The tolerance of an eval-loss difference: the float32 noise floor, measured on the pair itself.
+
+Two correct float32 implementations of one model differ only by rounding, so the floor is how
+far float32 arithmetic moves this model's eval loss at these weights: the reference (trainer.
+reference's OLMo) evaluates each run's checkpoint in float32 and in float64 on the same rows,
+and e_X = mean over rows of |loss32 - loss64| for run X. Each implementation's error is about
+e_X (the reference's rounding stands for both frameworks'), so by the triangle inequality
+|L_A - L_B| <= e_A + e_B for two correct forwards on the same weights. Training rounds too, so
+two correct runs' weights part by rounding that grows over the steps; GROWTH covers it, with
+the margin measured on the clean pair (below). Below one float32 ulp of the loss nothing is
+resolved, so the tolerance is never less than that.
+
+    tolerance(k) = max(GROWTH * (e_A(k) + e_B(k)), ulp(L_A(k)))
+
+Measured on this machine (tiny preset without dropout, embedded corpus, 64 held-out rows, 100
+steps of AdamW, the torch reference vs the JAX trainer from the same weights; the trace level did
+not matter): e_A, e_B = 1.3e-7 .. 1.5e-7 at steps 25, 50, 100, so the tolerance is 1.1e-6 ..
+1.2e-6; the clean pair's |B - A| was 1.1e-8, 5.6e-8, 2.0e-7 (at most 1/5 of it: GROWTH = 4 has
+room for longer runs without being a blanket); port bugs on the JAX side (another 64 rows):
+AdamW epsilon inside the square root 1.8e-3 at step 10 and 2.5e-3 at 100, RMSNorm epsilon 1e-5
+for 1e-6 8.8e-3 at step 1: 1,000x the tolerance or more.
+
+Cost: two more forward passes of the reference (float32, float64) per run and evaluated step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+GROWTH = 4.0
+
+
+def rounding_error(weights_hf: dict[str, np.ndarray], cfg: Any, rows: np.ndarray) -> float:
+    """e: mean over rows of |loss in float32 - loss in float64| of the reference at these weights."""
+    import torch
+
+    from replay.compare.sides import _eval_model_config, reference_losses
+    from trainer import reference
+
+    m = _eval_model_config(cfg)
+    model = reference.hf_model(m)
+    reference.load_into(model, weights_hf, m)
+    l32 = reference_losses(model, rows, cfg.data.global_batch_size).astype(np.float64)
+    l64 = reference_losses(model.to(torch.float64), rows, cfg.data.global_batch_size)
+    return float(np.mean(np.abs(l32 - l64)))
+
+
+def tolerance(e_a: float, e_b: float, loss: float) -> float:
+    return max(GROWTH * (e_a + e_b), float(np.spacing(np.float32(abs(loss)))))

@@ -1,0 +1,120 @@
+"""`replay compare A B --eval`: checkpoints of a torch reference run and JAX trainer runs evaluated
+on the same held-out rows, each with its own framework's code, against the measured float32 floor.
+
+One pair trained once for the module (12 steps, checkpoints every 4): the reference from the
+trainer's initial weights, the clean JAX trainer, and the JAX trainer with a port bug (AdamW
+epsilon inside the square root, which acts from the first update)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from replay.compare import compare_eval, pick_steps  # noqa: E402
+from replay.compare.errors import CompareInputError  # noqa: E402
+from tests.cli_util import invoke  # noqa: E402
+from tests.torch.reference_pair import clean_config, train_jax, train_torch  # noqa: E402
+from trainer.port_bugs import with_bug  # noqa: E402
+
+STEPS, EVERY = 12, 4
+slow = pytest.mark.slow  # the pair: one reference and two JAX trainings, then evaluations
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("compare-eval")
+    cfg = clean_config(STEPS, EVERY, level="step")  # checkpoints are what --eval reads: no layer records
+    # The buggy port trains only to the first checkpoint (its schedule is the clean config's).
+    bug = dataclasses.replace(with_bug(cfg, "adam_eps"), steps=EVERY)
+    return {"torch": train_torch(cfg, root / "torch"), "jax": train_jax(cfg, root / "jax"),
+            "bug": train_jax(bug, root / "jax-adam-eps"), "root": root}
+
+
+@pytest.fixture(scope="module")
+def clean(pair):
+    return compare_eval(pair["torch"], pair["jax"])
+
+
+@slow
+def test_a_clean_pair_agrees_at_early_middle_and_late_checkpoints(clean):
+    assert (clean.framework_a, clean.framework_b) == ("torch", "jax")
+    assert [r.step for r in clean.rows] == [4, 8, 12]
+    assert clean.agree, clean.to_json()
+    assert any(r.difference != 0.0 for r in clean.rows)  # two frameworks: close, not the same bits
+    for r in clean.rows:
+        assert 0 < r.noise_a and 0 < r.noise_b and r.tolerance < 1e-4  # a measured floor, not a blanket
+
+
+@slow
+def test_a_port_bug_differs_at_its_first_checkpoint(pair, clean):
+    report = compare_eval(pair["torch"], pair["bug"])
+    assert [r.step for r in report.rows] == [4] and not report.agree and report.first_disagreement == 4
+    assert abs(report.rows[0].difference) > 10 * report.rows[0].tolerance
+    assert abs(report.rows[0].difference) > 10 * abs(clean.rows[0].difference)
+
+
+@slow
+def test_same_framework_pairs(pair, tmp_path):
+    twin = shutil.copytree(pair["jax"], tmp_path / "twin")
+    same = compare_eval(pair["jax"], twin, steps=[4])
+    assert same.agree and same.rows[0].difference == 0.0
+    assert not compare_eval(pair["jax"], pair["bug"], steps=[4]).agree
+    torch_twin = shutil.copytree(pair["torch"], tmp_path / "torch-twin")
+    both = compare_eval(pair["torch"], torch_twin, steps=[12])
+    assert (both.framework_a, both.framework_b) == ("torch", "torch") and both.rows[0].difference == 0.0
+
+
+@slow
+def test_the_held_out_rows_were_not_trained_on(pair):
+    from traces import Run, first_fed
+    from replay.compare.heldout import held_out_rows
+    from replay.compare.sides import open_side
+    from trainer.data import example_hashes
+
+    sides = [open_side(pair["torch"]), open_side(pair["jax"])]
+    rows, skipped = held_out_rows(sides, 64, before_step=STEPS)
+    assert rows.shape == (64, 33) and skipped > 0  # 12 x 16 of 10k examples: some candidates were trained on
+    assert not first_fed(Run.open(pair["jax"]), example_hashes(rows))
+    again, _ = held_out_rows(sides, 64, before_step=STEPS)
+    assert (again == rows).all()
+
+
+def test_pick_steps():
+    assert pick_steps([0, 4, 8, 12]) == [4, 8, 12]
+    assert pick_steps([0, 10, 20, 30, 40, 100]) == [10, 40, 100]  # 40 is nearest halfway (55)
+    assert pick_steps([0, 5]) == [5]
+    assert pick_steps([0, 4, 8], [8, 0]) == [0, 8]
+    with pytest.raises(CompareInputError, match="step 7 is not a checkpoint of both runs"):
+        pick_steps([0, 4, 8], [7])
+
+
+@slow
+def test_cli_table_json_and_exit_codes(pair):
+    ok = invoke("compare", str(pair["torch"]), str(pair["jax"]), "--eval", "--steps", "4")
+    assert ok.exit_code == 0, ok.output
+    assert "agree within the noise floor at 1 checkpoint" in ok.output and "tolerance" in ok.output
+    bad = invoke("compare", str(pair["torch"]), str(pair["bug"]), "--eval", "--json")
+    assert bad.exit_code == 1, bad.output
+    j = json.loads(bad.stdout)
+    assert j["agree"] is False and j["first_disagreement"] == 4 and j["framework_b"] == "jax"
+    for argv, words in ((["--eval", "--steps", "7"], "not a checkpoint of both runs"),
+                        (["--steps", "4"], "needs --eval"), (["--eval", "--steps", "x"], "separated by commas")):
+        r = invoke("compare", str(pair["torch"]), str(pair["jax"]), *argv)
+        assert r.exit_code == 2 and words in r.output and r.output.count("error:") == 1, r.output
+
+
+@slow
+def test_a_damaged_torch_checkpoint_is_exit_2(pair, tmp_path):
+    copy = shutil.copytree(pair["torch"], tmp_path / "torch")
+    f = copy / "checkpoints" / "4" / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-3] ^= 0x10
+    f.write_bytes(bytes(data))
+    r = invoke("compare", str(copy), str(pair["jax"]), "--eval", "--steps", "4")
+    assert r.exit_code == 2 and "damaged" in r.output, r.output

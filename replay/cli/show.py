@@ -107,6 +107,7 @@ def summarize(path: str | Path, verify: bool = False) -> dict[str, Any]:
         ],
         "verified": verify,
         "last_metrics": last,
+        "sdc_checks": _sdc_checks(run, verify),
     }
     summary.update(_verdict(summary, damage, tail))
     summary["notes"] = list(run.notes) + summary["notes"]  # e.g. a manifest from before checksums
@@ -114,6 +115,19 @@ def summarize(path: str | Path, verify: bool = False) -> dict[str, Any]:
         # A damaged run is never shown as "complete": its writer's word is kept apart.
         summary["writer_status"], summary["status"] = status, "damaged"
     return summary
+
+
+def _sdc_checks(run, verify: bool) -> dict[str, Any] | None:
+    """The in-training re-run checks (check.rerun_every, trainer/sdc.py) when the run has them.
+    Their disagreements are listed only with --verify, which reads every record anyway: at a
+    million steps that is the whole trace's tensor columns once; plain `show` stays O(segments)."""
+    from replay.verify import checks
+
+    if not checks.check_tensors(run.schema):
+        return None
+    every = ((run.manifest.get("config") or {}).get("check") or {}).get("rerun_every")
+    found = [d["line"] for d in checks.scan_run(run)] if verify else None
+    return {"rerun_every": every, "disagreements": found}
 
 
 def _found_damage(run, verify: bool, known: list) -> list:
@@ -204,6 +218,12 @@ def render(s: dict[str, Any]) -> None:
     ]
     if s["program_hash"] is not None:
         rows.append(("program hash", s["program_hash"]))
+    sdc = s.get("sdc_checks")
+    if sdc is not None:
+        found = sdc["disagreements"]
+        rows.append(("sdc re-run checks", f"one step in {sdc['rerun_every']}: " + (
+            "--verify lists the re-runs that disagreed" if found is None else
+            "every re-run agreed" if not found else f"{len(found)} disagreed: " + "; ".join(found[:3]))))
     if isinstance(s["config"], dict):
         flat = _flatten(s["config"])
         rows += [(f"config.{k}", _fmt(flat[k])) for k in CONFIG_KEYS if k in flat]

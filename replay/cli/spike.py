@@ -77,6 +77,9 @@ def _spike_step(target, path: Path, step: int, window: int, threshold: float, to
     with replay_progress(f"replay {path.name} to step {step}", step) as on_step:
         report = analyze(target, rep, step, contract, window, threshold, top, on_step, metric=metric)
     report.notes.extend(replay_notes(rep))
+    check = _sdc_check_at(target, step)
+    if check is not None:  # a silent-data-corruption re-run disagreed at this step: a chip, not the batch
+        report.notes.append(check)
     if save_batch is not None:
         write_batch(rep, target, step, save_batch)
         report.notes.append(f"batch of step {step} written to {save_batch} (int32 [batch, seq_len + 1]; "
@@ -127,6 +130,17 @@ def _render_scan(result) -> None:
     )
     console.print_text(f"{len(result.spikes)} spike(s); replay one with: replay spike {result.run} --step "
                        f"{max(result.spikes, key=lambda s: s.score).step}")
+
+
+def _sdc_check_at(run, step: int) -> str | None:
+    """The in-training re-run check's verdict at `step` (trainer/sdc.py), when it ran there and
+    disagreed; one record read."""
+    from replay.verify import checks
+
+    if not checks.check_tensors(run.schema):
+        return None
+    found = checks.describe(run.manifest, run.schema, run.trace.read(step))
+    return found["line"] if found is not None and found["microbatches"] else None
 
 
 def _render_step(report) -> None:

@@ -185,6 +185,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--api-steps-per-round", type=int, default=5, help="example steps per level per round")
     parser.add_argument("--attention-rounds", type=int, default=0,
                         help="measured rounds of the explicit vs fused attention comparison (0: skip)")
+    parser.add_argument("--sdc-rounds", type=int, default=8,
+                        help="measured rounds of the SDC re-run check at N=10 and N=100 (bench/sdc_overhead.py, "
+                             "its own 8-device process; 0: skip)")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.steps_per_round < 1 or args.warmup_rounds < 0:
         parser.error("--rounds and --steps-per-round must be >= 1, --warmup-rounds >= 0")
@@ -210,7 +213,23 @@ def main(argv: list[str] | None = None) -> None:
         result["trainer_within_budget"] = result["within_budget"]
         result["within_budget"] = result["within_budget"] and result["api"]["within_budget"]
         result["identical_training"] = result["identical_training"] and result["api"]["identical_training"]
+    if args.sdc_rounds:
+        result["sdc_check"] = _sdc_check(args.sdc_rounds)
+        result["within_budget"] = result["within_budget"] and result["sdc_check"]["within_budget"]
     print(json.dumps(result))
+
+
+def _sdc_check(rounds: int) -> dict:
+    """check.rerun_every's overhead at N=10 and N=100 (budget 1/N + 2%), measured by
+    bench/sdc_overhead.py in a process of its own: it needs 8 virtual devices before JAX starts."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "bench.sdc_overhead", "--rounds", str(rounds)],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True)
+    if done.returncode:
+        sys.stderr.write(done.stderr[-4000:])
+        raise SystemExit(done.returncode)
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 # An LM step of a real shape for this CPU (~0.3 s): the trainer's probe LM's width and sequence.

@@ -5,7 +5,14 @@ train and replay the same few `tiny` step programs, and the subprocesses that en
 start (kill/resume, multi-process, fresh-process CLI runs) compile them again from scratch
 otherwise. The settings travel to subprocesses through the environment, which JAX reads at
 import. A cached executable is the same program XLA would compile, so no result changes; the
-folder is removed when the session ends, so nothing carries over between sessions.
+folder is removed when the session ends, so nothing carries over between sessions. Under
+pytest-xdist (pyproject.toml's addopts) the controller loads this file before it starts the
+workers, so they inherit its folder through the environment and share it; only the controller
+owns (and removes) it.
+
+Test files that hold slow tests run first: xdist hands out whole files (`--dist loadfile`) in
+collection order, so the long files start while the other worker still has short ones left to
+take, instead of one long file running alone at the end.
 """
 
 from __future__ import annotations
@@ -38,3 +45,9 @@ if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
 def pytest_sessionfinish(session, exitstatus):
     if _owned_dir is not None:
         shutil.rmtree(_owned_dir, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Files with a slow test first, each file's tests together and in their order (a stable sort)."""
+    has_slow = {item.nodeid.split("::", 1)[0] for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.nodeid.split("::", 1)[0] not in has_slow)

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import pytest
 
 from traces.fingerprint import fingerprint
 from trainer.config import get_preset
@@ -21,11 +22,12 @@ from trainer.step import compile_step, init_state
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # trains three levels and the example's three lanes in a new process
 def test_overhead_bench_reports_every_level():
     out = subprocess.run(
         [sys.executable, "-m", "bench.overhead", "--preset", "tiny", "--rounds", "2", "--steps-per-round", "2",
          "--warmup-rounds", "1", "--set", "model.n_layers=1", "--api-set", "batch=4", "--api-set", "seq=8",
-         "--api-set", "d_model=16", "--api-set", "layers=1", "--api-rounds", "2"],
+         "--api-set", "d_model=16", "--api-set", "layers=1", "--api-rounds", "2", "--sdc-rounds", "0"],
         cwd=ROOT, capture_output=True, text=True, check=True, timeout=600,
     )
     result = json.loads(out.stdout.strip().splitlines()[-1])

@@ -34,13 +34,7 @@ def demo(
     if steps < 32:
         console.fail(f"--steps {steps}: the demo needs at least 32 steps (the fault starts half way)")
     _check_out(out)
-    if out.exists() and any(out.iterdir()):
-        earlier = {p.name for p in out.iterdir()} <= {"run-A", "run-B", "divergence.png"}
-        if not (force and earlier):
-            console.fail(f"{out} is not empty; choose another --out" + (", or pass --force to replace the earlier demo"
-                                                                        if earlier else ""))
-        for name in ("run-A", "run-B"):
-            shutil.rmtree(out / name, ignore_errors=True)
+    _replace_earlier(out, ("run-A", "run-B"), {"divergence.png"}, force)
     with console.progress("replay demo") as bar:
         task = bar.add_task("demo", total=None, info="")
 
@@ -95,13 +89,7 @@ def _reference_demo(out: Path, steps: int | None, force: bool, json_out: bool, r
     if steps < 8:
         console.fail(f"--steps {steps}: the reference demo needs at least 8 steps")
     _check_out(out)
-    if out.exists() and any(out.iterdir()):
-        earlier = {p.name for p in out.iterdir()} <= set(RUNS)
-        if not (force and earlier):
-            console.fail(f"{out} is not empty; choose another --out" + (", or pass --force to replace the earlier demo"
-                                                                        if earlier else ""))
-        for name in RUNS:
-            shutil.rmtree(out / name, ignore_errors=True)
+    _replace_earlier(out, tuple(RUNS), set(), force)
     with console.progress("replay demo --reference torch") as bar:
         task = bar.add_task("demo", total=None, info="")
 
@@ -138,6 +126,19 @@ def _reference_demo(out: Path, steps: int | None, force: bool, json_out: bool, r
     console.print_table(rows, title="replay demo --reference torch: a JAX port against its PyTorch reference")
     console.print_text(f"next: replay bisect {result.reference} {result.buggy} --plot heatmap.png   |   "
                        f"replay compare {result.reference} {result.port} --eval")
+
+
+def _replace_earlier(out: Path, runs: tuple[str, ...], files: set[str], force: bool) -> None:
+    """A non-empty --out is refused unless it holds only an earlier demo's `runs` and `files` and
+    --force is given; then those run folders are removed (the files are overwritten)."""
+    if not (out.exists() and any(out.iterdir())):
+        return
+    earlier = {p.name for p in out.iterdir()} <= set(runs) | files
+    if not (force and earlier):
+        console.fail(f"{out} is not empty; choose another --out" + (", or pass --force to replace the earlier demo"
+                                                                    if earlier else ""))
+    for name in runs:
+        shutil.rmtree(out / name, ignore_errors=True)
 
 
 def _check_out(out: Path) -> None:

@@ -222,14 +222,9 @@ def main(argv: list[str] | None = None) -> None:
 def _sdc_check(rounds: int) -> dict:
     """check.rerun_every's overhead at N=10 and N=100 (budget 1/N + 2%), measured by
     bench/sdc_overhead.py in a process of its own: it needs 8 virtual devices before JAX starts."""
-    import subprocess
+    from bench import _eight_devices
 
-    done = subprocess.run([sys.executable, "-m", "bench.sdc_overhead", "--rounds", str(rounds)],
-                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True)
-    if done.returncode:
-        sys.stderr.write(done.stderr[-4000:])
-        raise SystemExit(done.returncode)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(_eight_devices.run("bench.sdc_overhead", "--rounds", str(rounds), "--worker"))
 
 
 # An LM step of a real shape for this CPU (~0.3 s): the trainer's probe LM's width and sequence.

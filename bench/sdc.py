@@ -18,14 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 TENSORS = ("embed.embedding", "block_00.attn.q.kernel", "block_01.mlp.up.kernel", "block_00.mlp.down.kernel",
            "final_norm.scale", "lm_head.kernel")
 CHIPS = (3, 7)  # 4 apart: with rotation 3 no microbatch meets both in one step
@@ -95,15 +91,11 @@ def main() -> None:
     if args.worker is not None:
         print(json.dumps(_worker(args, args.worker)))
         return
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC")}
-    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    from bench import _eight_devices
+
     with tempfile.TemporaryDirectory(prefix="bench-sdc-") as tmp:
-        done = subprocess.run([sys.executable, "-m", "bench.sdc", "--steps", str(args.steps), "--corruptions",
-                               str(args.corruptions), "--worker", tmp], cwd=ROOT, env=env, capture_output=True, text=True)
-    if done.returncode:
-        sys.stderr.write(done.stderr[-4000:])
-        raise SystemExit(done.returncode)
-    print(done.stdout.strip().splitlines()[-1])
+        print(_eight_devices.run("bench.sdc", "--steps", str(args.steps), "--corruptions", str(args.corruptions),
+                                 "--worker", tmp))
 
 
 if __name__ == "__main__":

@@ -17,14 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 NS = (10, 100)
 
 
@@ -91,14 +86,9 @@ def main() -> None:
     if args.worker:
         print(json.dumps(section(args.rounds, args.steps)))
         return
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC")}
-    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    done = subprocess.run([sys.executable, "-m", "bench.sdc_overhead", "--rounds", str(args.rounds), "--steps",
-                           str(args.steps), "--worker"], cwd=ROOT, env=env, capture_output=True, text=True)
-    if done.returncode:
-        sys.stderr.write(done.stderr[-4000:])
-        raise SystemExit(done.returncode)
-    print(done.stdout.strip().splitlines()[-1])
+    from bench import _eight_devices
+
+    print(_eight_devices.run("bench.sdc_overhead", "--rounds", str(args.rounds), "--steps", str(args.steps), "--worker"))
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@ that part from it late (at 90% of the run): B_metric (the loss one part in 1000 
 there) and B_data (from there half of every batch is data fed before, as when a contiguous
 per-host sampler resumes on twice the hosts). B's segments before the divergence are hard
 links to A's, as a copied run's would be bytes equal. Each command runs in a fresh process
-(`python -m replay.cli.app ...`); its wall seconds and peak RSS (getrusage of the child, in a
-wrapper process of its own) are recorded, with the CLI's start-up (`replay show --help`)
+(`python -m replay.cli.app ...`); its wall seconds, peak RSS and what it read from the disk
+(getrusage of the child, in a wrapper process of its own: ru_inblock, so what the page cache
+served is not counted) are recorded, with the CLI's start-up (`replay show --help`)
 measured apart.
 Free disk is checked first; everything is removed after each size (unless --keep).
 
@@ -62,6 +63,7 @@ with open(sys.argv[1], "wb") as out:
 seconds = time.perf_counter() - t
 use = resource.getrusage(resource.RUSAGE_CHILDREN)
 print(json.dumps({"seconds": seconds, "cpu_seconds": use.ru_utime + use.ru_stime, "peak_rss_mb": use.ru_maxrss / 1024,
+                  "disk_read_mb": use.ru_inblock * 512 / 1e6,
                   "exit_code": r.returncode, "stderr": r.stderr.decode(errors="replace")[-400:]}))
 """
 
@@ -213,7 +215,8 @@ def bench_size(root: Path, steps: int, examples: int, cache: str = "warm") -> di
         text = (root / f"{name}.out").read_text(errors="replace")
         row = {"seconds": round(result["seconds"], 3), "cpu_seconds": round(result["cpu_seconds"], 3),
                "load_average": round(os.getloadavg()[0], 1),
-               "peak_rss_mb": round(result["peak_rss_mb"], 1), "resident_before": share,
+               "peak_rss_mb": round(result["peak_rss_mb"], 1), "disk_read_mb": round(result["disk_read_mb"], 1),
+               "resident_before": share,
                "exit_code": result["exit_code"]}
         if name.startswith("bisect"):
             try:

@@ -1,7 +1,8 @@
 """The trace: append-only segment files of checksummed, zstd-compressed step records.
 
 segment.py defines the byte layouts, writer.py is the only code that writes them, index.py
-the sidecar index of a sealed segment; FORMAT.md beside them is the spec. A segment holds a
+the sidecar index of a sealed segment, opening.py how a reader learns the segments (and the
+damage) from the files; FORMAT.md beside them is the spec. A segment holds a
 contiguous run of steps. Each record is one frame written with a single write() call, so a
 writer killed at any moment leaves at most one partial frame at the tail, which the reader
 reports (file, byte offset, step) and never returns. Full segments are sealed with a footer
@@ -20,15 +21,15 @@ import os
 import struct
 import zlib
 from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 import zstandard
 
-from traces.errors import NewerFormatError, SchemaError, TraceCorruptError
+from traces.errors import SchemaError, TraceCorruptError
 from traces.index import FileIndex, IndexBuilder, IndexUnusable, MemoryIndex, StepColumns, index_path
+from traces.opening import Damage, _Segment, describe_damage, open_segments  # noqa: F401 - Damage re-exported
 from traces.schema import Schema, StepRecord, decode_record
 from traces.segment import (  # noqa: F401 - re-exported: the layout's names have always been here
     DEFAULT_SEGMENT_RECORDS, FORMAT_VERSION, FRAME_HEAD, HEADER_SIZE, MAX_FRAME_BYTES, SEAL_MARK, SEAL_SIZE,
@@ -38,41 +39,6 @@ from traces.segment import (  # noqa: F401 - re-exported: the layout's names hav
 
 _FRAME = struct.Struct("<II")
 _BUILD_CHUNK = 1024  # frames read at once when building an index (~12 MB at 1,024 examples a step)
-
-
-@dataclass(frozen=True)
-class Damage:
-    """A place where the trace stops being readable. `step` is the first step not returned."""
-
-    path: str
-    offset: int
-    step: int | None
-    reason: str
-
-    def __str__(self) -> str:
-        at = f" at step {self.step}" if self.step is not None else ""
-        return f"{self.path}: damaged from byte {self.offset}{at}: {self.reason}"
-
-
-def describe_damage(damages: list[Damage]) -> str:
-    """One line: the first damage (file, byte, step, reason) and how many more there are."""
-    if not damages:
-        return "no damage found"
-    more = len(damages) - 1
-    return str(damages[0]) + (f" (and {more} more damage{'s' if more > 1 else ''})" if more else "")
-
-
-@dataclass
-class _Segment:
-    path: Path
-    first_step: int
-    count: int
-    sealed: bool
-    size: int
-    content_crc: int | None = None  # the seal's
-    offsets: np.ndarray | None = None  # count + 1 frame offsets, once known (the tail's from opening)
-    index: FileIndex | None = None
-    index_unusable: bool = False
 
 
 def corrupt(path: Path, step: int, offset: int, reason: str) -> TraceCorruptError:
@@ -103,7 +69,7 @@ class TraceReader:
         self.damage: list[Damage] = []
         self.notes: list[str] = []  # what was rebuilt (an index missing or damaged), once each
         self.tail: tuple[Path, int] | None = None  # (file, byte offset) where a writer would truncate
-        self._open()
+        open_segments(self)
 
     @property
     def start(self) -> int:
@@ -118,93 +84,6 @@ class TraceReader:
 
     def __contains__(self, step: int) -> bool:
         return self.start <= step < self.end
-
-    # Opening ----------------------------------------------------------------------------
-    def _open(self) -> None:
-        paths = sorted(self.dir.glob("*" + SEGMENT_SUFFIX)) if self.dir.is_dir() else []
-        expected: int | None = None
-        for i, path in enumerate(paths):
-            stop = self._open_segment(path, expected, is_last=i == len(paths) - 1)
-            if stop:
-                self._unreachable(paths[i + 1 :])
-                break
-            expected = self.segments[-1].first_step + self.segments[-1].count
-        self._check_start(paths)
-
-    def _unreachable(self, later: list[Path]) -> None:
-        """One entry for every segment after the damage, however many: the first damage is the news."""
-        if later:
-            names = later[0].name + (f" .. {later[-1].name}" if len(later) > 1 else "")
-            self.damage.append(Damage(str(later[0]), 0, None,
-                                      f"{len(later)} later segment(s) unreachable: {names} follow the damaged segment"))
-
-    def _check_start(self, paths: list[Path]) -> None:
-        """A trace whose first file starts after the recorded first step has lost its leading files."""
-        if self.first_step is None or not paths:
-            return
-        first = self.segments[0].first_step if self.segments else None
-        if first is None:
-            try:  # the first file is damaged; its header may still say where it starts
-                first = read_header(paths[0], read_at(paths[0], 0, HEADER_SIZE))[1]
-            except (TraceCorruptError, NewerFormatError):
-                return
-        if first > self.first_step:
-            self.damage.insert(0, Damage(
-                str(self.dir / segment_name(self.first_step)), 0, self.first_step,
-                f"missing: run.json says the trace starts at step {self.first_step} but its first segment file is "
-                f"{paths[0].name}, so steps {self.first_step}..{first - 1} are gone (leading segment files deleted or moved)"))
-            self.tail = None  # a writer must refuse this trace, not cut it
-
-    def _open_segment(self, path: Path, expected: int | None, is_last: bool) -> bool:
-        """Adds the segment; returns True when reading must stop after it.
-
-        A sealed segment is opened by its header and seal alone; an unsealed one (the last)
-        is read whole, in pieces, every frame's checksum and the last one's step checked.
-        """
-        def damaged(offset: int, step: int | None, reason: str, tail: bool) -> bool:
-            self.damage.append(Damage(str(path), offset, step, reason))
-            if tail:
-                self.tail = (path, offset)
-            return True
-
-        try:
-            with SegmentFile(path, expected) as f:
-                head, size = f.read(0, HEADER_SIZE), f.size
-                try:
-                    digest, first = read_header(path, head)
-                except TraceCorruptError as e:
-                    return damaged(0, expected, str(e).split(": ", 1)[-1], tail=True)
-                if digest != self._digest:
-                    raise SchemaError(f"{path}: segment was written with a different schema than run.json declares")
-                if path.name != segment_name(first) or (expected is not None and first != expected):
-                    return damaged(0, expected, f"segment starts at step {first}, expected {expected}", tail=False)
-                seal = parse_seal(f.read(size - SEAL_SIZE, SEAL_SIZE)) if size >= HEADER_SIZE + SEAL_SIZE else None
-                if seal is not None and 0 < seal[0] <= (size - HEADER_SIZE - SEAL_SIZE) // (FRAME_HEAD + 1):
-                    self.segments.append(_Segment(path, first, seal[0], True, size, seal[1]))
-                    return False
-                walk = walk_frames(f)
-        except TraceCorruptError as e:  # unreadable, or a directory: not a tail a writer could cut off
-            return damaged(0, expected, str(e).split(": ", 1)[-1], tail=False)
-        n = len(walk.offsets) - 1
-        seg = _Segment(path, first, n, False, size, offsets=np.array(walk.offsets, np.uint64))
-        reason = walk.damage or (self._last_frame_problem(seg, walk.last_body) if n else None)
-        if reason is not None and walk.damage is None:  # the last frame's step is wrong: it is the torn one
-            seg.count, seg.offsets = n - 1, seg.offsets[:-1]
-        self.segments.append(seg)
-        if reason is not None:
-            return damaged(int(seg.offsets[-1]), first + seg.count, reason, tail=True)
-        if not is_last:
-            return damaged(int(seg.offsets[-1]), first + n, "segment is not sealed", tail=False)
-        return False
-
-    def _last_frame_problem(self, seg: _Segment, body: bytes) -> str | None:
-        step = seg.first_step + seg.count - 1
-        try:
-            raw = self._dctx.decompress(body)
-            held = struct.unpack_from("<Q", raw)[0]
-        except (zstandard.ZstdError, struct.error, TraceCorruptError):
-            return "record does not decompress"
-        return None if held == step else f"record holds step {held}, expected {step}"
 
     # Indexes ----------------------------------------------------------------------------
     def _file_index(self, i: int) -> FileIndex | None:

@@ -11,10 +11,11 @@ whole replayed batches, and the findings themselves.
 
 At 1.4M steps of 1,024 examples: the index tables are read once (~17 GB, 12 bytes a sighting),
 a range's hashes sorted alone and only repeated hashes' sightings ordered by slot (all of them
-when most hashes repeat: several epochs); memory ~0.5 GB plus 8 bytes a repeat found. The
-records' checksums are read beside it in a thread (BytesCheck, another ~17 GB): neither fits a
-24 GB page cache, so at that size the audit runs at the disk's speed. When the dataset size
-is unknown the distinct count is needed first: one more pass.
+when most hashes repeat: several epochs); memory ~0.5 GB plus 8 bytes a repeat found. With
+`verify` the records' checksums are read beside it in a thread (BytesCheck, another ~17 GB).
+Both together do not fit a 24 GB page cache, so with `verify` the audit runs at the disk's
+speed; the tables alone may stay cached between audits. When the dataset size is unknown
+the distinct count is needed first: one more pass.
 """
 
 from __future__ import annotations
@@ -283,9 +284,9 @@ class BytesCheck:
     mostly wait on the disk, crc32 and numpy's sorts, which release the GIL. The check only
     reads (segment files, the tail's offsets known since opening); `result()` raises its error."""
 
-    def __init__(self, reader: traces.TraceReader, start: int, stop: int):
+    def __init__(self, reader: traces.TraceReader, start: int, stop: int, enabled: bool = True):
         self._args, self._error = (reader, start, stop), None
-        self._thread = threading.Thread(target=self._run, name="replay-audit-check", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="replay-audit-check", daemon=True) if enabled else None
 
     def _run(self) -> None:
         reader, start, stop = self._args
@@ -295,11 +296,13 @@ class BytesCheck:
             self._error = e
 
     def __enter__(self) -> "BytesCheck":
-        self._thread.start()
+        if self._thread is not None:
+            self._thread.start()
         return self
 
     def __exit__(self, *exc) -> bool:
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         return False
 
     def result(self) -> None:

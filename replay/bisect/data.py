@@ -11,7 +11,7 @@ import numpy as np
 
 from replay.audit import permutation
 from traces import Run
-from traces.fed import fed
+from traces.fed import fed, fed_in_both
 
 if TYPE_CHECKING:
     from replay.bisect import BisectReport
@@ -32,15 +32,20 @@ def seen_before(runs: dict[str, Run], step: int, positions: list[int], limit: in
     """For each differing example of each run at `step`: where it was fed earlier, in either run
     (the first `limit` places, in order).
 
-    One search a run for all the examples of both batches, through the segments' indexes
-    (traces.fed): at 1.4M steps about a block read a hash a segment, never the records.
+    One search for all the examples of both batches, through the segments' indexes
+    (traces.fed): at 1.4M steps about a block read a hash a segment, never the records. The
+    steps before the runs' first differing batch (their batch-hash columns) are searched in
+    one run only, the other's per-example search starting there (traces.fed.fed_in_both).
     """
     rows = {name: run.trace.read(step).example_hashes for name, run in runs.items()}
     wanted = {name: [(pos, row[pos]) for pos in positions if pos < len(row)] for name, row in rows.items()}
     queries = np.array([h for pairs in wanted.values() for _, h in pairs], np.uint64)
     # Copies within the step itself come after the earlier places: ask for enough to skip them.
     extra = max((int(np.count_nonzero(row == h)) for name, row in rows.items() for _, h in wanted[name]), default=0)
-    places = {other: fed(run, queries, before_step=step + 1, limit=limit + extra) for other, run in runs.items()}
+    if len(runs) == 2:
+        places = dict(zip(runs, fed_in_both(*runs.values(), queries, before_step=step + 1, limit=limit + extra)))
+    else:
+        places = {other: fed(run, queries, before_step=step + 1, limit=limit + extra) for other, run in runs.items()}
     width = {name: run.schema.examples_per_step for name, run in runs.items()}
     found: list[SeenBefore] = []
     for name, pairs in wanted.items():

@@ -121,6 +121,8 @@ def _sdc_checks(run, verify: bool) -> dict[str, Any] | None:
     """The in-training re-run checks (check.rerun_every, trainer/sdc.py) when the run has them.
     Their disagreements are listed only with --verify, which reads every record anyway: at a
     million steps that is the whole trace's tensor columns once; plain `show` stays O(segments)."""
+    if not any(n.startswith("check/rerun") for n in run.schema.tensor_names):
+        return None  # trainer/sdc.py's CHECK_TENSOR: without one, replay.verify (it imports JAX) is not needed
     from replay.verify import checks
 
     if not checks.check_tensors(run.schema):

@@ -234,7 +234,14 @@ def test_cli_bad_input(tmp_path):
     raw = bytearray(segment.read_bytes())
     raw[len(raw) // 2] ^= 0x40
     segment.write_bytes(bytes(raw))
-    assert str(segment) in assert_one_error_line(invoke("audit", str(damaged)))
+    # A record damaged inside a sealed segment: the audit's hashes come from its checksummed
+    # index, so the verdict stands and names the command that checks the records
+    # (tests/replay/test_audit_scale.py); that command reports the damage.
+    result = invoke("audit", str(damaged))
+    assert result.exit_code == 1 and f"replay show --verify {damaged}" in result.stderr, result.stderr
+    assert str(segment) in assert_one_error_line(invoke("show", str(damaged), "--verify"))
+    checked = invoke("audit", str(damaged), "--verify")
+    assert checked.exit_code == 2 and str(segment) in assert_one_error_line(checked)
 
 
 def test_cli_crashed_run_audits_what_was_recorded(tmp_path):

@@ -74,13 +74,49 @@ def test_source_copies_give_the_same_audit_streamed(tmp_path, monkeypatch):
     assert_same(audit_trace(run.trace, 0, 60, 100, copies), audit_hashes(hashes, 0, 100, copies))
 
 
-def test_the_audit_refuses_a_trace_damaged_inside_a_sealed_segment(tmp_path):
-    """The verdict vouches for records it reads from the index: their checksums are read first."""
+def _flip(path, at: float) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[int(len(raw) * at)] ^= 0x40
+    path.write_bytes(bytes(raw))
+
+
+def test_damaged_record_bytes_do_not_change_the_verdict_and_are_reported_by_verify(tmp_path):
+    """The audit reads the hashes from the segments' checksummed indexes, not the records: a
+    record damaged after its segment was sealed leaves the verdict what it was (it rests on no
+    damaged byte), the report says the records were not read, and `audit(verify=True)` and
+    `replay show --verify` report the damage, naming the segment."""
+    from tests.replay.test_audit import invoke
+
     run = make_run(tmp_path / "run", resume_repeat(), 1000, segment_records=8)
+    clean = audit(run, source=False)
+    seg = sorted((run / "trace").glob("*.seg"))[0]  # steps 0..7: no record the audit reads (replayed ones: 10..29)
+    _flip(seg, 0.5)
+    damaged = audit(run, source=False)
+    assert_same(damaged, clean)
+    assert not damaged.ok and damaged.first_early_repeat_step == 20
+    assert any("not the records" in n and "--verify" in n for n in damaged.notes)
+    with pytest.raises(Exception, match=seg.name):
+        audit(run, source=False, verify=True)
+    result = invoke("show", str(run), "--verify")
+    assert result.exit_code == 2 and seg.name in result.stderr, result.stderr
+
+
+def test_a_damaged_index_is_rebuilt_from_its_records_and_their_damage_stops_the_audit(tmp_path):
+    """Never a verdict on damaged bytes: a damaged index table block sends the audit to the
+    segment's records, every checksum checked; when they are damaged too, the audit refuses."""
+    from traces.index import index_path
+
+    run = make_run(tmp_path / "run", resume_repeat(), 1000, segment_records=8)
+    clean = audit(run, source=False)
     seg = sorted((run / "trace").glob("*.seg"))[1]
-    raw = bytearray(seg.read_bytes())
-    raw[len(raw) // 2] ^= 0x40
-    seg.write_bytes(bytes(raw))
+    idx = index_path(seg)
+    table_at = len(idx.read_bytes()) - 2 * 64  # inside the sorted table, before the filter's blocks
+    raw = bytearray(idx.read_bytes())
+    raw[table_at - 200] ^= 0x40
+    idx.write_bytes(bytes(raw))
+    rebuilt = audit(run, source=False)
+    assert_same(rebuilt, clean)
+    _flip(seg, 0.5)
     with pytest.raises(Exception, match=seg.name):
         audit(run, source=False)
 
@@ -111,3 +147,24 @@ def test_seen_before_finds_what_a_scan_of_every_record_finds(tmp_path):
     got = [(e.run, e.position, e.example_hash, e.seen) for e in seen_before(runs, 50, positions)]
     assert got == _scan_seen(runs, 50, positions)
     assert any(s["run"] == "B" and s["step"] == 30 for _, _, _, seen in got for s in seen)
+
+
+def test_bisects_repeated_data_search_reads_b_only_where_its_batches_part(tmp_path, monkeypatch):
+    """Counted from the moment the runs are opened: the steps where both runs fed the same
+    batches (0..49 here) are searched in A's indexes alone; B's filters are read only from the
+    segment where its batches part from A's (traces.fed.fed_in_both)."""
+    from tests.traces.helpers import FileReads
+    from traces.index import index_path
+
+    a_hashes = mix(order_ids(1000, 70))
+    b_hashes = a_hashes.copy()
+    b_hashes[50:] = a_hashes[30:50]
+    paths = make_run(tmp_path / "a", a_hashes, 1000, segment_records=16), make_run(tmp_path / "b", b_hashes, 1000,
+                                                                                  segment_records=16)
+    reads = FileReads(monkeypatch)
+    runs = {"A": Run.open(paths[0]), "B": Run.open(paths[1])}
+    got = [(e.run, e.position, e.example_hash, e.seen) for e in seen_before(runs, 50, list(range(B)))]
+    assert got == _scan_seen(runs, 50, list(range(B)))
+    searched = {name: [s.first_step for s in run.trace.segments if reads.filter_blocks.get(str(index_path(s.path)))]
+                for name, run in runs.items()}
+    assert searched == {"A": [0, 16, 32, 48], "B": [48]}

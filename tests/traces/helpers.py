@@ -64,3 +64,36 @@ class BytesRead:
     def _rchar() -> int:
         with open("/proc/self/io") as f:  # read with one small read, counted the same at start and end
             return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+class FileReads:
+    """Bytes read from each file of a trace while in the block, by file: every pread of a
+    segment or index file (they all go through SegmentFile.read) and, for an index's memory-
+    mapped example filter, 64 bytes a hash asked about (the one block it touches).
+
+    Use it with pytest's monkeypatch: `FileReads(monkeypatch)`, then `reads.of(path)`."""
+
+    def __init__(self, monkeypatch) -> None:
+        from traces import index_file, segment
+
+        self.bytes: dict[str, int] = {}
+        self.filter_blocks: dict[str, int] = {}
+        read, maybe = segment.SegmentFile.read, index_file.FileIndex.maybe
+
+        def counted_read(f, offset: int, size: int) -> bytes:
+            data = read(f, offset, size)
+            self.bytes[str(f.path)] = self.bytes.get(str(f.path), 0) + len(data)
+            return data
+
+        def counted_maybe(index, queries):
+            found = maybe(index, queries)
+            if found is not None:
+                self.filter_blocks[str(index.path)] = self.filter_blocks.get(str(index.path), 0) + len(queries)
+            return found
+
+        monkeypatch.setattr(segment.SegmentFile, "read", counted_read)
+        monkeypatch.setattr(index_file.FileIndex, "maybe", counted_maybe)
+
+    def of(self, path) -> int:
+        """Bytes read from `path`, its filter's blocks included."""
+        return self.bytes.get(str(path), 0) + 64 * self.filter_blocks.get(str(path), 0)

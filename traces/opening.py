@@ -1,0 +1,156 @@
+"""Opening a trace: which segment files it has, the steps each holds, and where it is damaged.
+
+A sealed segment is known by its header and seal (48 bytes); only the unsealed tail (one
+segment at most) is walked, every frame's checksum and the last record's step checked. At
+1.4M steps that is 86 x 48 bytes and the tail (up to ~200 MB at 1,024 examples a step).
+traces/trace.py's TraceReader opens itself with `open_segments`.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import zstandard
+
+from traces.errors import NewerFormatError, SchemaError, TraceCorruptError
+from traces.segment import (
+    FRAME_HEAD, HEADER_SIZE, SEAL_SIZE, SEGMENT_SUFFIX, SegmentFile, parse_seal, read_at, read_header, segment_name,
+    walk_frames,
+)
+
+if TYPE_CHECKING:
+    from traces.index_file import FileIndex
+    from traces.trace import TraceReader
+
+
+@dataclass(frozen=True)
+class Damage:
+    """A place where the trace stops being readable. `step` is the first step not returned."""
+
+    path: str
+    offset: int
+    step: int | None
+    reason: str
+
+    def __str__(self) -> str:
+        at = f" at step {self.step}" if self.step is not None else ""
+        return f"{self.path}: damaged from byte {self.offset}{at}: {self.reason}"
+
+
+def describe_damage(damages: list[Damage]) -> str:
+    """One line: the first damage (file, byte, step, reason) and how many more there are."""
+    if not damages:
+        return "no damage found"
+    more = len(damages) - 1
+    return str(damages[0]) + (f" (and {more} more damage{'s' if more > 1 else ''})" if more else "")
+
+
+@dataclass
+class _Segment:
+    path: Path
+    first_step: int
+    count: int
+    sealed: bool
+    size: int
+    content_crc: int | None = None  # the seal's
+    offsets: np.ndarray | None = None  # count + 1 frame offsets, once known (the tail's from opening)
+    index: FileIndex | None = None
+    index_unusable: bool = False
+
+
+def open_segments(reader: TraceReader) -> None:
+    """Fills reader.segments, .damage and .tail from the trace directory's segment files: each
+    sealed segment's header and seal (48 bytes), the unsealed tail whole."""
+    paths = sorted(reader.dir.glob("*" + SEGMENT_SUFFIX)) if reader.dir.is_dir() else []
+    expected: int | None = None
+    for i, path in enumerate(paths):
+        stop = _open_segment(reader, path, expected, is_last=i == len(paths) - 1)
+        if stop:
+            _unreachable(reader, paths[i + 1 :])
+            break
+        expected = reader.segments[-1].first_step + reader.segments[-1].count
+    _check_start(reader, paths)
+
+
+def _unreachable(reader: TraceReader, later: list[Path]) -> None:
+    """One entry for every segment after the damage, however many: the first damage is the news."""
+    if later:
+        names = later[0].name + (f" .. {later[-1].name}" if len(later) > 1 else "")
+        reader.damage.append(Damage(str(later[0]), 0, None,
+                                    f"{len(later)} later segment(s) unreachable: {names} follow the damaged segment"))
+
+
+def _check_start(reader: TraceReader, paths: list[Path]) -> None:
+    """A trace whose first file starts after the recorded first step has lost its leading files."""
+    if reader.first_step is None or not paths:
+        return
+    first = reader.segments[0].first_step if reader.segments else None
+    if first is None:
+        try:  # the first file is damaged; its header may still say where it starts
+            first = read_header(paths[0], read_at(paths[0], 0, HEADER_SIZE))[1]
+        except (TraceCorruptError, NewerFormatError):
+            return
+    if first > reader.first_step:
+        reader.damage.insert(0, Damage(
+            str(reader.dir / segment_name(reader.first_step)), 0, reader.first_step,
+            f"missing: run.json says the trace starts at step {reader.first_step} but its first segment file is "
+            f"{paths[0].name}, so steps {reader.first_step}..{first - 1} are gone "
+            "(leading segment files deleted or moved)"))
+        reader.tail = None  # a writer must refuse this trace, not cut it
+
+
+def _open_segment(reader: TraceReader, path: Path, expected: int | None, is_last: bool) -> bool:
+    """Adds the segment; returns True when reading must stop after it.
+
+    A sealed segment is opened by its header and seal alone; an unsealed one (the last)
+    is read whole, in pieces, every frame's checksum and the last one's step checked.
+    """
+    def damaged(offset: int, step: int | None, reason: str, tail: bool) -> bool:
+        reader.damage.append(Damage(str(path), offset, step, reason))
+        if tail:
+            reader.tail = (path, offset)
+        return True
+
+    try:
+        with SegmentFile(path, expected) as f:
+            head, size = f.read(0, HEADER_SIZE), f.size
+            try:
+                digest, first = read_header(path, head)
+            except TraceCorruptError as e:
+                return damaged(0, expected, str(e).split(": ", 1)[-1], tail=True)
+            if digest != reader._digest:
+                raise SchemaError(f"{path}: segment was written with a different schema than run.json declares")
+            if path.name != segment_name(first) or (expected is not None and first != expected):
+                return damaged(0, expected, f"segment starts at step {first}, expected {expected}", tail=False)
+            seal = parse_seal(f.read(size - SEAL_SIZE, SEAL_SIZE)) if size >= HEADER_SIZE + SEAL_SIZE else None
+            if seal is not None and 0 < seal[0] <= (size - HEADER_SIZE - SEAL_SIZE) // (FRAME_HEAD + 1):
+                reader.segments.append(_Segment(path, first, seal[0], True, size, seal[1]))
+                return False
+            walk = walk_frames(f)
+    except TraceCorruptError as e:  # unreadable, or a directory: not a tail a writer could cut off
+        return damaged(0, expected, str(e).split(": ", 1)[-1], tail=False)
+    n = len(walk.offsets) - 1
+    seg = _Segment(path, first, n, False, size, offsets=np.array(walk.offsets, np.uint64))
+    reason = walk.damage or (_last_frame_problem(reader, seg, walk.last_body) if n else None)
+    if reason is not None and walk.damage is None:  # the last frame's step is wrong: it is the torn one
+        seg.count, seg.offsets = n - 1, seg.offsets[:-1]
+    reader.segments.append(seg)
+    if reason is not None:
+        return damaged(int(seg.offsets[-1]), first + seg.count, reason, tail=True)
+    if not is_last:
+        return damaged(int(seg.offsets[-1]), first + n, "segment is not sealed", tail=False)
+    return False
+
+
+def _last_frame_problem(reader: TraceReader, seg: _Segment, body: bytes) -> str | None:
+    step = seg.first_step + seg.count - 1
+    try:
+        raw = reader._dctx.decompress(body)
+        held = struct.unpack_from("<Q", raw)[0]
+    except (zstandard.ZstdError, struct.error, TraceCorruptError):
+        return "record does not decompress"
+    return None if held == step else f"record holds step {held}, expected {step}"

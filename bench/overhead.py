@@ -24,10 +24,14 @@ its config, `--api-example ''` skips it). Its figures are under "api", with the 
 Prints one JSON object on its last line: step_overhead, layer_overhead (budgets from issue 3:
 <= 0.01 and <= 0.03), the median seconds per step of each level, and how they were measured;
 "api" holds the user loop's; "within_budget" is true only when both are.
-`--attention-rounds N` adds the attention comparison (issue 14): the preset's step at level off
-with model.attention=explicit (the hand-written softmax) and =fused (jax.nn.dot_product_attention),
-interleaved round by round as the levels are; "attention" holds both medians and the paired
-ratio fused / explicit - 1 (budget <= 0.01: no slower, within this machine's noise).
+`--attention-rounds N` adds the attention comparison (issue 14, bench/_attention.py): the
+preset's step at level off, at 512 tokens, with model.attention=explicit (the hand-written
+softmax) and =fused (jax.nn.dot_product_attention), ABBA-interleaved; "attention" holds the
+paired ratio fused / explicit - 1 in wall and CPU time with a 95% interval of its median and a
+verdict against the budget (<= 0.01: no slower). `--attention-only` measures only that:
+
+    python -m bench.overhead --attention-only --attention-rounds 16 --steps-per-round 2 --warmup-rounds 1
+
 Wall time is what the budgets are about; the same ratios in process CPU time (cpu_*) and the
 load average are printed too, because on a shared machine other processes' load moves wall
 time far more than recording does.
@@ -146,27 +150,11 @@ def measure(preset: str, rounds: int, steps_per_round: int, warmup_rounds: int, 
 
 def compare_attention(preset: str, rounds: int, steps_per_round: int, warmup_rounds: int,
                       overrides: list[str]) -> dict:
-    """Level-off step time with the explicit and the fused attention, interleaved round by round."""
-    impls = ("explicit", "fused")
-    wall: dict[str, list[float]] = {a: [] for a in impls}
-    with tempfile.TemporaryDirectory(prefix="replay-bench-attention-") as tmp:
-        lanes = {a: Lane(apply_overrides(get_preset(preset), overrides + [f"model.attention={a}"]), "off",
-                         Path(tmp) / a) for a in impls}
-        try:
-            for r in range(warmup_rounds + rounds):
-                for a in (impls if r % 2 == 0 else impls[::-1]):
-                    seconds, _ = lanes[a].run_round(steps_per_round)
-                    if r >= warmup_rounds:
-                        wall[a].append(seconds)
-        finally:
-            for lane in lanes.values():
-                lane.close()
-    med = {a: statistics.median(s) for a, s in wall.items()}
-    paired = statistics.median(f / e for f, e in zip(wall["fused"], wall["explicit"])) - 1
-    return {"median_explicit_s": round(med["explicit"], 6), "median_fused_s": round(med["fused"], 6),
-            "fused_vs_explicit": round(med["fused"] / med["explicit"] - 1, 5), "paired_fused_vs_explicit":
-            round(paired, 5), "rounds": rounds, "budget_fused_vs_explicit": BUDGETS["attention_slowdown"],
-            "no_slower": paired <= BUDGETS["attention_slowdown"]}
+    """Level-off step time with the explicit and the fused attention (bench/_attention.py)."""
+    from bench import _attention
+
+    return _attention.compare(preset, rounds, steps_per_round, warmup_rounds, overrides,
+                              BUDGETS["attention_slowdown"])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -185,6 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--api-steps-per-round", type=int, default=5, help="example steps per level per round")
     parser.add_argument("--attention-rounds", type=int, default=0,
                         help="measured rounds of the explicit vs fused attention comparison (0: skip)")
+    parser.add_argument("--attention-only", action="store_true",
+                        help="measure only the attention comparison (needs --attention-rounds)")
     parser.add_argument("--sdc-rounds", type=int, default=8,
                         help="measured rounds of the SDC re-run check at N=10 and N=100 (bench/sdc_overhead.py, "
                              "its own 8-device process; 0: skip)")
@@ -197,6 +187,15 @@ def main(argv: list[str] | None = None) -> None:
             from bench import _api_lanes
 
             _api_lanes.check_config(args.api_example, api_config)  # bad input fails before minutes of measuring
+        if args.attention_only:
+            if args.attention_rounds < 1:
+                parser.error("--attention-only needs --attention-rounds N (N >= 1)")
+            result = {"bench": "overhead", "preset": args.preset,
+                      "attention": compare_attention(args.preset, args.attention_rounds, args.steps_per_round,
+                                                     args.warmup_rounds, args.overrides)}
+            result["within_budget"] = result["attention"]["no_slower"]
+            print(json.dumps(result))
+            return
         result = measure(args.preset, args.rounds, args.steps_per_round, args.warmup_rounds, args.overrides)
         if args.attention_rounds:
             result["attention"] = compare_attention(args.preset, args.attention_rounds, args.steps_per_round,

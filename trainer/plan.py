@@ -199,7 +199,7 @@ def plan(cfg: Any, n_devices: int | None = None, preset: str | None = None,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.plan", description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", required=True, help="config preset (trainer/config.py PRESETS)")
+    parser.add_argument("--preset", required=True, help="config preset (trainer/presets.py PRESETS)")
     parser.add_argument("--devices", type=int, required=True, help="devices of the mesh (virtual CPU devices)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="config override, e.g. mesh.fsdp=8 (repeatable)")

@@ -32,7 +32,7 @@ def faults_for(corruptions: int, steps: int) -> tuple[list[str], dict]:
     n_chips = min(len(CHIPS), max(corruptions // 10, 1))
     n_transient = corruptions - n_chips
     if n_transient >= steps:
-        raise SystemExit(f"--corruptions {corruptions} needs more than {n_transient} steps")
+        raise ValueError(f"--corruptions {corruptions} needs more than {n_transient} steps")
     others = [d for d in range(8) if d not in CHIPS[:n_chips]]
     specs, want = [], set()
     for s in range(1, n_transient + 1):
@@ -87,11 +87,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1000, help="steps of the clean run, all verified")
     parser.add_argument("--corruptions", type=int, default=20, help="faults injected into the faulty run")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker is not None:
-        print(json.dumps(_worker(args, args.worker)))
-        return
     from bench import _eight_devices
+
+    parser.error = _eight_devices.bad_input  # one line, not argparse's usage and error
+    args = parser.parse_args()
+
+    if args.steps < 1 or args.corruptions < 1:
+        _eight_devices.bad_input(f"--steps {args.steps} --corruptions {args.corruptions}: both must be >= 1")
+    if args.worker is not None:
+        try:
+            print(json.dumps(_worker(args, args.worker)))
+        except ValueError as e:  # bad input (ConfigError, FaultError, MeshError are ValueErrors): one line, exit 2
+            _eight_devices.bad_input(str(e))
+        return
 
     with tempfile.TemporaryDirectory(prefix="bench-sdc-") as tmp:
         print(_eight_devices.run("bench.sdc", "--steps", str(args.steps), "--corruptions", str(args.corruptions),

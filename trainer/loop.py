@@ -31,11 +31,12 @@ from replay.record.recorder import Recorder
 from traces import Run, Schema, TraceWriter
 from traces.errors import DiskFullError, disk_full_message
 from traces.run import LOCK, take_lock
-from trainer import data, invariant, mesh as meshlib, model, rng
+from trainer import data, invariant, mesh as meshlib, model, rng, sketches
 from trainer.checkpoint import FINGERPRINTS_KEY, Checkpointer, recorded_fingerprint
 from trainer.config import Config, ConfigError, MeshConfig, config_diff, from_dict, to_dict
 from trainer.faults import FaultPlan
 from trainer.optim import make_optimizer
+from trainer.sdc_watch import RerunWatch
 from trainer.step import METRICS, compile_step, tensor_schema
 
 RNG_WORDS = 2  # a threefry2x32 key
@@ -124,10 +125,13 @@ class Built:
         return jax.jit(make_optimizer(self.cfg.optimizer).init, out_shardings=shardings)(params)
 
 
-def make_schema(global_batch: int, level: str, tensors: tuple[tuple[str, str], ...] = ()) -> Schema:
-    """The trace schema of a trainer run: step-level fields always, tensors at the layer level."""
+def make_schema(global_batch: int, level: str, tensors: tuple[tuple[str, str], ...] = (),
+                sketch_width: int = 0) -> Schema:
+    """The trace schema of a trainer run: step-level fields always, tensors (and their distance
+    sketches with trace.sketches) at the layer level."""
     return Schema(examples_per_step=global_batch, rng_words=RNG_WORDS, metrics=METRICS,
-                  tensors=tensors if level == "layer" else (), example_metrics=("loss",))
+                  tensors=tensors if level == "layer" else (), example_metrics=("loss",),
+                  sketch_width=sketch_width if level == "layer" else 0)
 
 
 def build(cfg: Config, source: data.TokenSource | None = None, mesh_cfg: MeshConfig | None = None,
@@ -147,7 +151,8 @@ def build(cfg: Config, source: data.TokenSource | None = None, mesh_cfg: MeshCon
     shardings = meshlib.state_shardings(mesh, abstract)
     batch_sharding = meshlib.batch_sharding(mesh)
     abstract_sharded = meshlib.abstract_with_shardings(abstract, shardings)
-    schema = make_schema(cfg.data.global_batch_size, cfg.trace.level, tensor_schema(cfg))
+    sketches.check(cfg)
+    schema = make_schema(cfg.data.global_batch_size, cfg.trace.level, tensor_schema(cfg), sketches.width(cfg))
     levels = {cfg.trace.level} | ({"step"} if cfg.trace.level == "layer" and cfg.trace.layer_every > 1 else set())
     if on_compile is not None:
         on_compile()
@@ -360,6 +365,7 @@ def _train_loop(job: Prepared, run: Run | None, ckpt: Checkpointer,
         if cfg.checkpoint.every_steps and cfg.steps > 0:
             saver.save(state, 0)
     recorder = Recorder(built.schema, writer, cfg.trace.level, timeline=built.timeline)
+    rerun_watch = RerunWatch.for_run(job.manifest, built.schema, str(job.out))  # SDC re-runs that disagree: warned
     tokens_per_step = cfg.data.global_batch_size * cfg.model.seq_len
     peak = peak_flops(jax.devices()[0].device_kind)
     flops_per_step = model.flops_per_token(cfg.model) * tokens_per_step
@@ -367,6 +373,7 @@ def _train_loop(job: Prepared, run: Run | None, ckpt: Checkpointer,
     for step in range(start, cfg.steps):
         state, metrics, hashes = built.run_step(state, step)
         recorder.record(step, metrics, hashes)
+        rerun_watch.dispatched(step, metrics)
         done = step + 1
         if done == cfg.steps or (cfg.checkpoint.every_steps and done % cfg.checkpoint.every_steps == 0):
             recorder.flush()  # the trace always reaches at least as far as the newest checkpoint
@@ -379,6 +386,7 @@ def _train_loop(job: Prepared, run: Run | None, ckpt: Checkpointer,
             mfu = rate * flops_per_step / tokens_per_step / (peak * built.mesh.devices.size) if peak else None
             on_step(StepInfo(step, cfg.steps, last.metric(built.schema, "loss") if last else None, rate, mfu))
     recorder.flush()
+    rerun_watch.flush()
     ckpt.close()
     seconds = time.perf_counter() - t_start
     if run is not None:

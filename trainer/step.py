@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from trainer import layers, model, rng, sdc
+from trainer import layers, model, rng, sdc, sketches
 from trainer.config import Config
 from replay.record.fingerprint import fingerprint_lanes, fingerprints_and_sums_of_squares
 from trainer.optim import applied_lr, make_optimizer
@@ -171,6 +171,8 @@ def train_step(state: TrainState, batch: dict, *, cfg: Config, level: str = "ste
         names = model.param_names(cfg.model)
         state_summaries = [_tree_summary([get_path(state.params, n) for n in names]),
                            _tree_summary(jax.tree.leaves(state.opt_state))]
+        # trace.sketches: the state's distance sketches, read before the update like its summaries (None when off)
+        state_sketch = sketches.of_state(cfg, [get_path(state.params, n) for n in names], jax.tree.leaves(state.opt_state))
         # The update must depend on these reductions: otherwise XLA may schedule them after it
         # and so copies every donated parameter and moment before the step (the whole state,
         # every step; lax.optimization_barrier does not survive XLA:CPU's pipeline, and
@@ -180,7 +182,12 @@ def train_step(state: TrainState, batch: dict, *, cfg: Config, level: str = "ste
         # (NaN compares False), so the selects return their inputs' bits. Only scalars are
         # touched: a select on an array changes the update kernels' code, and XLA:CPU then
         # rounds the update differently (measured: params no longer bit-identical to level off).
-        never = (state_summaries[0][1][0] < 0) | (state_summaries[1][1][0] < 0)
+        never = (state_summaries[0][1][0] < 0) | (state_summaries[1][1][0] < 0) | sketches.never(state_sketch)
+        if "check" in aux:
+            # The same for the SDC re-run's cond (trainer/sdc.py), which reads the incoming params:
+            # without this XLA copies every parameter into its operands on every step, re-run or
+            # not (measured: ~1 ms a step on tiny at 8 devices). Its RMS is 0 or 1, never < 0.
+            never = never | (aux["check"][1][0] < 0)
         opt_in = jax.tree.map(lambda x: jnp.where(never, jnp.zeros_like(x), x) if x.ndim == 0 else x, opt_in)
     optimizer = make_optimizer(cfg.optimizer)
     updates, opt_state = optimizer.update(grads, opt_in, state.params)
@@ -206,6 +213,7 @@ def train_step(state: TrainState, batch: dict, *, cfg: Config, level: str = "ste
         parts = state_summaries + [_summaries(tensors)] + [aux[k] for k in ("replicas", "check") if k in aux]
         metrics["fingerprints"] = jnp.concatenate([lanes for lanes, _ in parts])
         metrics["rms"] = jnp.concatenate([rms for _, rms in parts])
+        metrics.update(sketches.assemble(state_sketch, tensors))  # "sketches", "norms" with trace.sketches
     return new_state, metrics
 
 

@@ -66,6 +66,7 @@ class BisectReport:
     damage: dict[str, str] = field(default_factory=dict)  # "A"/"B" -> one line naming its trace's first damage
     failure: Exception | None = None  # the replay the answer needed, failed: raised by the CLI after the report
     hardware: dict | None = None  # replay/bisect/replica.py: the runs differ in one device's replica results only
+    rerun_checks: dict = field(default_factory=dict)  # replica.py: "A"/"B" -> its first SDC re-run from the divergence
 
     @property
     def whole(self) -> bool:
@@ -152,6 +153,7 @@ class BisectReport:
                 "step": c.first_step, "kind": c.first.kind, "name": c.first.name,
                 **({"fields": [{"kind": d.kind, "name": d.name} for d in c.diffs]} if self.found_before_trace else {})},
             "fields": self.fields(), "permutation": self.permutation, "hardware": self.hardware,
+            "rerun_checks": self.rerun_checks,
             "manifest_diff": [{"key": m.key, "a": m.a, "b": m.b} for m in self.manifest],
             "examples": [{"run": e.run, "position": e.position, "hash": e.example_hash, "seen_before": e.seen}
                          for e in self.examples],
@@ -251,9 +253,11 @@ def bisect(run_a: Run, run_b: Run, refine: bool = True):
         damage = run_damage(run)
         if damage:
             report.damage[name] = describe_damage(run, damage)
-    from replay.bisect.replica import hardware_fault
+    from replay.bisect.replica import check_fault, hardware_fault, rerun_checks
 
-    report.hardware = hardware_fault(run_a, run_b, report.comparison.first_step)
+    first_step = report.comparison.first_step
+    report.rerun_checks = rerun_checks(run_a, run_b, first_step)
+    report.hardware = hardware_fault(run_a, run_b, first_step) or check_fault(report.rerun_checks, first_step)
     first = report.comparison.first
     if first is not None and first.kind == "data":
         _data_at(report, run_a, run_b, report.comparison.first_step, first.positions or [])

@@ -120,6 +120,8 @@ def render(report) -> None:
     rows = [("first divergent step", str(report.first_step)), ("cause", report.cause or "")]
     if report.hardware is not None:
         rows.append(("hardware", report.hardware["line"]))
+    for name, check in report.rerun_checks.items():  # the in-training SDC re-run (check.rerun_every)
+        rows.append((f"run {name}'s re-run check at step {check['step']}", check["line"]))
     rows += [(f"run {name}'s trace is damaged", line) for name, line in report.damage.items()]
     if report.failure is not None:
         rows.append(("not confirmed by replay", "the replay this answer needs failed (the error below)"))

@@ -3,9 +3,10 @@
 A checked step records "check/rerun" tensors (trainer/sdc.py, traces/FORMAT.md "SDC checks"):
 RMS 1.0, and a 64-bit mask per 64 microbatches of those whose gradient fingerprints differed
 between the step and its re-run with the work rotated by check.rotate devices. Microbatch i was
-computed by owner(i) in the step and by executor(i) in the re-run; a device that appears in two
-or more differing microbatches computed wrongly both times: a bad chip, named. A single
-differing microbatch is one of its two devices (a transient fault): `replay verify` tells which.
+computed by owner(i) in the step and by executor(i) in the re-run. The devices named bad
+(`_bad_devices`) are the fewest that explain every differing microbatch, each explaining two or
+more: a device that computed wrongly both times, a bad chip. A single differing microbatch is one of
+its two devices (a transient fault): `replay verify` tells which.
 
 `describe` reads one record; `scan` streams the records it is given (callers pass a range; the
 column of one tensor at a million steps is 8 MB, so a whole-run scan belongs to a column reader).
@@ -41,8 +42,7 @@ def describe(manifest: dict, schema, record) -> dict | None:
     checked = bool(record.rms[where[0]] == 1.0)
     mbs = mask_microbatches([int(record.fingerprints[i]) for i in where])
     pairs = [(i, owner(i, n, m), executor(i, n, m, rotate)) for i in mbs]
-    counts = Counter(d for _, a, b in pairs for d in {a, b})
-    bad = sorted(d for d, c in counts.items() if c >= 2)
+    bad = _bad_devices([(a, b) for _, a, b in pairs])
     if not checked:
         line = "not re-run"
     elif not mbs:
@@ -53,6 +53,22 @@ def describe(manifest: dict, schema, record) -> dict | None:
                    "one of devices " + " / ".join(f"{a} or {b}" for _, a, b in pairs) + " (run `replay verify`)"))
     return {"step": record.step, "checked": checked, "microbatches": mbs, "bad_devices": bad,
             "pairs": [{"microbatch": i, "step_device": a, "rerun_device": b} for i, a, b in pairs], "line": line}
+
+
+def _bad_devices(pairs: list[tuple[int, int]]) -> list[int]:
+    """The devices that explain the differing microbatches, (step device, re-run device) each: greedily
+    the one in the most unexplained microbatches, while it is in two or more. Counting every device
+    in two would also name a bad chip's neighbours once a device computes several microbatches (chip
+    d is in all four of its differing microbatches, d - 1 and d + 1 in two each)."""
+    left, bad = list(pairs), []
+    while left:
+        counts = Counter(d for pair in left for d in set(pair))
+        device, hits = min(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+        if hits < 2:
+            break
+        bad.append(device)
+        left = [pair for pair in left if device not in pair]
+    return sorted(bad)
 
 
 def scan(manifest: dict, schema, records) -> list[dict]:

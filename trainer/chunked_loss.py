@@ -19,10 +19,13 @@ its matmul kernel by shape (~7% of elements differ by an ulp, also without FMA).
 ~1e-7 (hidden) and ~5e-7 (kernel) of the largest element. Training with and without chunks is
 therefore not bit-identical; each is deterministic, and `replay run` compares like with like.
 
-Not wired into the train step yet (trainer/layers.py's Transformer computes the logits and
-trainer/step.py's loss_fn consumes them); at trace level "layer" the record's "logits" tensor
-needs the whole logits anyway. Cost: a second head matmul per chunk in the backward (the
-rematerialisation): +2 B L D V FLOPs a step, about +1/3 of the head's.
+The train step uses it when model.loss_chunk > 0: trainer/layers.py's Transformer then stops
+at the final norm (head=False) and trainer/step.py's loss_fn calls head_loss. At trace level
+"layer" the record's "logits" tensor is computed beside the gradient (head_logits, the head's
+bits), so every level trains the same bits and layer-level steps still hold the whole logits
+once. `replay plan --preset olmo-1b --devices 256 --remat full --scan`: 26.13 GB per device,
+20.52 GB with --set model.loss_chunk=512 (XLA:CPU estimate). Cost: a second head matmul per
+chunk in the backward (the rematerialisation): +2 B L D V FLOPs a step, about +1/3 of the head's.
 """
 
 from __future__ import annotations

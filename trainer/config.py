@@ -47,6 +47,7 @@ class ModelConfig:
     full_attention_every: int = 4  # with sliding_window: block i is full attention when (i + 1) % N == 0 (OLMo 3: 4)
     remat: Literal["none", "full", "dots"] = "none"  # recompute blocks in the backward: no, all, all but matmuls
     scan_layers: bool = False  # run the blocks as one lax.scan over stacked params; traces still name every layer
+    loss_chunk: int = 0  # LM head + cross-entropy this many positions at a time (trainer/chunked_loss.py); 0 = all
 
     def __post_init__(self) -> None:
         _positive(self, "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
@@ -62,7 +63,9 @@ class ModelConfig:
                               f"model.n_kv_heads={self.n_kv_heads}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
-        _non_negative(self, "sliding_window")
+        _non_negative(self, "sliding_window", "loss_chunk")
+        if self.loss_chunk and self.seq_len % self.loss_chunk:
+            raise ConfigError(f"model.loss_chunk={self.loss_chunk} must divide model.seq_len={self.seq_len}")
         _positive(self, "full_attention_every")
 
     @property
@@ -380,7 +383,8 @@ _BEFORE_SAMPLER = ("config is missing key 'data.sampler': the run was recorded b
 # as one behaviour (data.sampler) is not here: such a run is refused instead.
 _ADDED_LATER: dict[str, dict[str, Any]] = {
     "model": {"rope_style": "rotate_half", "qk_norm_scope": "projection", "attention": "explicit",
-              "sliding_window": 0, "full_attention_every": 4, "remat": "none", "scan_layers": False},
+              "sliding_window": 0, "full_attention_every": 4, "remat": "none", "scan_layers": False,
+              "loss_chunk": 0},
     "optimizer": {"eps_placement": "outside", "microbatches": 1},
     "trace": {"sketches": False},
 }

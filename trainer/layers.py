@@ -109,7 +109,7 @@ class Transformer(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens_BxL: jax.Array, deterministic: bool = True) -> jax.Array:
+    def __call__(self, tokens_BxL: jax.Array, deterministic: bool = True, head: bool = True) -> jax.Array:
         cfg = self.cfg
         embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=model._init(cfg),
                          dtype=model._dtype(cfg.dtype), param_dtype=model._dtype(cfg.param_dtype),
@@ -130,6 +130,8 @@ class Transformer(nn.Module):
                                                                     layer_window(cfg, i))
         x_BxLxD = model.RMSNorm(cfg, name="final_norm")(x_BxLxD)
         model._tap(self, "final_norm", x_BxLxD, layer=True)
+        if not head and not self.is_initializing():  # the caller applies the head (trainer/chunked_loss.py)
+            return x_BxLxD
         if cfg.tied_embeddings:
             logits_BxLxV = embed.attend(x_BxLxD)
         else:

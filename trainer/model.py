@@ -257,8 +257,9 @@ def _collect(tree: Mapping[str, Any], out: dict[str, jax.Array]) -> dict[str, ja
 
 
 def apply(cfg: Config | ModelConfig, params: Any, tokens_BxL: jax.Array, *,
-          dropout_key: jax.Array | None = None, capture: bool | str = False) -> Any:
-    """Forward pass: float32 logits [B, L, V].
+          dropout_key: jax.Array | None = None, capture: bool | str = False, head: bool = True) -> Any:
+    """Forward pass: float32 logits [B, L, V] (head=False: the final norm's output [B, L, D]
+    instead, for trainer/chunked_loss.py; then no "logits" is captured).
 
     dropout_key: None runs without dropout (evaluation); a key enables it, and that key is
       the only randomness used.
@@ -276,15 +277,15 @@ def apply(cfg: Config | ModelConfig, params: Any, tokens_BxL: jax.Array, *,
     rngs = {} if dropout_key is None else {"dropout": dropout_key}
     deterministic = dropout_key is None
     if capture is False:
-        return model.apply(variables, tokens_BxL, deterministic, rngs=rngs)
+        return model.apply(variables, tokens_BxL, deterministic, head, rngs=rngs)
     if capture is True or capture == "layers":
-        collection, names = LAYERS, layer_names(m)
+        collection, names = LAYERS, [n for n in layer_names(m) if head or n != "logits"]
     elif isinstance(capture, str) and capture in block_names(m):
         collection, names = _fine_collection(capture), block_capture_names(m, capture)
     else:
         raise ValueError(f"capture must be False, True, 'layers' or a block name "
                          f"({block_names(m)[0]}..{block_names(m)[-1]}), got {capture!r}")
-    logits_BxLxV, state = model.apply(variables, tokens_BxL, deterministic, rngs=rngs,
+    logits_BxLxV, state = model.apply(variables, tokens_BxL, deterministic, head, rngs=rngs,
                                       mutable=[collection])
     captured = _collect(state[collection], {})
     # Checked at trace time, costs nothing per step: flax keeps insertion (= execution) order,

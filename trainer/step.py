@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from trainer import layers, model, rng, sdc, sketches
+from trainer import chunked_loss, layers, model, rng, sdc, sketches
 from trainer.config import Config
 from replay.record.fingerprint import fingerprint_lanes, fingerprints_and_sums_of_squares
 from trainer.optim import applied_lr, make_optimizer
@@ -93,12 +93,20 @@ def loss_fn(params: Any, cfg: Config, inputs_BxL: jax.Array, targets_BxL: jax.Ar
             capture: bool) -> tuple[jax.Array, dict]:
     """Mean next-token cross-entropy (+ z-loss); aux holds per-example loss and captured layers."""
     dropout_key = key if cfg.model.dropout > 0 else None
-    out = model.apply(cfg.model, params, inputs_BxL, dropout_key=dropout_key, capture=capture)
+    chunk = cfg.model.loss_chunk
+    out = model.apply(cfg.model, params, inputs_BxL, dropout_key=dropout_key, capture=capture, head=not chunk)
     logits_BxLxV, layers = out if capture else (out, {})
-    # Fixed-order sums (model.tree_sum) over the vocabulary and the sequence keep each
-    # example's loss bits independent of how many examples a device holds.
-    logz_BxL = model.logsumexp(logits_BxLxV)[..., 0]
-    target_logit_BxL = jnp.take_along_axis(logits_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
+    if chunk:  # the head in chunks of positions: the whole logits never live (trainer/chunked_loss.py)
+        hidden_BxLxD = logits_BxLxV
+        logz_BxL, target_logit_BxL = chunked_loss.head_loss(cfg.model, params, hidden_BxLxD, targets_BxL, chunk)
+        if capture:  # the record's logits, the head's bits, computed beside the gradient, not through it
+            layers = {**layers, "logits": jax.lax.stop_gradient(chunked_loss.head_logits(cfg.model, params,
+                                                                                         hidden_BxLxD))}
+    else:
+        # Fixed-order sums (model.tree_sum) over the vocabulary and the sequence keep each
+        # example's loss bits independent of how many examples a device holds.
+        logz_BxL = model.logsumexp(logits_BxLxV)[..., 0]
+        target_logit_BxL = jnp.take_along_axis(logits_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
     ce_B = model.tree_sum(logz_BxL - target_logit_BxL)[..., 0] / targets_BxL.shape[-1]
     z_loss = cfg.optimizer.z_loss * jnp.mean(jnp.square(logz_BxL))
     loss = jnp.mean(ce_B)

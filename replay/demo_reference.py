@@ -17,6 +17,7 @@ JAX side, as a port's would be a line of its code. Cost: three short trainings, 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -32,11 +33,14 @@ RUNS = ("reference-torch", "jax", "jax-port-bug")
 
 def demo_config(steps: int) -> Config:
     """The tiny preset as the reference can be: no dropout; a z-loss so that "z-loss left out" is
-    a bug one can pick; checkpoints at quarters for compare --eval."""
+    a bug one can pick; checkpoints at quarters for compare --eval; distance sketches recorded
+    (trace.sketches), so both bisects read the distances from the traces instead of replaying
+    the JAX run."""
     base = get_preset("tiny")
     every = max(1, steps // 4)
     return dataclasses.replace(
         base, steps=steps, model=dataclasses.replace(base.model, dropout=0.0),
+        trace=dataclasses.replace(base.trace, sketches=True),
         optimizer=dataclasses.replace(base.optimizer, z_loss=1e-4, decay_steps=max(steps, base.optimizer.warmup_steps)),
         checkpoint=dataclasses.replace(base.checkpoint, every_steps=every, keep=0))
 
@@ -75,13 +79,28 @@ class ReferenceDemoResult:
         }
 
 
+@contextlib.contextmanager
+def _torch_threads(n: int):
+    """torch on `n` threads for the block. The tiny reference's ops are too small to gain from a
+    second thread, and on a shared CPU its threads wait for each other: 40 recorded steps took
+    64 s on torch's default 2 threads at load ~8, 12 s on one at load ~5 (2026-12-01)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def run_reference_demo(out: Path, steps: int = DEFAULT_STEPS, bug: str = DEFAULT_BUG,
                        on_phase: Callable[[str, int], None] | None = None,
                        on_step: Callable[[Any], None] | None = None) -> ReferenceDemoResult:
     from replay.bisect import bisect
     from replay.torch import checkpoint as torch_checkpoint
     from traces import Run
-    from trainer.loop import train
+    from trainer.loop import StepInfo, train
     from trainer.port_bugs import PORT_BUGS, with_bug
     from trainer.reference_train import train_reference
 
@@ -98,7 +117,9 @@ def run_reference_demo(out: Path, steps: int = DEFAULT_STEPS, bug: str = DEFAULT
         return time.perf_counter()
 
     t = phase("PyTorch reference", steps)
-    train_reference(cfg, paths[0], steps)
+    with _torch_threads(1):
+        train_reference(cfg, paths[0], steps, on_step=None if on_step is None else (
+            lambda k, loss: on_step(StepInfo(step=k, total=steps, loss=loss, tokens_per_s=0.0, mfu=None))))
     seconds["reference"] = round(time.perf_counter() - t, 1)
     t = phase("JAX trainer", steps)
     train(cfg, paths[1], on_step=on_step)
@@ -111,7 +132,8 @@ def run_reference_demo(out: Path, steps: int = DEFAULT_STEPS, bug: str = DEFAULT
         from replay.compare import compare_eval
 
         t = phase("compare --eval")
-        evaluation = compare_eval(paths[0], paths[1])
+        with _torch_threads(1):
+            evaluation = compare_eval(paths[0], paths[1])
         seconds["compare_eval"] = round(time.perf_counter() - t, 1)
     t = phase(f"JAX port with bug: {bug}", steps)
     train(buggy_cfg, paths[2], on_step=on_step)

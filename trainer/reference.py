@@ -41,7 +41,7 @@ SLIDING_WINDOW = 4096  # OLMo 3's
 
 
 class ReferenceConfigError(ConfigError):
-    """A trainer config the reference model cannot be (dropout, no QK-norm, too long a sequence)."""
+    """A trainer config the reference model cannot be (dropout, no QK-norm, a window OLMo 2 lacks)."""
 
 
 def _m(cfg: Config | ModelConfig) -> ModelConfig:
@@ -67,10 +67,18 @@ def check(cfg: Config | ModelConfig) -> ModelConfig:
                                    "option: leave it at -1")
     if not m.qk_norm:
         raise ReferenceConfigError("model.qk_norm=false: OLMo 2 and 3 normalise q and k; use model.qk_norm=true")
-    if m.seq_len > SLIDING_WINDOW:
-        raise ReferenceConfigError(f"model.seq_len={m.seq_len}: OLMo 3's sliding-window layers differ from the "
-                                   f"trainer's full attention beyond {SLIDING_WINDOW} tokens")
+    if m.sliding_window and generation() != "olmo3":
+        raise ReferenceConfigError(f"model.sliding_window={m.sliding_window}: this transformers has OLMo 2 (no "
+                                   "sliding-window layers); use model.sliding_window=0, or a transformers with OLMo 3")
     return m
+
+
+def layer_types(cfg: Config | ModelConfig) -> list[str]:
+    """OLMo 3's per-layer attention types of the trainer's model (trainer/attention.py's rule: with
+    model.sliding_window, block i is full when (i + 1) % full_attention_every == 0; without, all full)."""
+    m = _m(cfg)
+    return ["sliding_attention" if m.sliding_window and (i + 1) % m.full_attention_every else "full_attention"
+            for i in range(m.n_layers)]
 
 
 # ------------------------------------------------------------------------------ the name map
@@ -236,7 +244,10 @@ def hf_config(cfg: Config | ModelConfig) -> Any:
                   attention_bias=False, attention_dropout=0.0, pad_token_id=None, bos_token_id=None,
                   eos_token_id=None, use_cache=False)
     if gen == "olmo3":
-        kwargs["sliding_window"] = SLIDING_WINDOW
+        # The trainer's window and layer pattern, not Olmo3Config's defaults (4096; 3 sliding, 1 full):
+        # without them the reference is another function past 4096 tokens or with another pattern.
+        kwargs["sliding_window"] = m.sliding_window or SLIDING_WINDOW  # unused when every layer is full
+        kwargs["layer_types"] = layer_types(m)
         kwargs["rope_parameters"] = {t: {"rope_type": "default", "rope_theta": m.rope_theta}
                                      for t in ("sliding_attention", "full_attention")}
     else:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -58,13 +58,15 @@ def _initial_hf(cfg: Config, weights: str | Path | None, start_params: Any) -> d
 
 
 def train_reference(cfg: Config, run_dir: str | Path, steps: int, *, weights: str | Path | None = None,
-                    start_params: Any = None, sketch_width: int | None = None) -> Path:
+                    start_params: Any = None, sketch_width: int | None = None,
+                    on_step: Callable[[int, float], None] | None = None) -> Path:
     """Train the reference for `steps` steps into the new run folder `run_dir`; returns its path.
 
     `weights`: a safetensors file of HF-named tensors to start from; `start_params`: trainer
     params to convert; default the trainer's initial params for `cfg`. Checkpoints (safetensors,
     replay/torch/checkpoint.py) at step 0, every `cfg.checkpoint.every_steps` and at the end, as
-    the trainer saves them, so `replay compare --eval` can evaluate the same steps of both runs."""
+    the trainer saves them, so `replay compare --eval` can evaluate the same steps of both runs.
+    `on_step(k, loss)` after each step (a progress display; reading the loss waits for the step)."""
     import torch
 
     import replay.torch
@@ -114,6 +116,8 @@ def train_reference(cfg: Config, run_dir: str | Path, steps: int, *, weights: st
             rec.metrics(loss=ce, z_loss=z_loss, grad_norm=grad_norm, lr=torch.tensor(lr, dtype=torch.float32),
                         param_norm=param_norm)
         opt.zero_grad(set_to_none=True)
+        if on_step is not None:
+            on_step(k, float(ce.detach()))
         done = k + 1
         if done == steps or (every and done % every == 0):
             torch_checkpoint.save(run, model, opt)  # the state after `done` steps (flushes the trace first)

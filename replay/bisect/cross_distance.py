@@ -5,7 +5,7 @@ Two sources, the first that applies:
 - traces: both runs recorded distance sketches of one width (trace format_version 2): each
   tensor's distance is estimated from the two records alone (traces/sketch.py), no replay.
 - replay: the JAX run has no sketches (recorded before format 2, or by a recorder that does
-  not write them): it is replayed here from its checkpoints through the steps examined, its
+  not write them: the trainer writes them with trace.sketches=true, trainer/sketches.py): it is replayed here from its checkpoints through the steps examined, its
   tensors at those steps recomputed (replay/recompute.py) and sketched on the host, and
   compared with the torch run's recorded sketches. Costs a replay of every step up to the last
   one examined.
@@ -125,7 +125,8 @@ def from_replay(torch_run: Run, jax_run: Run, steps: Iterable[int], names: list[
     r = Replayer("JAX", jax_run)
     if r.built is None:
         raise ReplayUnavailable(f"{jax_run.path}: records no distance sketches and is not a trainer run, so its "
-                                "tensors cannot be recomputed here; record it with sketches (trace format 2)")
+                                "tensors cannot be recomputed here; record it with distance sketches (trace "
+                                "format 2; the trainer: --set trace.sketches=true)")
     steps = sorted(set(steps))
     start, state = r.state_at(steps[0]) if steps else (0, None)
     at = steps[0] if steps else 0

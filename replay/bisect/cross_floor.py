@@ -25,6 +25,11 @@ grow as training amplifies them, so the floor grows with the step; past 100 step
 extrapolated linearly (an assumption: measure longer pairs with
 bench/cross_noise.py and replace this table). A port bug is far above it: RMSNorm epsilon 1e-5
 instead of 1e-6 moves block_00.attn by 0.65 (relative) at step 0, ~8e4 x the floor.
+
+From traces alone (a JAX run recorded with trace.sketches), the JAX side's sketch is summed in
+float32 on device, which adds its own rounding, ~1e-7 relative (measured: state/params 1.9e-7
+where the replay path says 2.0e-8): the 40-step demo pair reaches 0.19 x the floor that way,
+0.12 x by replay (2026-12-01); both far from the margin of 10.
 """
 
 from __future__ import annotations

@@ -93,6 +93,8 @@ def to_record(schema: Schema, step: int, metrics: dict, example_hashes: np.ndarr
         metrics=np.array([np.asarray(metrics[name], np.float32) for name in schema.metric_names], np.float32),
         fingerprints=lanes_to_uint64(metrics["fingerprints"]) if layer else None,
         rms=np.asarray(metrics["rms"], np.float32) if layer else None,
+        sketches=np.asarray(metrics["sketches"], np.float32) if layer and "sketches" in metrics else None,
+        norms=np.asarray(metrics["norms"], np.float32) if layer and "sketches" in metrics else None,
         example_metrics=np.stack([np.asarray(metrics[f"example_{name}"], np.float32) for name in schema.example_metrics])
         if schema.example_metrics else None,
     )

@@ -11,6 +11,10 @@
         opt.zero_grad()
     run.finish()
 
+A crashed run continues with `run = replay.torch.init(PATH, ..., resume=True)` and
+`for k in range(run.restore(model, opt), steps)`: the newest checkpoint (replay.torch.checkpoint)
+is loaded and the steps after it are re-recorded, kept only if bit-identical (run.py).
+
 Per step it records the per-example hashes of the rows (equal to the JAX side's for equal rows),
 the metrics as exact float32 bits, a hash of the RNG state, and at the layer level the tensor
 fingerprints of traces/fingerprint.py: the parameters and optimizer state entering the step,

@@ -13,7 +13,8 @@ A checkpoint named k holds the state after k steps (the input of step k), as the
 RUN/checkpoints/k/model.safetensors (the module's state_dict under its own names: for
 trainer.reference's OLMo the Hugging Face names, the format the published checkpoints use) and
 optimizer.safetensors (every tensor of the optimizer's state_dict, its param_groups as JSON in
-the file's metadata). The folder is written under a temporary name and renamed when complete, so
+the file's metadata) and rng.safetensors (torch's generator states: CPU, each initialised CUDA
+device), so a resumed run (`run.restore`) draws what the uninterrupted one drew. The folder is written under a temporary name and renamed when complete, so
 a crash leaves no half checkpoint under a step's name. Safetensors has no checksum, so the xxh3
 of each file is recorded in the run manifest ("checkpoint_files") and checked on every load: a
 flipped bit is refused, never loaded.
@@ -38,6 +39,7 @@ from replay.torch.errors import TorchRecordError
 FILES_KEY = "checkpoint_files"  # run manifest: {"<step>": {"model.safetensors": "<16 hex>", ...}}
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
+RNG_FILE = "rng.safetensors"
 _GROUPS = "param_groups"  # optimizer.safetensors metadata key: the param groups as JSON
 _SCALARS = "scalars"  # ... and the state's non-tensor values (e.g. a float step count)
 
@@ -110,6 +112,8 @@ def save(run: Any, model: torch.nn.Module, optimizer: Any = None) -> Path:
         save_file(tensors, str(tmp / OPTIMIZER_FILE), metadata={_GROUPS: json.dumps(sd["param_groups"]),
                                                                _SCALARS: json.dumps(scalars), "step": str(step)})
         files.append(OPTIMIZER_FILE)
+    save_file(_rng_states(), str(tmp / RNG_FILE), metadata={"step": str(step)})
+    files.append(RNG_FILE)
     digests = {name: _digest(tmp / name) for name in files}
     if final.exists():  # a re-save of the same step (a resumed run): the newer state replaces it
         shutil.rmtree(final)
@@ -147,8 +151,37 @@ def read_model(run_path: str | os.PathLike, step: int) -> dict[str, torch.Tensor
     return load_file(str(_verified(Path(run_path), step, MODEL_FILE)))
 
 
-def load(run_path: str | os.PathLike, step: int, model: torch.nn.Module, optimizer: Any = None) -> None:
-    """Loads checkpoint `step` into `model` (and `optimizer`), bit for bit."""
+def _rng_states() -> dict[str, torch.Tensor]:
+    states = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    return states
+
+
+def _restore_rng(run_path: Path, step: int) -> None:
+    """torch's generator states as checkpoint `step` saved them; nothing for a checkpoint saved
+    before they were (a resumed run's records then show whether its RNG stream matches)."""
+    from safetensors.torch import load_file
+
+    if RNG_FILE not in ((_manifest_files(run_path).get(str(step))) or {}):
+        return
+    states = load_file(str(_verified(run_path, step, RNG_FILE)))
+    torch.set_rng_state(states["cpu"])
+    cuda = [states[f"cuda.{i}"] for i in range(len(states) - 1) if f"cuda.{i}" in states]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def _manifest_files(run_path: Path) -> dict:
+    from traces.run import read_manifest
+
+    return read_manifest(run_path).get(FILES_KEY) or {}
+
+
+def load(run_path: str | os.PathLike, step: int, model: torch.nn.Module, optimizer: Any = None,
+         restore_rng: bool = False) -> None:
+    """Loads checkpoint `step` into `model` (and `optimizer`), bit for bit; `restore_rng`: torch's
+    generator states too (a resume; an evaluation leaves them alone)."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -163,6 +196,8 @@ def load(run_path: str | os.PathLike, step: int, model: torch.nn.Module, optimiz
     except RuntimeError as e:
         raise TorchCheckpointError(f"{run_path}: checkpoint {step} does not fit the model: "
                                    f"{str(e).splitlines()[-1].strip()}") from None
+    if restore_rng:
+        _restore_rng(Path(run_path), step)
     if optimizer is None:
         return
     path = _verified(Path(run_path), step, OPTIMIZER_FILE)

@@ -15,8 +15,15 @@ schema is fixed by the first step (its metrics and, when discovered, its layers)
 written with a placeholder schema at init and completed then. A torch run is not replayable by
 replay's engine (it records no program); it is a reference to compare JAX runs against.
 
+A crashed (or finished) run continues with `resume=True` and `run.restore(model, opt)`: the
+newest checkpoint (replay/torch/checkpoint.py, with torch's RNG state) is loaded and the steps
+after it are recorded again; the trace keeps a re-recorded step only if it is bit-identical to
+the one recorded before (else ResumeDivergedError, exit 1), so every resume is also a
+determinism check, as the JAX side's.
+
 Cost at a million steps: one record per step appended (8 bytes per tensor, the metrics and the
-example hashes); nothing is kept in memory across steps but the last step's record.
+example hashes); nothing is kept in memory across steps but the last step's record. A resume
+reads the manifest and the trace's tail, not the run.
 """
 
 from __future__ import annotations
@@ -68,9 +75,7 @@ class TorchRun:
 
     def __init__(self, path: str | os.PathLike, *, config: Any = None, model: torch.nn.Module | None = None,
                  optimizer: Any = None, names: TensorNames | None = None, level: str = "layer",
-                 metric_kinds: dict | None = None, sketch_width: int = DEFAULT_WIDTH):
-        from replay.record.manifest import git_commit
-
+                 metric_kinds: dict | None = None, sketch_width: int = DEFAULT_WIDTH, resume: bool = False):
         self.path = Path(path)
         if level not in LEVELS:
             raise TorchRecordError(f"replay.torch.init(level={level!r}): must be one of {', '.join(LEVELS)}")
@@ -88,23 +93,12 @@ class TorchRun:
         except (TypeError, ValueError) as e:
             raise TorchRecordError(f"replay.torch.init(config=...): the config must be JSON (dicts, lists, numbers, "
                                    f"strings): {e}") from None
-        if self.path.exists() and (not self.path.is_dir() or any(self.path.iterdir())):
-            raise TorchRecordError(f"{self.path}: exists and is not empty; record into a new folder")
+        if not resume and self.path.exists() and (not self.path.is_dir() or any(self.path.iterdir())):
+            what = " (it holds a run)" if (self.path / "run.json").exists() else ""
+            raise TorchRecordError(f"{self.path}: exists and is not empty{what}; record into a new folder, or continue "
+                                   "a crashed run with replay.torch.init(PATH, ..., resume=True)")
         names = None if model is None else (names or own_names(model))
         self.sketch_width = check_width(sketch_width) if sketch_width and level == "layer" else 0
-        self._taps = Taps(model, names, optimizer, self.sketch_width) if level == "layer" else None
-        manifest = {"recorded_by": RECORDED_BY, "config": config, "environment": environment(),
-                    "argv": list(sys.argv), "record": {"level": level, "metric_kinds": self.metric_kinds},
-                    "names": None if names is None else names.to_json(), "checkpoints": []}
-        code = git_commit(Path.cwd())
-        if code is not None:
-            manifest["git"] = code
-        try:
-            self._run = Run.create(self.path, _PENDING, manifest)
-        except BaseException:
-            if self._taps is not None:
-                self._taps.remove()
-            raise
         self.level = level
         self.next_step = 0
         self.finished = False
@@ -112,6 +106,80 @@ class TorchRun:
         self._in_step = False
         self._pending: Pending | None = None
         self._writer = None
+        self._stepped = False  # a step was recorded by this process (restore must come before)
+        self._taps = Taps(model, names, optimizer, self.sketch_width) if level == "layer" else None
+        try:
+            if resume:
+                self._resume(config, names)
+            else:
+                self._run = Run.create(self.path, _PENDING, self._manifest(config, names))
+        except BaseException:
+            if self._taps is not None:
+                self._taps.remove()
+            raise
+
+    def _manifest(self, config: Any, names: TensorNames | None) -> dict:
+        from replay.record.manifest import git_commit
+
+        manifest = {"recorded_by": RECORDED_BY, "config": config, "environment": environment(),
+                    "argv": list(sys.argv), "record": {"level": self.level, "metric_kinds": self.metric_kinds},
+                    "names": None if names is None else names.to_json(), "checkpoints": []}
+        code = git_commit(Path.cwd())
+        if code is not None:
+            manifest["git"] = code
+        return manifest
+
+    def _resume(self, config: Any, names: TensorNames | None) -> None:
+        """Reopens the run for appending; everything that decides its records must be what it was
+        recorded with (the schema itself is checked by the first step, as on any later step)."""
+        from traces.errors import TraceError
+
+        if not (self.path / "run.json").is_file():
+            raise TorchRecordError(f"{self.path}: holds no run to resume; record a new one with replay.torch.init(PATH)")
+        try:
+            self._run = Run.resume(self.path)
+        except TraceError as e:
+            raise TorchRecordError(f"replay.torch.init(resume=True): {e}") from None
+        m = self._run.manifest
+        recorded = {"recorded_by": m.get("recorded_by"), "record": m.get("record"), "names": m.get("names")}
+        given = {"recorded_by": RECORDED_BY, "record": {"level": self.level, "metric_kinds": self.metric_kinds},
+                 "names": None if names is None else names.to_json()}
+        if config is not None:
+            recorded["config"], given["config"] = m.get("config"), config
+        schema = self._run.schema
+        if schema.tensors:
+            recorded["sketch_width"], given["sketch_width"] = schema.sketch_width, self.sketch_width
+        differ = [k for k in given if given[k] != recorded[k]]
+        if differ:
+            self._run.close()
+            what = {"recorded_by": "recorder (it was not recorded by replay.torch)", "record": "level or metric_kinds",
+                    "names": "names= map", "config": "config", "sketch_width": "sketch_width"}[differ[0]]
+            raise TorchRecordError(f"{self.path}: the run was recorded with another {what}; resume it with the "
+                                   "arguments it was recorded with, or record a new run")
+        if schema.examples_per_step:  # a step was recorded: later steps must fit its schema
+            self.schema = schema
+            self._writer = self._run.writer()
+        self.next_step = self._run.trace.end if len(self._run.trace) else 0
+
+    def restore(self, model: torch.nn.Module, optimizer: Any = None, step: int | None = None) -> int:
+        """Loads checkpoint `step` (default: the newest) into `model` and `optimizer`, and torch's RNG
+        state when the checkpoint holds it, and records from that step on; returns it. Call it
+        before the first step of a resumed run: `for k in range(run.restore(model, opt), steps)`."""
+        from replay.torch import checkpoint
+
+        if self.finished or self._in_step or self._stepped:
+            raise TorchRecordError("run.restore(...): restore a resumed run before its first recorded step")
+        if step is None:
+            step = checkpoint.latest(self.path)
+            if step is None:
+                raise TorchRecordError(f"{self.path}: has no checkpoint to resume from; record it again from step 0")
+        end = self._run.trace.end if len(self._run.trace) else 0
+        if step > end:
+            raise TorchRecordError(f"{self.path}: checkpoint {step} is past the trace's end (step {end}); resume "
+                                   f"from a checkpoint at or before it")
+        checkpoint.load(self.path, step, model, optimizer, restore_rng=True)
+        self.next_step = step
+        return step
 
     # ---------------------------------------------------------------------------- steps
 
@@ -137,6 +205,7 @@ class TorchRun:
 
     def _end(self, rec: StepRecording) -> None:
         self._in_step = False
+        self._stepped = True
         step = self.next_step
         tensors, summaries = [], []
         if self._taps is not None:
@@ -226,8 +295,8 @@ class TorchRun:
 
 def init(path: str | os.PathLike, *, config: Any = None, model: torch.nn.Module | None = None,
          optimizer: Any = None, names: TensorNames | None = None, level: str = "layer",
-         metric_kinds: dict | None = None, sketch_width: int = DEFAULT_WIDTH) -> TorchRun:
-    """Starts recording a torch loop into `path` (a new or empty folder).
+         metric_kinds: dict | None = None, sketch_width: int = DEFAULT_WIDTH, resume: bool = False) -> TorchRun:
+    """Starts recording a torch loop into `path` (a new or empty folder), or continues one (resume).
 
     model: the module whose layers, gradients and parameters the layer level records (hooks are
       added now and removed by finish/close). optimizer: its state entering each step is recorded
@@ -237,6 +306,9 @@ def init(path: str | os.PathLike, *, config: Any = None, model: torch.nn.Module 
       metric_kinds: causal kind of a metric beyond the trainer's (loss, z_loss, grad_norm, lr,
       param_norm); default "update". sketch_width: the width of each tensor's distance sketch at
       the layer level (traces/sketch.py; a power of two, 0 for none): what lets bisect measure
-      how far this run is from another without replaying it."""
+      how far this run is from another without replaying it. resume: reopen the run at `path`
+      (recorded with the same arguments; `config` is checked when given) to continue it: then
+      `run.restore(model, optimizer)` loads its newest checkpoint and returns the step to go on
+      from; the steps re-recorded after it must be bit-identical to those in the trace."""
     return TorchRun(path, config=config, model=model, optimizer=optimizer, names=names, level=level,
-                    metric_kinds=metric_kinds, sketch_width=sketch_width)
+                    metric_kinds=metric_kinds, sketch_width=sketch_width, resume=resume)

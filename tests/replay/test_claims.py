@@ -21,6 +21,7 @@ import re
 
 import pytest
 
+from tests.replay.test_bisect import assert_refinement_is_consistent
 from tests.replay.test_pack import REPORT_FIXTURE, check_report, invoke, read_report
 from traces import Run
 from trainer import faults, model
@@ -75,6 +76,36 @@ def test_layer_bf16_first_intermediate_is_the_faulty_blocks_q_projection(runs, b
     assert r["reproduces_trace"] == {"A": True, "B": True}
     assert as_text.exit_code == 1
     assert re.search(rf"first intermediate that differs\s*│?\s*{re.escape(expected)}\b", as_text.output), as_text.output
+
+
+def test_layer_bf16_refinement_compares_the_layers_intermediates_in_order(runs, bisected):
+    """The refinement's own bookkeeping (was tests/replay/test_bisect.py's layer-bf16 test, which
+    trained this same scenario again): every capture of the layer compared in causal order, all
+    equal before the first intermediate, the faulty program replayed for B from checkpoint EVERY."""
+    cfg, _, _ = runs
+    as_json, as_text = bisected
+    block = faulty_block(cfg)
+    report = json.loads(as_json.stdout)
+    for key in ("identical", "first_step", "cause", "layer", "examples", "replays"):
+        assert key in report
+    assert report["identical"] is False
+    r = report["refinement"]
+    assert r["layer"] == f"{block}.attn" and r["found_by"] == "trace"
+    inside = model.block_capture_names(cfg.model, block)
+    assert r["first_intermediate"] in inside and [row["name"] for row in r["compared"]] == inside
+    assert_refinement_is_consistent(r)
+    assert r["programs"]["B"] != r["programs"]["A"]  # B's step ran the faulty (bf16) program
+    assert report["replays"] == 1 and report["replayed_steps"] == 2 * (FAULT - EVERY)  # both from checkpoint EVERY
+    assert "inside the layer" in as_text.output and r["first_intermediate"] in as_text.output
+
+
+def test_no_refine_is_the_trace_scan_alone(runs):
+    from replay.bisect import bisect
+
+    cfg, a, b = runs
+    report = bisect(Run.open(a), Run.open(b), refine=False)
+    assert (report.first_step, report.cause, report.layer) == (FAULT, "forward", f"{faulty_block(cfg)}.attn")
+    assert report.refinement is None and report.replays == 0 and report.replayed_steps == 0
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,7 @@
-"""The noise floor: 1 vs 8 devices is noise only; one block in bfloat16 is far above it."""
+"""The noise floor: 1 vs 8 devices is noise only; one block in bfloat16 is far above it.
+
+12 steps (tiny's schedule is fixed by its decay_steps, so these are the first 12 steps of its
+20-step run, the same numbers): the fault at step 10 leaves 10 clean steps of 1 vs 8 noise."""
 
 from __future__ import annotations
 
@@ -15,27 +18,41 @@ from trainer.config import apply_overrides, get_preset
 from trainer.loop import train
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 20
+STEPS = 12
 SETS = [f"steps={STEPS}", "checkpoint.every_steps=5"]
 pytestmark = pytest.mark.slow
 
+# Both 8-device runs in one fresh process (the device count is set before JAX starts): `replay
+# train` twice through the CLI, the second with the fault.
+_TRAIN_TWICE = """
+import sys
+from typer.testing import CliRunner
+from replay.cli.app import app
+sets = [a for s in sys.argv[3:] for a in ("--set", s)]
+for out, extra in ((sys.argv[1], []), (sys.argv[2], ["--inject", "layer-bf16@10"])):
+    done = CliRunner().invoke(app, ["train", "--preset", "tiny", "--out", out, *sets, *extra])
+    if done.exit_code != 0:
+        sys.exit(f"{out}: exit {done.exit_code}: {done.output[-2000:]} {done.exception!r}")
+"""
 
-def train_on_8_devices(out: Path, *extra: str) -> Run:
+
+def train_on_8_devices(clean: Path, bf16: Path) -> tuple[Run, Run]:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    args = [a for s in SETS for a in ("--set", s)]
-    proc = subprocess.run([sys.executable, "-m", "replay.cli.app", "train", "--preset", "tiny", "--out", str(out),
-                           *args, *extra], cwd=ROOT, env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", _TRAIN_TWICE, str(clean), str(bf16), *SETS], cwd=ROOT, env=env,
+                          capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return Run.open(out)
+    runs = Run.open(clean), Run.open(bf16)
+    assert [r.manifest["environment"]["device_count"] for r in runs] == [8, 8]
+    assert runs[1].manifest["faults"] == ["layer-bf16@10"] and runs[0].manifest["faults"] == []
+    return runs
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("noise")
     train(apply_overrides(get_preset("tiny"), SETS), root / "one")
-    return Run.open(root / "one"), train_on_8_devices(root / "eight"), \
-        train_on_8_devices(root / "eight-bf16", "--inject", "layer-bf16@10")
+    return Run.open(root / "one"), *train_on_8_devices(root / "eight", root / "eight-bf16")
 
 
 @pytest.fixture(scope="module")

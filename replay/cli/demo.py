@@ -31,8 +31,8 @@ def demo(
     from replay.demo import DEFAULT_STEPS, run_demo
 
     steps = DEFAULT_STEPS if steps is None else steps
-    if steps < 32:
-        console.fail(f"--steps {steps}: the demo needs at least 32 steps (the fault starts half way)")
+    if steps < 16:
+        console.fail(f"--steps {steps}: the demo needs at least 16 steps (the fault starts half way)")
     _check_out(out)
     _replace_earlier(out, ("run-A", "run-B"), {"divergence.png"}, force)
     with console.progress("replay demo") as bar:

@@ -16,7 +16,7 @@ from tests.cli_util import dir_digest, invoke
 from traces import Run
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 32  # the fewest `replay demo` accepts
+STEPS = 16  # the fewest `replay demo` accepts
 S = STEPS // 2  # the resume step
 
 

@@ -42,12 +42,24 @@ if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+# Runs that several test files read and none writes (tests/torch/reference_pair.py): made once per
+# session into this folder, which the xdist workers inherit as the XLA cache folder above.
+_owned_shared: str | None = None
+if not os.environ.get("REPLAY_TESTS_SHARED_DIR"):
+    _owned_shared = tempfile.mkdtemp(prefix="replay-tests-shared-runs-")
+    os.environ["REPLAY_TESTS_SHARED_DIR"] = _owned_shared
+
+
 def pytest_sessionfinish(session, exitstatus):
-    if _owned_dir is not None:
-        shutil.rmtree(_owned_dir, ignore_errors=True)
+    for owned in (_owned_dir, _owned_shared):
+        if owned is not None:
+            shutil.rmtree(owned, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Files with a slow test first, each file's tests together and in their order (a stable sort)."""
+    """Files with a slow test first, each file's tests together and in their order (a stable sort).
+    Among them, files that set READS_SHARED_RUNS come last: another worker makes the shared runs
+    they wait for (tests/torch/reference_pair.py) meanwhile, in the slow file that makes them."""
     has_slow = {item.nodeid.split("::", 1)[0] for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.nodeid.split("::", 1)[0] not in has_slow)
+    items.sort(key=lambda item: (item.nodeid.split("::", 1)[0] not in has_slow,
+                                 bool(getattr(getattr(item, "module", None), "READS_SHARED_RUNS", False))))

@@ -1,9 +1,11 @@
 """`replay bisect TORCH_RUN JAX_RUN`: the cross-framework bisect on short pairs (tiny preset, fp32).
 
-One module fixture trains the reference (replay.torch, trainer/reference_train.py) and the JAX
-trainer from the same weights on the same batches, plus the runs that break one input or the
-port: a JAX run with RMSNorm epsilon 1e-5 (the reference's is 1e-6), a torch run from other
-weights, a JAX run on other data.
+The reference (replay.torch, trainer/reference_train.py) and the JAX trainer from the same
+weights on the same batches, and a JAX run with RMSNorm epsilon 1e-5 (the reference's is 1e-6),
+are session-shared runs (tests/torch/reference_pair.py: the reference of `replay demo --reference
+torch --steps 8`, JAX runs on its config recorded without distance sketches, so bisect replays
+them, as it does the trainer's default runs); a module fixture trains the runs that break one
+input: a torch run from other weights, a JAX run on other data.
 """
 
 from __future__ import annotations
@@ -20,13 +22,14 @@ pytest.importorskip("transformers")
 from replay.bisect import bisect  # noqa: E402
 from replay.bisect.cross import CrossReport, DENSE_STEPS, _examined  # noqa: E402
 from tests.cli_util import invoke, last_json  # noqa: E402
+from tests.torch.reference_pair import DEMO_STEPS, demo, demo_config, port_run  # noqa: E402
 from traces import Run  # noqa: E402
-from trainer.config import get_preset  # noqa: E402
-from trainer.reference_train import jax_config, reference_rows, train_reference  # noqa: E402
+from trainer.reference_train import reference_rows, train_reference  # noqa: E402
 
-STEPS = 2
-CFG = jax_config(dataclasses.replace(get_preset("tiny"), steps=STEPS,
-                                     checkpoint=dataclasses.replace(get_preset("tiny").checkpoint, every_steps=0)))
+READS_SHARED_RUNS = True  # tests/conftest.py orders this file after the one that makes them
+STEPS = DEMO_STEPS
+CFG = demo_config()
+INPUT_STEPS = 2  # the runs that break an input: bisect stops at the input check of step 0
 
 
 def _jax(path, cfg=CFG):
@@ -37,10 +40,11 @@ def _jax(path, cfg=CFG):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    d = tmp_path_factory.mktemp("cross")
-    bug = dataclasses.replace(CFG, model=dataclasses.replace(CFG.model, norm_eps=1e-5))
-    return {"torch": train_reference(CFG, d / "torch", STEPS), "jax": _jax(d / "jax"), "jax_eps": _jax(d / "jax_eps", bug)}
+def runs():
+    jax, eps = port_run(None, sketches=False), port_run("norm_eps", sketches=False)
+    assert Run.open(eps).manifest["config"]["model"]["norm_eps"] == 1e-5 and CFG.model.norm_eps == 1e-6
+    assert Run.open(jax).schema.sketch_width == Run.open(eps).schema.sketch_width == 0  # bisect replays them
+    return {"torch": demo()["reference"], "jax": jax, "jax_eps": eps}
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +52,10 @@ def input_runs(runs, tmp_path_factory):
     from trainer import model, rng
 
     d = tmp_path_factory.mktemp("cross_inputs")
+    short = dataclasses.replace(CFG, steps=INPUT_STEPS, trace=dataclasses.replace(CFG.trace, sketches=False))
     other_weights = model.init_params(CFG.model, rng.init_key(7))
-    return {**runs, "torch_other_init": train_reference(CFG, d / "torch_init", STEPS, start_params=other_weights),
-            "jax_other_data": _jax(d / "jax_data", dataclasses.replace(CFG, seed=1))}
+    return {**runs, "torch_other_init": train_reference(short, d / "torch_init", INPUT_STEPS, start_params=other_weights),
+            "jax_other_data": _jax(d / "jax_data", dataclasses.replace(short, seed=1))}
 
 
 def _open(runs, *names):

@@ -1,5 +1,7 @@
 """`replay demo --reference torch`: the reference and the JAX trainer agree within the noise floor,
-and the planted port bug is found at the expected step, layer and cause (the CLI, in-process)."""
+and the planted port bug is found at the expected step, layer and cause (the CLI, in-process).
+The demo runs once per test session (tests/torch/reference_pair.py): its runs are also the pair
+of the port-bug table, `compare --eval` and the cross-framework bisect tests."""
 
 from __future__ import annotations
 
@@ -11,14 +13,16 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from tests.cli_util import invoke  # noqa: E402
+from tests.torch.reference_pair import DEMO_STEPS, demo  # noqa: E402
 
-pytestmark = pytest.mark.slow  # three short trainings and two cross-framework bisects
+pytestmark = pytest.mark.slow  # the demo: three short trainings and two cross-framework bisects
 
 
-def test_the_reference_demo_agrees_clean_and_finds_the_rope_bug(tmp_path):
-    r = invoke("demo", "--reference", "torch", "--steps", "8", "--out", str(tmp_path / "demo"), "--json")
-    assert r.exit_code == 0, r.output
-    j = json.loads(r.stdout.strip().splitlines()[-1])
+def test_the_reference_demo_agrees_clean_and_finds_the_rope_bug():
+    r = demo()  # `replay demo --reference torch --steps 8 --out DIR --json`
+    assert r["exit_code"] == 0, r["output"]
+    j = json.loads(r["stdout"].strip().splitlines()[-1])
+    assert DEMO_STEPS == 8 and j["steps"] == 8 and j["port"] == str(r["jax"]) and j["buggy_port"] == str(r["rope"])
     assert j["clean"]["within_noise"] is True and j["clean"]["steps_examined"] == 8
     assert j["clean"]["inputs"]["data"]["equal"] and j["clean"]["inputs"]["init"]["equal"]
     assert j["buggy"]["within_noise"] is False

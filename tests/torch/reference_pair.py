@@ -1,17 +1,36 @@
-"""A torch-reference vs JAX-trainer pair for tests: same weights, same batches, AdamW both sides.
+"""Torch-reference vs JAX-trainer pairs for tests: same weights, same batches, AdamW both sides.
 
-Interim: helper D's trainer.reference_train.train_reference replaces train_torch when it lands.
+`clean_config` / `train_jax` / `train_torch`: a pair a module trains for itself.
+
+`demo()` / `port_run(bug)`: the pair several files read, made once per test session. The files
+of the cross-framework checks (tests/replay/test_demo_reference.py, tests/torch/test_port_bugs.py,
+tests/torch/test_compare_eval.py, tests/replay/test_bisect_cross.py) all need a reference, the
+clean JAX port and JAX ports with one bug each, from the same weights on the same data; each
+used to train its own (about 10 CPU seconds a run, compiles mostly). Here they are the runs of
+`replay demo --reference torch --steps 8` (the reference, the clean port, the RoPE-bug port: the
+CLI's own config, replay.demo_reference.demo_config, whose JAX runs record distance sketches, so
+bisect reads both traces) and, for the other bugs, that config with the bug switched on
+(trainer/port_bugs.py); with `sketches=False` the same JAX runs without sketches, the trainer's
+default, which bisect replays. The folder is the session's (tests/conftest.py,
+REPLAY_TESTS_SHARED_DIR); xdist workers make each run under a file lock, the first one to need
+it, and the others wait for it. Readers must not write into these runs (copy them first).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
+from typing import Callable
 
-import numpy as np
+from trainer.config import Config, get_preset
 
-from trainer import data, reference, rng
-from trainer.config import Config, get_preset, to_dict
+DEMO_STEPS = 8  # the reference demo's least --steps; checkpoints every 2 (its quarters)
+_fallback_dir: str | None = None
 
 
 def clean_config(steps: int = 20, every: int = 5, z_loss: float = 0.0, level: str = "layer") -> Config:
@@ -36,3 +55,67 @@ def train_torch(cfg: Config, path: Path) -> Path:
     from trainer.reference_train import train_reference
 
     return train_reference(cfg, path, cfg.steps)
+
+
+# ------------------------------------------------------------------ made once per test session
+
+def _shared_dir() -> Path:
+    global _fallback_dir
+    root = os.environ.get("REPLAY_TESTS_SHARED_DIR")
+    if not root:  # imported outside a pytest session with tests/conftest.py: this process's own
+        _fallback_dir = _fallback_dir or tempfile.mkdtemp(prefix="replay-shared-runs-")
+        root = _fallback_dir
+    return Path(root)
+
+
+def shared(name: str, make: Callable[[Path], None]) -> Path:
+    """The folder `name` of the session's shared runs, made by `make(folder)` the first time any
+    process asks for it. A make that raised leaves no marker: the next caller makes it again."""
+    root = _shared_dir()
+    out, done = root / name, root / f"{name}.done"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if make raises
+        if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)
+            make(out)
+            done.touch()
+    return out
+
+
+def demo_config() -> Config:
+    from replay.demo_reference import demo_config as cli_config
+
+    return cli_config(DEMO_STEPS)
+
+
+def demo() -> dict:
+    """`replay demo --reference torch --steps 8 --json`, run once: {"exit_code", "output",
+    "stdout"} of the CLI and the paths of its three runs ("reference", "jax", "rope")."""
+
+    def make(out: Path) -> None:
+        from tests.cli_util import invoke
+
+        out.mkdir()
+        r = invoke("demo", "--reference", "torch", "--steps", str(DEMO_STEPS), "--out", str(out / "demo"), "--json")
+        (out / "cli.json").write_text(json.dumps({"exit_code": r.exit_code, "output": r.output, "stdout": r.stdout}))
+
+    out = shared("reference-demo", make)
+    from replay.demo_reference import RUNS
+
+    return {**json.loads((out / "cli.json").read_text()),
+            **dict(zip(("reference", "jax", "rope"), (out / "demo" / name for name in RUNS)))}
+
+
+def port_run(bug: str | None, sketches: bool = True) -> Path:
+    """The JAX trainer on the demo's config (the demo's reference is its pair) with port bug `bug`
+    on (None: the clean port); `sketches=False`: recorded without distance sketches."""
+    from trainer.port_bugs import with_bug
+
+    cfg = demo_config()
+    assert cfg.trace.sketches, "the demo's JAX runs record sketches: port_run(..., sketches=True) are its runs"
+    if sketches and bug in (None, "rope"):  # the demo trained them
+        return demo()["jax" if bug is None else "rope"]
+    if not sketches:
+        cfg = dataclasses.replace(cfg, trace=dataclasses.replace(cfg.trace, sketches=False))
+    name = f"port-{bug or 'clean'}" + ("" if sketches else "-no-sketches")
+    return shared(name, lambda out: train_jax(cfg if bug is None else with_bug(cfg, bug), out))

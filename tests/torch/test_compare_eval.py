@@ -1,9 +1,11 @@
 """`replay compare A B --eval`: checkpoints of a torch reference run and JAX trainer runs evaluated
 on the same held-out rows, each with its own framework's code, against the measured float32 floor.
 
-One pair trained once for the module (12 steps, checkpoints every 4): the reference from the
-trainer's initial weights, the clean JAX trainer, and the JAX trainer with a port bug (AdamW
-epsilon inside the square root, which acts from the first update)."""
+The session's shared pair (tests/torch/reference_pair.py: the runs of `replay demo --reference
+torch --steps 8`, checkpoints every 2): the reference from the trainer's initial weights, the
+clean JAX trainer, and the JAX trainer with a port bug (AdamW epsilon inside the square root,
+which acts from the first update), all on the demo's config. The clean pair's comparison at the
+default steps is the one the demo made (its JSON); the others are made here."""
 
 from __future__ import annotations
 
@@ -16,35 +18,38 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from replay.compare import compare_eval, pick_steps  # noqa: E402
+from replay.compare import EvalComparison, EvalRow, compare_eval, pick_steps  # noqa: E402
 from replay.compare.errors import CompareInputError  # noqa: E402
 from tests.cli_util import invoke  # noqa: E402
-from tests.torch.reference_pair import clean_config, train_jax, train_torch  # noqa: E402
-from trainer.port_bugs import with_bug  # noqa: E402
+from tests.torch.reference_pair import DEMO_STEPS, demo, port_run  # noqa: E402
 
-STEPS, EVERY = 12, 4
-slow = pytest.mark.slow  # the pair: one reference and two JAX trainings, then evaluations
+STEPS, EVERY = DEMO_STEPS, 2  # checkpoints 0, 2, 4, 6, 8
+READS_SHARED_RUNS = True  # tests/conftest.py orders this file after the one that makes them
+slow = pytest.mark.slow  # the shared pair (made by the first file that needs it), then evaluations
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("compare-eval")
-    cfg = clean_config(STEPS, EVERY, level="step")  # checkpoints are what --eval reads: no layer records
-    # The buggy port trains only to the first checkpoint (its schedule is the clean config's).
-    bug = dataclasses.replace(with_bug(cfg, "adam_eps"), steps=EVERY)
-    return {"torch": train_torch(cfg, root / "torch"), "jax": train_jax(cfg, root / "jax"),
-            "bug": train_jax(bug, root / "jax-adam-eps"), "root": root}
+def pair():
+    d = demo()
+    return {"torch": d["reference"], "jax": d["jax"], "bug": port_run("adam_eps")}
 
 
 @pytest.fixture(scope="module")
 def clean(pair):
-    return compare_eval(pair["torch"], pair["jax"])
+    """compare_eval(reference, clean JAX run) at the default steps: the comparison the demo made
+    and printed (its JSON "eval"), rebuilt as the EvalComparison it came from."""
+    j = json.loads(demo()["stdout"].strip().splitlines()[-1])["eval"]
+    rows = [EvalRow(**{f.name: r[f.name] for f in dataclasses.fields(EvalRow)}) for r in j["steps"]]
+    report = EvalComparison(j["run_a"], j["run_b"], j["framework_a"], j["framework_b"], j["examples"],
+                            j["skipped_trained"], rows)
+    assert report.to_json() == j  # every field, the verdicts (agree, first_disagreement) included
+    return report
 
 
 @slow
 def test_a_clean_pair_agrees_at_early_middle_and_late_checkpoints(clean):
     assert (clean.framework_a, clean.framework_b) == ("torch", "jax")
-    assert [r.step for r in clean.rows] == [4, 8, 12]
+    assert [r.step for r in clean.rows] == pick_steps(list(range(0, STEPS + 1, EVERY))) == [2, 4, 8]
     assert clean.agree, clean.to_json()
     assert any(r.difference != 0.0 for r in clean.rows)  # two frameworks: close, not the same bits
     for r in clean.rows:
@@ -53,8 +58,8 @@ def test_a_clean_pair_agrees_at_early_middle_and_late_checkpoints(clean):
 
 @slow
 def test_a_port_bug_differs_at_its_first_checkpoint(pair, clean):
-    report = compare_eval(pair["torch"], pair["bug"])
-    assert [r.step for r in report.rows] == [4] and not report.agree and report.first_disagreement == 4
+    report = compare_eval(pair["torch"], pair["bug"], steps=[EVERY])
+    assert [r.step for r in report.rows] == [EVERY] and not report.agree and report.first_disagreement == EVERY
     assert abs(report.rows[0].difference) > 10 * report.rows[0].tolerance
     assert abs(report.rows[0].difference) > 10 * abs(clean.rows[0].difference)
 
@@ -66,7 +71,7 @@ def test_same_framework_pairs(pair, tmp_path):
     assert same.agree and same.rows[0].difference == 0.0
     assert not compare_eval(pair["jax"], pair["bug"], steps=[4]).agree
     torch_twin = shutil.copytree(pair["torch"], tmp_path / "torch-twin")
-    both = compare_eval(pair["torch"], torch_twin, steps=[12])
+    both = compare_eval(pair["torch"], torch_twin, steps=[STEPS])
     assert (both.framework_a, both.framework_b) == ("torch", "torch") and both.rows[0].difference == 0.0
 
 
@@ -79,7 +84,7 @@ def test_the_held_out_rows_were_not_trained_on(pair):
 
     sides = [open_side(pair["torch"]), open_side(pair["jax"])]
     rows, skipped = held_out_rows(sides, 64, before_step=STEPS)
-    assert rows.shape == (64, 33) and skipped > 0  # 12 x 16 of 10k examples: some candidates were trained on
+    assert rows.shape == (64, 33) and skipped > 0  # 8 x 16 of 10k examples: some candidates were trained on
     assert not first_fed(Run.open(pair["jax"]), example_hashes(rows))
     again, _ = held_out_rows(sides, 64, before_step=STEPS)
     assert (again == rows).all()
@@ -102,7 +107,7 @@ def test_cli_table_json_and_exit_codes(pair):
     bad = invoke("compare", str(pair["torch"]), str(pair["bug"]), "--eval", "--json")
     assert bad.exit_code == 1, bad.output
     j = json.loads(bad.stdout)
-    assert j["agree"] is False and j["first_disagreement"] == 4 and j["framework_b"] == "jax"
+    assert j["agree"] is False and j["first_disagreement"] == EVERY and j["framework_b"] == "jax"
     for argv, words in ((["--eval", "--steps", "7"], "not a checkpoint of both runs"),
                         (["--steps", "4"], "needs --eval"), (["--eval", "--steps", "x"], "separated by commas")):
         r = invoke("compare", str(pair["torch"]), str(pair["jax"]), *argv)

@@ -179,6 +179,9 @@ def test_read_only_changes_nothing(tmp_path, trained):
 
 # ---------------------------------------------------------------- 8 devices <-> 1 device
 
+# One 8-device process does both directions (each process pays JAX's start and the 8-device
+# compiles): it restores the checkpoint this process saved on 1 device (ck1, want1.npz), then
+# saves its own from its own training (ck8, want8.npz), which this process restores.
 _EIGHT = r"""
 import json, sys
 import jax, numpy as np
@@ -186,7 +189,7 @@ from trainer import mesh as M, step
 from trainer.checkpoint import Checkpointer
 from trainer.config import apply_overrides, get_preset
 from replay.record.fingerprint import state_fingerprint
-mode, ckdir, npz = sys.argv[1], sys.argv[2], sys.argv[3]
+root = sys.argv[1]
 assert jax.device_count() == 8, jax.device_count()
 cfg = apply_overrides(get_preset("tiny"), ["mesh.data=1", "mesh.fsdp=-1"])
 mesh = M.make_mesh(cfg.mesh)
@@ -197,51 +200,59 @@ def batch(seed):
     return M.global_batch({"inputs": t[:, :-1], "targets": t[:, 1:]}, mesh)
 def leaves(tree):
     return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
-out = {}
-if mode == "save":
-    state, _ = fn(M.init_sharded_state(cfg, mesh), batch(0))
-    np.savez(npz, **leaves(state))
-    with Checkpointer(ckdir, keep=0) as ck:
-        ck.save(state)
-        out["steps"] = ck.steps()
-    x = state.params["lm_head"]["kernel"]
-    out["shard"], out["shape"] = list(x.addressable_shards[0].data.shape), list(x.shape)
-    out["fingerprint"] = state_fingerprint(state)  # of the state sharded 8 ways
-else:
-    want = np.load(npz)
-    with Checkpointer(ckdir, create=False) as ck:
-        state = ck.restore(1, M.sharded_abstract_state(cfg, mesh))
-    got = leaves(state)
-    out["differ"] = sorted(k for k in want.files if want[k].dtype != got[k].dtype or want[k].tobytes() != got[k].tobytes())
-    out["same_keys"] = sorted(want.files) == sorted(got)
-    out["fingerprint"] = state_fingerprint(state)
-    x = state.params["lm_head"]["kernel"]
-    out["shard"], out["shape"] = list(x.addressable_shards[0].data.shape), list(x.shape)
-    state, metrics = fn(state, batch(1))  # donates (deletes) the restored arrays
-    out["after_step"] = int(state.step)
-    out["loss_finite"] = bool(np.isfinite(float(metrics["loss"])))
-print(json.dumps(out))
+restore, save = {}, {}
+want = np.load(f"{root}/want1.npz")
+with Checkpointer(f"{root}/ck1", create=False) as ck:
+    state = ck.restore(1, M.sharded_abstract_state(cfg, mesh))
+got = leaves(state)
+restore["differ"] = sorted(k for k in want.files if want[k].dtype != got[k].dtype or want[k].tobytes() != got[k].tobytes())
+restore["same_keys"] = sorted(want.files) == sorted(got)
+restore["fingerprint"] = state_fingerprint(state)
+x = state.params["lm_head"]["kernel"]
+restore["shard"], restore["shape"] = list(x.addressable_shards[0].data.shape), list(x.shape)
+state, metrics = fn(state, batch(1))  # donates (deletes) the restored arrays
+restore["after_step"] = int(state.step)
+restore["loss_finite"] = bool(np.isfinite(float(metrics["loss"])))
+state, _ = fn(M.init_sharded_state(cfg, mesh), batch(0))
+np.savez(f"{root}/want8.npz", **leaves(state))
+with Checkpointer(f"{root}/ck8", keep=0) as ck:
+    ck.save(state)
+    save["steps"] = ck.steps()
+x = state.params["lm_head"]["kernel"]
+save["shard"], save["shape"] = list(x.addressable_shards[0].data.shape), list(x.shape)
+save["fingerprint"] = state_fingerprint(state)  # of the state sharded 8 ways
+print(json.dumps({"restore": restore, "save": save}))
 """
 
 
-def _eight(*args: str) -> dict:
+@pytest.fixture(scope="module")
+def eight(trained, tmp_path_factory) -> tuple[Path, dict]:
+    """(folder, the 8-device process's report): ck1 and want1.npz saved here on 1 device, ck8 and
+    want8.npz saved there on 8."""
+    _, _, state = trained
+    root = tmp_path_factory.mktemp("eight")
+    with Checkpointer(root / "ck1", keep=0) as ck:
+        ck.save(state)
+    np.savez(root / "want1.npz", **{k: np.asarray(x) for k, x in (
+        (jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0])})
     flags = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
-    r = subprocess.run([sys.executable, "-c", _EIGHT, *args], env=env, cwd=ROOT, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", _EIGHT, str(root)], env=env, cwd=ROOT, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return root, json.loads(r.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
-def test_saved_on_8_devices_restores_on_1(tmp_path, trained):
+def test_saved_on_8_devices_restores_on_1(trained, eight):
     mesh, fn, _ = trained
-    out = _eight("save", str(tmp_path / "ck"), str(tmp_path / "want.npz"))
+    root, report = eight
+    out = report["save"]
     assert out["steps"] == [1]
     assert out["shape"] == [64, 320] and out["shard"] == [64, 40]  # really sharded 8 ways
-    with Checkpointer(tmp_path / "ck", create=False) as ck:
+    with Checkpointer(root / "ck8", create=False) as ck:
         state = ck.restore(1, M.sharded_abstract_state(CFG, mesh))
-    want = np.load(tmp_path / "want.npz")
+    want = np.load(root / "want8.npz")
     got = leaf_bytes(state)
     assert sorted(got) == sorted(want.files)
     assert [k for k in want.files if got[k] != (want[k].dtype.str, want[k].shape, want[k].tobytes())] == []
@@ -251,13 +262,9 @@ def test_saved_on_8_devices_restores_on_1(tmp_path, trained):
 
 
 @pytest.mark.slow
-def test_saved_on_1_device_restores_on_8(tmp_path, trained):
+def test_saved_on_1_device_restores_on_8(trained, eight):
     _, _, state = trained
-    with Checkpointer(tmp_path / "ck", keep=0) as ck:
-        ck.save(state)
-    np.savez(tmp_path / "want.npz", **{k: np.asarray(x) for k, x in (
-        (jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0])})
-    out = _eight("restore", str(tmp_path / "ck"), str(tmp_path / "want.npz"))
+    out = eight[1]["restore"]
     assert out["same_keys"] and out["differ"] == []
     assert out["fingerprint"] == state_fingerprint(state)
     assert out["shard"] == [64, 40]  # restored straight into the 8-way layout

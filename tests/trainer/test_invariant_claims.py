@@ -45,6 +45,7 @@ WITHOUT_FIXED_BACKWARD = ("import contextlib; from trainer import model; "
 
 # ------------------------------------------------------------------------------ comparing runs
 
+@functools.lru_cache(maxsize=None)  # the 1-device runs are each compared with several others
 def _checkpoint_leaves(path: Path, step: int) -> list[tuple[str, bytes]]:
     """Every array of checkpoint `step`, restored on this process's one device, as raw bytes."""
     from trainer import mesh as meshlib

@@ -66,13 +66,15 @@ CHECK_READS = 4  # re-run steps tried after the first difference (trace.layer_ev
 def rerun_checks(run_a, run_b, step: int | None) -> dict[str, dict]:
     """{"A"/"B": replay.verify.checks.describe's dict} of the first re-run at or after `step` in
     each run that has the in-training check; a run without one (or none recorded that late) is left out."""
-    from replay.verify import checks
-
-    if step is None:
+    everys = {name: int((config_of(run.manifest).get("check") or {}).get("rerun_every") or 0)
+              for name, run in (("A", run_a), ("B", run_b))}
+    if step is None or not any(everys.values()):
         return {}
+    from replay.verify import checks  # only for a run with the check: replay.verify imports JAX
+
     out = {}
     for name, run in (("A", run_a), ("B", run_b)):
-        every = int((config_of(run.manifest).get("check") or {}).get("rerun_every") or 0)
+        every = everys[name]
         if not every or not checks.check_tensors(run.schema):
             continue
         k = -(-step // every) * every

@@ -225,7 +225,8 @@ def bench_size(root: Path, steps: int, examples: int, cache: str = "warm") -> di
         paths = files_of(*reads[name])
         (drop_cache if cache == "cold" else warm)(paths)
         share = resident(paths)
-        result = measure(args, root / f"{name}.out", REPEATS)
+        # cold: once, since a second run would find the first one's reads in the page cache
+        result = measure(args, root / f"{name}.out", 1 if cache == "cold" else REPEATS)
         text = (root / f"{name}.out").read_text(errors="replace")
         row = {"seconds": round(result["seconds"], 3), "cpu_seconds": round(result["cpu_seconds"], 3),
                "load_average": round(os.getloadavg()[0], 1),

@@ -4,7 +4,8 @@
 
 `demo()` / `port_run(bug)`: the pair several files read, made once per test session. The files
 of the cross-framework checks (tests/replay/test_demo_reference.py, tests/torch/test_port_bugs.py,
-tests/torch/test_compare_eval.py, tests/replay/test_bisect_cross.py) all need a reference, the
+tests/torch/test_compare_eval.py, tests/replay/test_bisect_cross.py, tests/torch/test_jax_sketches.py)
+all need a reference, the
 clean JAX port and JAX ports with one bug each, from the same weights on the same data; each
 used to train its own (about 10 CPU seconds a run, compiles mostly). Here they are the runs of
 `replay demo --reference torch --steps 8` (the reference, the clean port, the RoPE-bug port: the

@@ -14,10 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.torch.reference_pair import clean_config
+from tests.torch.reference_pair import DEMO_STEPS, clean_config, demo, port_run
 from traces.sketch import DEFAULT_WIDTH, bucket_and_sign, sketch
 
-STEPS = 3
+STEPS = 3  # of the bits test's config, and the steps whose replay the trace estimate is checked against
+READS_SHARED_RUNS = True  # tests/conftest.py orders this file after the one that makes the shared runs
 
 
 def _sketched(cfg):
@@ -97,28 +98,13 @@ pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):  # the tests using it are slow: a torch and two JAX trainings
-    """A torch reference, a sketched JAX run, and a one-step reference with a port bug (RMSNorm epsilon:
-    a torch run, so the test trains one JAX program fewer; the distance does not care which side
-    has the bug)."""
+def runs():
+    """The session's shared pair (tests/torch/reference_pair.py): the reference demo's torch run and
+    its clean JAX port, which records sketches, and the port with the RMSNorm epsilon bug, sketched."""
     from traces import Run
-    from trainer.loop import train
-    from trainer.port_bugs import with_bug
-    from trainer.reference_train import train_reference
 
-    import torch
-
-    root = tmp_path_factory.mktemp("jax-sketches")
-    cfg = clean_config(STEPS, every=STEPS)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the tiny reference's ops gain nothing from a second thread on a shared CPU
-    try:
-        train_reference(cfg, root / "torch", STEPS)
-        train_reference(dataclasses.replace(with_bug(cfg, "norm_eps"), steps=1), root / "torch-bug", 1)
-    finally:
-        torch.set_num_threads(threads)
-    train(_sketched(cfg), root / "jax")
-    return {k: Run.open(root / k) for k in ("torch", "jax", "torch-bug")}
+    d = demo()
+    return {"torch": Run.open(d["reference"]), "jax": Run.open(d["jax"]), "jax-bug": Run.open(port_run("norm_eps"))}
 
 
 @pytest.fixture
@@ -144,7 +130,7 @@ def test_a_clean_pair_is_judged_from_the_traces_alone(runs, no_replay):
     assert report.failure is None, report.failure
     assert no_replay == [] and report.source == "traces"
     assert report.within_noise, report.to_json()
-    assert sorted(report.distances) == list(range(STEPS))
+    assert sorted(report.distances) == list(range(DEMO_STEPS))
     assert report.distances[1]["block_00.attn"] > 0  # measured, not just "fingerprints differ"
 
 
@@ -180,7 +166,7 @@ def test_the_trace_estimate_is_the_replay_estimate_within_the_sketch_tolerance(r
         assert sum(n in traced[k] and n in replayed[k] for n in index) > 50
         assert outside(traced[k], k) == [], k
     # the tolerance is tight enough to tell another pair's estimate (the port bug's at step 0)
-    assert outside(dict(from_traces(runs["torch-bug"], j, [0], names))[0], 0)
+    assert outside(dict(from_traces(t, runs["jax-bug"], [0], names))[0], 0)
 
 
 @pytest.mark.slow
@@ -188,7 +174,7 @@ def test_a_port_bug_is_localized_from_the_traces(runs, no_replay):
     from replay.bisect.cross import cross_bisect
     from trainer.port_bugs import PORT_BUGS
 
-    report = cross_bisect(runs["torch-bug"], runs["jax"])
+    report = cross_bisect(runs["torch"], runs["jax-bug"])
     assert no_replay == [] and report.source == "traces"
     bug = PORT_BUGS["norm_eps"]
     assert (report.first_step, report.first_layer, report.cause) == (0, bug.first_tensor, bug.kind)

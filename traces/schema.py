@@ -225,3 +225,13 @@ def decode_record(schema: Schema, data: bytes) -> StepRecord:
 def same_bits(schema: Schema, a: StepRecord, b: StepRecord) -> bool:
     """True when two records are bit-identical in every field (NaN payloads and -0.0 included)."""
     return encode_record(schema, a) == encode_record(schema, b)
+
+
+# The SDC re-run check's tensors (FORMAT.md "SDC checks"): "check/rerun", then "check/rerun_1", ...
+# for every further 64 microbatches. Here, beside the schema, so that reading them needs no JAX.
+CHECK_TENSOR = "check/rerun"
+
+
+def check_tensors(schema: Schema) -> list[int]:
+    """Indices of the record's "check/rerun" tensors, in order ([] when the run has no check)."""
+    return [i for i, n in enumerate(schema.tensor_names) if n == CHECK_TENSOR or n.startswith(CHECK_TENSOR + "_")]

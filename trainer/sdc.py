@@ -43,11 +43,11 @@ from jax import lax
 
 from jax.sharding import Mesh, PartitionSpec as P
 
+from traces.schema import CHECK_TENSOR
 from trainer.config import Config
 from trainer.microbatches import BATCH_AXES, Layout, microbatch
 
 MAX_GAP = 4096  # sdc-chip: steps between the first SDC fault and a chip's start the program can tell apart
-CHECK_TENSOR = "check/rerun"  # one per 64 microbatches: "check/rerun", "check/rerun_1", ...
 
 
 # ------------------------------------------------------------------------------ the layout

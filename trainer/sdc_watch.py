@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from traces import Schema
-from traces.schema import StepRecord
+from traces.schema import StepRecord, check_tensors
 
 
 class RerunWatch:
@@ -39,8 +39,6 @@ class RerunWatch:
         processes other than 0, which do not write the run."""
         every = int(((manifest.get("config") or {}).get("check") or {}).get("rerun_every") or 0)
         if every and jax.process_index() == 0:
-            from replay.verify.checks import check_tensors  # only here: replay.verify imports the engine
-
             every = every if check_tensors(schema) else 0
         return cls(manifest, schema, every if jax.process_index() == 0 else 0, run_path, warn)
 

@@ -19,6 +19,7 @@ import typer
 
 import traces
 from replay.cli import console
+from traces.schema import check_tensors
 
 # Config fields worth a line in the human summary, when the manifest's config has them.
 CONFIG_KEYS = (
@@ -121,12 +122,10 @@ def _sdc_checks(run, verify: bool) -> dict[str, Any] | None:
     """The in-training re-run checks (check.rerun_every, trainer/sdc.py) when the run has them.
     Their disagreements are listed only with --verify, which reads every record anyway: at a
     million steps that is the whole trace's tensor columns once; plain `show` stays O(segments)."""
-    if not any(n.startswith("check/rerun") for n in run.schema.tensor_names):
-        return None  # trainer/sdc.py's CHECK_TENSOR: without one, replay.verify (it imports JAX) is not needed
+    if not check_tensors(run.schema):
+        return None  # and replay.verify (it imports JAX) is not needed
     from replay.verify import checks
 
-    if not checks.check_tensors(run.schema):
-        return None
     every = ((run.manifest.get("config") or {}).get("check") or {}).get("rerun_every")
     found = [d["line"] for d in checks.scan_run(run)] if verify else None
     return {"rerun_every": every, "disagreements": found}

@@ -18,12 +18,9 @@ from collections import Counter
 
 import numpy as np
 
+from traces.schema import check_tensors  # noqa: F401  (its callers read it from here too)
 
-def check_tensors(schema) -> list[int]:
-    """Indices of the record's "check/rerun" tensors, in order ([] when the run has no check)."""
-    from trainer.sdc import CHECK_TENSOR
 
-    return [i for i, n in enumerate(schema.tensor_names) if n == CHECK_TENSOR or n.startswith(CHECK_TENSOR + "_")]
 
 
 def describe(manifest: dict, schema, record) -> dict | None:

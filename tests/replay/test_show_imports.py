@@ -9,16 +9,11 @@ import sys
 import numpy as np
 import pytest
 
-from tests.traces.helpers import make_record, make_schema
+from tests.traces.helpers import BLOCK_JAX, make_record, make_schema
 from traces import Run
 
-SHOW_WITHOUT_JAX = r"""
-import runpy, sys
-class NoJax:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("jax", "jaxlib", "flax", "optax", "orbax"):
-            raise ImportError(f"{name} is blocked for this test")
-sys.meta_path.insert(0, NoJax())
+SHOW_WITHOUT_JAX = BLOCK_JAX + r"""
+import runpy
 sys.argv = ["replay", "show", sys.argv[1], "--json"]
 try:
     runpy.run_module("replay.cli.app", run_name="__main__")

@@ -8,6 +8,16 @@ from traces import Schema, StepRecord
 
 EXAMPLES = 16
 
+# The start of a `python -c` script that runs as if JAX and its libraries were not installed.
+BLOCK_JAX = r"""
+import sys
+class NoJax:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("jax", "jaxlib", "flax", "optax", "orbax"):
+            raise ImportError(f"{name} is blocked for this test")
+sys.meta_path.insert(0, NoJax())
+"""
+
 
 def make_schema(layer: bool = True) -> Schema:
     tensors = (

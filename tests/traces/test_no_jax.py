@@ -3,13 +3,9 @@
 import subprocess
 import sys
 
-BLOCK_JAX = r"""
-import sys
-class NoJax:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("jax", "jaxlib", "flax", "optax", "orbax"):
-            raise ImportError(f"{name} is blocked for this test")
-sys.meta_path.insert(0, NoJax())
+from tests.traces.helpers import BLOCK_JAX
+
+TRACES_WITHOUT_JAX = BLOCK_JAX + r"""
 import traces, traces.fingerprint, traces.compare, traces.run
 import numpy as np
 print(traces.FORMAT_VERSION, traces.fingerprint.fingerprint(np.arange(5, dtype=np.float32)) > 0)
@@ -22,7 +18,7 @@ except ImportError:
 
 
 def test_traces_imports_without_jax():
-    out = subprocess.run([sys.executable, "-c", BLOCK_JAX], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", TRACES_WITHOUT_JAX], capture_output=True, text=True, check=True).stdout
     from traces import FORMAT_VERSION
 
     assert out.split() == [str(FORMAT_VERSION), "True", "jax", "blocked"]

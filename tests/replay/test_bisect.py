@@ -9,7 +9,6 @@ import math
 import shutil
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 from typer.testing import CliRunner
@@ -17,6 +16,7 @@ from typer.testing import CliRunner
 from replay.bisect import bisect
 from replay.cli.app import app
 from replay.bisect.refine import compare_tensors
+from tests.replay.test_refine_device import count_fetches  # noqa: F401  (a fixture)
 from traces import Run
 from trainer import faults
 from trainer.config import apply_overrides, get_preset
@@ -24,6 +24,10 @@ from trainer.config import apply_overrides, get_preset
 FAULT_STEP = 15
 STEPS = 20  # checkpoints at 10 and 20
 SPARSE_STEPS, SPARSE_EVERY, SPARSE_FAULT = 40, 10, 23
+# One block: no claim here needs a second, a block is most of each program's compile, and the
+# one-block tiny's step program is also tests/replay/test_claims.py's and test_noise.py's.
+ONE_BLOCK = ["model.n_layers=1"]
+FLIPPED = "block_00.mlp.up.kernel"  # the parameter bitflip flips: block n_layers // 2's MLP input (trainer/faults.py)
 
 
 def invoke(*args: str):
@@ -40,35 +44,17 @@ def cli_json(*args: str) -> tuple[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def compile_cache(tmp_path_factory):
-    """A persistent compilation cache for this module: the runs (and their replays) share the
-    same few step programs, and compiling each once keeps the module well under minutes."""
-    from jax.experimental.compilation_cache import compilation_cache as cc
-
-    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-            "jax_persistent_cache_min_entry_size_bytes")
-    saved = {k: getattr(jax.config, k) for k in keys}
-    cc.reset_cache()
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax-cache")))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    yield
-    for k, v in saved.items():
-        jax.config.update(k, v)
-    cc.reset_cache()
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, compile_cache):
-    """runs(name) -> path, trained on first use: "A", "A2" (a second clean run), a fault name
+def runs(tmp_path_factory):
+    """runs(name) -> path, trained on first use (their step programs come from the session's XLA
+    cache, tests/conftest.py, which other files' tiny runs fill too): "A", "A2" (a second clean run), a fault name
     (that fault at step 15), "offA"/"offB" (trace.level=off, 40 steps, checkpoints every 10,
     offB with a bitflip at step 23)."""
     from trainer.faults import Fault, FaultPlan
     from trainer.loop import train
 
     root = tmp_path_factory.mktemp("bisect")
-    cfg = apply_overrides(get_preset("tiny"), [f"steps={STEPS}", "checkpoint.every_steps=10"])
-    off = apply_overrides(get_preset("tiny"), [f"steps={SPARSE_STEPS}", "trace.level=off",
+    cfg = apply_overrides(get_preset("tiny"), [*ONE_BLOCK, f"steps={STEPS}", "checkpoint.every_steps=10"])
+    off = apply_overrides(get_preset("tiny"), [*ONE_BLOCK, f"steps={SPARSE_STEPS}", "trace.level=off",
                                                f"checkpoint.every_steps={SPARSE_EVERY}"])
     made: dict[str, Path] = {}
 
@@ -117,17 +103,28 @@ def test_identical_runs_exit_0(runs):
 
 
 @pytest.mark.slow
-def test_bitflip_names_the_parameter_and_the_flipped_element(runs):
-    report = bisect(Run.open(runs("A")), Run.open(runs("bitflip")))
+def test_bitflip_names_the_parameter_and_the_flipped_element(runs, count_fetches):
+    """Also the refinement's transfers (was tests/replay/test_refine_device.py's end-to-end test, which
+    trained this scenario again): it compares where the tensors live and fetches one leaf pair to
+    the host, not every parameter of both runs."""
+    from trainer.model import param_count
+
+    a, b = Run.open(runs("A")), Run.open(runs("bitflip"))
+    count_fetches["bytes"] = 0
+    report = bisect(a, b)
     assert (report.first_step, report.cause, report.layer) == (FAULT_STEP, "state", "state/params")
     r = report.refinement
-    assert r["first_intermediate"] == faults.bitflip_param(runs.cfg) == "block_01.mlp.up.kernel"
+    assert r["first_intermediate"] == faults.bitflip_param(runs.cfg) == FLIPPED
     assert_refinement_is_consistent(r)
     numel = int(np.prod(r["shape"]))
     assert r["differing"] == 1 and r["share_differing"] == pytest.approx(1 / numel)
     assert r["distances"]["max_ulp"] == 1 << faults.BITFLIP_BIT  # one mantissa bit: exactly 2**20 ULPs
     assert r["at"] == [0, 0]
     assert report.replays == 1
+    leaf = numel * 4
+    everything = 2 * param_count(runs.cfg.model) * 4  # every parameter of both runs, what the host compare fetched
+    assert r["fetched"]["leaves"] == 1 and r["fetched"]["bytes"] <= 2 * leaf + 4096
+    assert count_fetches["bytes"] <= 2 * leaf + 64 * 1024 < everything / 4
 
 
 @pytest.mark.slow
@@ -170,7 +167,7 @@ def test_without_checkpoints_the_replay_starts_from_the_initial_state(runs, tmp_
     (bare / "checkpoints").mkdir()
     report = bisect(Run.open(runs("A")), Run.open(bare))
     assert (report.first_step, report.cause, report.layer) == (FAULT_STEP, "state", "state/params")
-    assert report.refinement["first_intermediate"] == "block_01.mlp.up.kernel"
+    assert report.refinement["first_intermediate"] == FLIPPED
     assert report.replayed_steps == (FAULT_STEP - 10) + FAULT_STEP  # A from checkpoint 10, B from step 0
 
 
@@ -215,7 +212,7 @@ def test_sparse_runs_binary_search_by_replay(runs):
     assert {p["step"] for p in replayed if not p["equal"]} and all(
         p["step"] <= SPARSE_FAULT for p in replayed if p["equal"])
     r = report["refinement"]
-    assert r["found_by"] == "replay" and r["first_intermediate"] == "block_01.mlp.up.kernel"
+    assert r["found_by"] == "replay" and r["first_intermediate"] == FLIPPED
     assert r["distances"]["max_ulp"] == 1 << faults.BITFLIP_BIT
 
 
@@ -246,7 +243,7 @@ def test_trace_scan_step_too_late_is_searched_below(runs, tmp_path):
     assert report.comparison.first_step == 17
     assert report.method == "binary search by replay" and report.first_step == FAULT_STEP
     assert (report.cause, report.layer) == ("state", "state/params")
-    assert report.refinement["first_intermediate"] == "block_01.mlp.up.kernel"
+    assert report.refinement["first_intermediate"] == FLIPPED
     assert report.replays <= 1 + math.ceil(math.log2(17 - 10)) + 1
 
 

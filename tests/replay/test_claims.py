@@ -29,6 +29,10 @@ from trainer.config import apply_overrides, get_preset
 
 STEPS, EVERY, FAULT = 12, 6, 9  # checkpoints 0, 6, 12; the fault from step 9
 PACKED = (EVERY, STEPS - 1)  # the steps packed: from checkpoint 6 to the end
+# One block (the faulty one, block_00, entered from the untouched embedding): no claim here needs a
+# second, and each of the module's programs (both runs' steps, both refinements' captures) compiles
+# about a third faster; tests/replay/test_noise.py trains the same one-block tiny on one device.
+ONE_BLOCK = ["model.n_layers=1"]
 pytestmark = pytest.mark.slow
 
 
@@ -38,7 +42,7 @@ def runs(tmp_path_factory):
     from trainer.loop import train
 
     root = tmp_path_factory.mktemp("claims")
-    cfg = apply_overrides(get_preset("tiny"), [f"steps={STEPS}", f"checkpoint.every_steps={EVERY}"])
+    cfg = apply_overrides(get_preset("tiny"), [*ONE_BLOCK, f"steps={STEPS}", f"checkpoint.every_steps={EVERY}"])
     train(cfg, root / "A", preset="tiny")
     train(cfg, root / "B", preset="tiny", faults=faults.FaultPlan([faults.Fault("layer-bf16", FAULT)], cfg))
     return cfg, root / "A", root / "B"

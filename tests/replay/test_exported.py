@@ -285,28 +285,47 @@ def test_a_full_pack_without_stored_examples_is_refused(tmp_path):
 # ---------------------------------------------------------------------------- fresh processes, as a user runs it
 
 
-def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    return subprocess.run([sys.executable, "-m", "replay.cli.app", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+# `replay run RUN`, `replay pack RUN -o BUNDLE`, the run deleted, `replay run BUNDLE`: in one fresh process
+# (argv: RUN BUNDLE), each command as the console script runs it; their results as one JSON line.
+_ELSEWHERE = r"""
+import json, shutil, sys
+from typer.testing import CliRunner
+from replay.cli.app import app
+run, bundle = sys.argv[1:3]
+done = []
+def cli(*args):
+    r = CliRunner().invoke(app, list(args))
+    done.append({"code": r.exit_code, "stdout": r.stdout, "stderr": r.stderr[-3000:]})
+cli("run", run, "--steps", "6:11", "--json")
+cli("pack", run, "--steps", "7:10", "-o", bundle)
+shutil.rmtree(run)  # the run, its checkpoints and its examples: gone
+cli("run", bundle, "--json")
+print(json.dumps({"results": done, "user_code_imported": "optax_loop" in sys.modules}))
+"""
 
 
 @pytest.mark.slow
 def test_fresh_process_elsewhere_replays_the_example_from_its_exported_program(tmp_path):
+    """Recorded by the example as a user runs it; replayed, packed and replayed from the bundle by
+    one fresh process in another folder, where the example's code cannot be imported."""
     out = tmp_path / "mlp"
     rec = subprocess.run([sys.executable, str(EXAMPLES / "optax_loop.py"), "--out", str(out), "--steps", "12",
                           "--checkpoint-every", "5"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert rec.returncode == 0, rec.stderr
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    result = _cli(["run", str(out), "--steps", "6:11", "--json"], elsewhere)
-    assert result.returncode == 0, result.stderr
-    j = json.loads(result.stdout)
+    bundle = elsewhere / "bug.rpk"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    child = subprocess.run([sys.executable, "-c", _ELSEWHERE, str(out), str(bundle)], cwd=elsewhere, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    got = json.loads(child.stdout.strip().splitlines()[-1])
+    replayed, packed, from_bundle = got["results"]
+    assert not got["user_code_imported"] and not out.exists()
+    assert replayed["code"] == 0, replayed["stderr"]
+    j = json.loads(replayed["stdout"])
     assert j["all_bit_exact"] and (j["replayed"], j["bit_exact"]) == (6, 6)
     assert j["notes"][0].startswith("replayed from the exported program")
-    bundle = elsewhere / "bug.rpk"
-    assert _cli(["pack", str(out), "--steps", "7:10", "-o", str(bundle)], elsewhere).returncode == 0
-    shutil.rmtree(out)  # the run, its checkpoints and its examples: gone
-    result = _cli(["run", str(bundle), "--json"], elsewhere)
-    assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout)["all_bit_exact"]
+    assert packed["code"] == 0, packed["stderr"]
+    assert from_bundle["code"] == 0, from_bundle["stderr"]
+    assert json.loads(from_bundle["stdout"])["all_bit_exact"]

@@ -1,6 +1,7 @@
 """Refinement compares where the tensors live (replay/tensor_distance.py DeviceDiff): fingerprints
 first, statistics on device for the leaves that differ, and one leaf pair fetched to the host --
-not every parameter and gradient of both runs."""
+not every parameter and gradient of both runs. End to end (a bisect of a bitflip run fetches one
+leaf pair): tests/replay/test_bisect.py's bitflip test, on the runs that file trains anyway."""
 
 from __future__ import annotations
 
@@ -64,26 +65,3 @@ def test_device_summary_matches_the_host_comparison():
         assert dev["max_rel"] == pytest.approx(host["max_rel"], rel=1e-6)
     same = np.arange(6, dtype=np.float32)
     assert DeviceDiff().summary(jnp.asarray(same), jnp.asarray(same.copy()))["equal"]
-
-
-@pytest.mark.slow
-def test_bisect_refinement_fetches_one_leaf_not_every_parameter(tmp_path, count_fetches):
-    from replay.bisect import bisect
-    from traces import Run
-    from trainer import faults
-    from trainer.config import apply_overrides, get_preset
-    from trainer.loop import train
-    from trainer.model import param_count
-
-    cfg = apply_overrides(get_preset("tiny"), ["steps=12", "checkpoint.every_steps=10"])
-    train(cfg, tmp_path / "A")
-    train(cfg, tmp_path / "B", faults=faults.FaultPlan([faults.Fault("bitflip", 11)], cfg))
-    count_fetches["bytes"] = 0
-    report = bisect(Run.open(tmp_path / "A"), Run.open(tmp_path / "B"))
-    r = report.refinement
-    assert (report.first_step, r["first_intermediate"]) == (11, faults.bitflip_param(cfg))
-    assert r["distances"]["max_ulp"] == 1 << faults.BITFLIP_BIT and r["differing"] == 1
-    leaf = int(np.prod(r["shape"])) * 4
-    everything = 2 * param_count(cfg.model) * 4  # every parameter of both runs, what the host compare fetched
-    assert r["fetched"]["leaves"] == 1 and r["fetched"]["bytes"] <= 2 * leaf + 4096
-    assert count_fetches["bytes"] <= 2 * leaf + 64 * 1024 < everything / 4

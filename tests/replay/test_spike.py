@@ -30,6 +30,10 @@ from tests.cli_util import assert_one_line_error
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, BAD = 80, 65
 OVERRIDES = [f"steps={STEPS}", "checkpoint.every_steps=20"]
+# The 4-device runs train one block: their claims (contract, bits, examples, replayed layers) need no
+# second one, a block is most of a program's compile, and tests/trainer/test_invariant_claims.py
+# compiles the same one-block programs at 4 and 1 devices (the session's XLA cache serves either).
+ONE_BLOCK = ("--set", "model.n_layers=1")
 
 
 def invoke(*args: str):
@@ -170,7 +174,8 @@ def test_spike_replay_of_a_run_recorded_on_four_devices(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
     proc = subprocess.run([sys.executable, "-m", "replay.cli.app", "train", "--preset", "tiny", "--steps", "30",
-                           "--set", "checkpoint.every_steps=10", "--set", "trace.layer_every=4", "--inject", "bad-batch@25", "--out", str(path)],
+                           *ONE_BLOCK, "--set", "checkpoint.every_steps=10", "--set", "trace.layer_every=4",
+                           "--inject", "bad-batch@25", "--out", str(path)],
                           cwd=ROOT, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert Run.open(path).manifest["environment"]["device_count"] == 4
@@ -221,7 +226,7 @@ def test_mesh_invariant_run_from_four_devices_replays_bit_exactly_on_one(tmp_pat
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC")}
     env["JAX_PLATFORMS"] = "cpu"
     cmd = [sys.executable, "-m", "replay.cli.app"]
-    train = subprocess.run([*cmd, "train", "--preset", "tiny", "--steps", "28", "--set", "checkpoint.every_steps=10",
+    train = subprocess.run([*cmd, "train", "--preset", "tiny", "--steps", "28", *ONE_BLOCK, "--set", "checkpoint.every_steps=10",
                             "--set", "mesh.mesh_invariant=true", "--set", "mesh.n_microbatches=8",
                             "--inject", "bad-batch@25", "--out", str(path)], cwd=ROOT, capture_output=True, text=True,
                            env={**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"})

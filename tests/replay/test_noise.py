@@ -1,7 +1,9 @@
 """The noise floor: 1 vs 8 devices is noise only; one block in bfloat16 is far above it.
 
 12 steps (tiny's schedule is fixed by its decay_steps, so these are the first 12 steps of its
-20-step run, the same numbers): the fault at step 10 leaves 10 clean steps of 1 vs 8 noise."""
+20-step run, the same numbers) of tiny with one block (no claim here is about two; it compiles
+faster): the fault at step 10 leaves 10 clean steps of 1 vs 8 noise. The same two clean runs show
+what is bit-identical on 1 and 8 devices: the batches, the RNG words and the forward pass."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from replay.noise import DEFAULT_FACTOR, floor_by_replay, judge
@@ -19,7 +22,8 @@ from trainer.loop import train
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 12
-SETS = [f"steps={STEPS}", "checkpoint.every_steps=5"]
+SETS = ["model.n_layers=1", f"steps={STEPS}", "checkpoint.every_steps=5"]
+FAULTY_BLOCK = "block_00"  # layer-bf16 computes block n_layers // 2 in bfloat16: the only one
 pytestmark = pytest.mark.slow
 
 # Both 8-device runs in one fresh process (the device count is set before JAX starts): `replay
@@ -60,6 +64,21 @@ def floors(runs):
     return floor_by_replay(runs[0], 0, STEPS)
 
 
+def test_one_and_eight_devices_feed_the_same_batches_keys_and_forward_bits(runs):
+    """The inputs are the same bits on 1 and 8 devices, and so is tiny's forward at step 0: from 2
+    examples per device XLA:CPU picks the same kernels (trainer/presets.py)."""
+    one, eight, _ = runs
+    for step in range(STEPS):
+        a, b = one.trace.read(step), eight.trace.read(step)
+        assert a.batch_hash == b.batch_hash and np.array_equal(a.example_hashes, b.example_hashes), step
+        assert np.array_equal(a.rng, b.rng), step
+    names = eight.schema.tensor_names
+    forward = [i for i, (_, kind) in enumerate(eight.schema.tensors) if kind in ("state", "forward")]
+    assert forward and one.schema.tensors == eight.schema.tensors
+    a0, b0 = one.trace.read(0), eight.trace.read(0)
+    assert [names[i] for i in forward if a0.fingerprints[i] != b0.fingerprints[i]] == []
+
+
 def test_one_vs_eight_devices_is_numerical_noise_only(runs, floors):
     one, eight, _ = runs
     assert not compare(one.trace, eight.trace).identical  # the bits do differ ...
@@ -72,8 +91,23 @@ def test_a_bf16_block_is_far_above_the_floor_at_its_step_and_layer(runs, floors)
     one, _, bf16 = runs
     verdict = judge(one, bf16, 0, STEPS, floors=floors[0], replays=floors[1])
     assert verdict.above and verdict.first_step == 10
-    assert verdict.field == "block_01.attn" and verdict.kind == "forward"
+    assert verdict.field == f"{FAULTY_BLOCK}.attn" and verdict.kind == "forward"
     assert verdict.ratio > 2 * DEFAULT_FACTOR
+
+
+def test_a_plain_run_from_eight_devices_does_not_replay_bit_exactly_on_one(runs):
+    """Without mesh-invariant mode the gradient sums follow the device count: `replay run` on 1
+    device (this process) of the 8-device run is not bit-exact, and the report says the bits were
+    not promised and gives distances. The negative control of tests/trainer/test_invariant_claims.py,
+    whose mesh-invariant runs replay bit-exactly on other device counts through the same command."""
+    from tests.cli_util import invoke
+
+    _, eight, _ = runs
+    assert "invariant_device_counts" not in eight.manifest
+    out = invoke("run", str(eight.path), "--steps", "1:3")
+    assert out.exit_code == 1, out.output
+    assert "measured only" in out.stdout and "bit-exact" not in out.stdout
+    assert "ulp" in out.stdout  # distances of the first mismatch
 
 
 def test_bisect_reports_noise_only_and_above_the_floor(runs):
@@ -91,4 +125,4 @@ def test_bisect_reports_noise_only_and_above_the_floor(runs):
     real = CliRunner().invoke(app, ["bisect", str(one.path), str(bf16.path), "--json"])
     assert real.exit_code == 1, real.output
     verdict = json.loads(real.stdout.strip().splitlines()[-1])["noise"]
-    assert verdict["above"] and (verdict["first_step"], verdict["field"]) == (10, "block_01.attn")
+    assert verdict["above"] and (verdict["first_step"], verdict["field"]) == (10, f"{FAULTY_BLOCK}.attn")

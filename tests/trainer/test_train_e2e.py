@@ -1,4 +1,9 @@
-"""The recording trainer end to end: kill and resume, 1 vs 8 devices, 2 processes."""
+"""The recording trainer end to end: killed and resumed, it records the uninterrupted run's bytes.
+
+Tiny with one block (the claims are about the loop, not the model; it compiles faster). What 1
+vs 8 devices record is tests/replay/test_noise.py's (the same batches, keys and forward bits;
+the rest differs by noise only); what 2 processes record, tests/trainer/test_invariant_claims.py's
+(every byte of the 1-device run, in mesh-invariant mode). The helpers here start those processes."""
 
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ from trainer.loop import train
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 30
-OVERRIDES = ["checkpoint.every_steps=5", f"steps={STEPS}"]
+OVERRIDES = ["checkpoint.every_steps=5", f"steps={STEPS}", "model.n_layers=1"]
 CFG = apply_overrides(get_preset("tiny"), OVERRIDES)
 pytestmark = pytest.mark.slow
 
@@ -54,8 +59,10 @@ def start_and_kill_at(args: list[str], path: Path, kill_at: int) -> None:
     proc = subprocess.Popen(replay_cmd(*args), cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
+    # Each look opens the run (~0.5 ms CPU): every 20 ms costs this process little while the trainer
+    # starts, and still kills it steps before its end (it takes far longer to checkpoint and close).
     while trace_end(path) < kill_at and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.005)
+        time.sleep(0.02)
     assert proc.poll() is None, f"trainer ended before the kill point {kill_at}: {proc.stderr.read()}"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -87,28 +94,6 @@ def test_compare_catches_a_run_with_another_seed(reference, tmp_path):
     assert not result.identical and result.first_step == 0 and result.first.kind == "data"
 
 
-def test_one_vs_eight_devices(reference, tmp_path):
-    path = tmp_path / "eight"
-    sets = [a for o in OVERRIDES[:1] for a in ("--set", o)]
-    proc = subprocess.run(replay_cmd("train", "--preset", "tiny", "--steps", "3", "--out", str(path), *sets),
-                          cwd=ROOT, env=env(8), capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    run = Run.open(path)
-    assert run.manifest["environment"]["device_count"] == 8
-    one, eight = Run.open(reference).trace, run.trace
-    for step in range(3):
-        a, b = one.read(step), eight.read(step)
-        assert a.batch_hash == b.batch_hash and np.array_equal(a.example_hashes, b.example_hashes)
-        assert np.array_equal(a.rng, b.rng)
-    names = run.schema.tensor_names
-    forward = [i for i, (_, kind) in enumerate(run.schema.tensors) if kind in ("state", "forward")]
-    a0, b0 = one.read(0), eight.read(0)
-    assert [names[i] for i in forward if a0.fingerprints[i] != b0.fingerprints[i]] == []
-    result = compare(one, eight, stop=3)
-    print("1 vs 8 devices:", "identical" if result.identical else
-          f"first differ at step {result.first_step}: {[(d.kind, d.name) for d in result.diffs[:4]]}")
-
-
 def test_batch_not_divisible_by_devices_is_refused(tmp_path):
     path = tmp_path / "bad"
     proc = subprocess.run(replay_cmd("train", "--preset", "tiny", "--out", str(path), "--set",
@@ -122,28 +107,3 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def test_two_processes_train_and_record(reference, tmp_path):
-    path = tmp_path / "multi"
-    port = free_port()
-    procs = [
-        subprocess.Popen(replay_cmd("train", "--preset", "tiny", "--steps", "4", "--out", str(path), "--set",
-                                    "checkpoint.every_steps=2", "--coordinator", f"127.0.0.1:{port}",
-                                    "--num-processes", "2", "--process-id", str(i)),
-                         cwd=ROOT, env=env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for i in range(2)
-    ]
-    outs = [p.communicate(timeout=300) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
-    run = Run.open(path)
-    assert run.status == "complete" and run.trace.end == 4
-    assert run.manifest["environment"]["process_count"] == 2 and run.manifest["environment"]["device_count"] == 4
-    assert run.manifest["checkpoints"] == [0, 2, 4]
-    # Both processes fingerprinted the state (a collective), process 0 recorded it: the initial state
-    # is the same bits on 2 processes x 2 devices as on 1 device, and so is its fingerprint.
-    fps = run.manifest["checkpoint_fingerprints"]
-    assert sorted(fps, key=int) == ["0", "2", "4"] and fps["0"] == Run.open(reference).manifest["checkpoint_fingerprints"]["0"]
-    ref = Run.open(reference).trace
-    for step in range(4):  # both hosts' halves of the batch, in global order
-        assert np.array_equal(run.trace.read(step).example_hashes, ref.read(step).example_hashes)

@@ -117,7 +117,7 @@ def record_pair_a(args: argparse.Namespace, out: Path) -> Path:
 
     cfg = apply_overrides(get_preset(args.pair_preset), [
         f"steps={args.pair_steps}", "trace.level=layer", "trace.layer_every=1",
-        f"checkpoint.every_steps={max(1, args.pair_steps // 2)}", "checkpoint.keep=0"])
+        f"checkpoint.every_steps={max(1, args.pair_steps // 2)}", "checkpoint.keep=0", *(args.pair_set or [])])
     train(cfg, out / "A", preset=args.pair_preset)
     return out / "A"
 
@@ -304,6 +304,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps-per-round", type=int, default=5)
     ap.add_argument("--pair-preset", default=None, help="the cross-backend pair's preset (default demo; tiny: tiny)")
     ap.add_argument("--pair-steps", type=int, default=None, help="steps of the pair's runs (default 20; tiny: 4)")
+    ap.add_argument("--pair-set", action="append",
+                    help="extra config override of the pair's runs (repeatable; B takes A's config from its manifest)")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: pair, lanes")
     ap.add_argument("--deadline-s", type=float, default=290.0, help="print what was measured and exit at this age")
     ap.add_argument("--cpu-side", default=None, help=argparse.SUPPRESS)

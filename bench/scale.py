@@ -176,7 +176,7 @@ def fork_run(a: Path, b: Path, schema, steps: int, n_examples: int, diverge: int
     return write_run(b, schema, steps, n_examples, start, change)
 
 
-def bench_size(root: Path, steps: int, examples: int, cache: str = "warm") -> dict:
+def bench_size(root: Path, steps: int, examples: int, cache: str = "warm", repeats: int = REPEATS) -> dict:
     schema = scale_schema(examples)
     n_examples = steps * examples  # one epoch over the run
     diverge = int(steps * DIVERGE_AT)
@@ -226,7 +226,7 @@ def bench_size(root: Path, steps: int, examples: int, cache: str = "warm") -> di
         (drop_cache if cache == "cold" else warm)(paths)
         share = resident(paths)
         # cold: once, since a second run would find the first one's reads in the page cache
-        result = measure(args, root / f"{name}.out", 1 if cache == "cold" else REPEATS)
+        result = measure(args, root / f"{name}.out", 1 if cache == "cold" else repeats)
         text = (root / f"{name}.out").read_text(errors="replace")
         row = {"seconds": round(result["seconds"], 3), "cpu_seconds": round(result["cpu_seconds"], 3),
                "load_average": round(os.getloadavg()[0], 1),
@@ -273,7 +273,11 @@ def main() -> None:
     parser.add_argument("--cache", choices=("warm", "cold"), default="warm",
                         help="warm: each command's files are read just before it (in the page cache when they fit, "
                              "'resident_before' says how much); cold: evicted from it (posix_fadvise), so read from disk")
+    parser.add_argument("--repeats", type=int, default=REPEATS,
+                        help=f"runs of a command under {REPEAT_BELOW_S:g} s, the median reported (1: the smoke test's)")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
     sizes = sorted(int(s) for s in args.sizes.split(","))
     base = Path(args.dir) if args.dir else Path(tempfile.gettempdir())
     base.mkdir(parents=True, exist_ok=True)
@@ -282,13 +286,13 @@ def main() -> None:
     if need > free - (2 << 30):
         raise SystemExit(f"error: the largest size needs ~{need / 1e9:.1f} GB on {base}, {free / 1e9:.1f} GB are free: "
                          "pass smaller --sizes or another --dir")
-    startup = measure(replay_cmd("show", "--help"), base / "startup.out", REPEATS)  # the interpreter and the CLI
+    startup = measure(replay_cmd("show", "--help"), base / "startup.out", args.repeats)  # the interpreter and the CLI
     (base / "startup.out").unlink(missing_ok=True)
     results = []
     for steps in sizes:
         root = Path(tempfile.mkdtemp(prefix=f"replay-scale-{steps}-", dir=base))
         try:
-            result = bench_size(root, steps, args.examples, args.cache)
+            result = bench_size(root, steps, args.examples, args.cache, args.repeats)
         finally:
             if not args.keep:
                 shutil.rmtree(root, ignore_errors=True)
@@ -320,7 +324,7 @@ def main() -> None:
         "and the fits from cached sizes understate it; run with --cache cold for the disk-bound figures")
     print(json.dumps({"bench": "scale", "steps": sizes, "page_cache_note": cache_note, "examples_per_step": args.examples,
                       "target_steps": TARGET_STEPS, "startup_seconds": round(startup["seconds"], 3),
-                      "startup_rss_mb": round(startup["peak_rss_mb"], 1), "cache": args.cache,
+                      "startup_rss_mb": round(startup["peak_rss_mb"], 1), "cache": args.cache, "repeats": args.repeats,
                       "footprint_gb": {r["steps"]: r["footprint_gb"] for r in results},
                       "fits_in_page_cache": {r["steps"]: r["fits_in_page_cache"] for r in results},
                       "target_footprint_gb": round(run_bytes(TARGET_STEPS, args.examples) / 1e9, 1),

@@ -1,6 +1,7 @@
 """bench/overhead.py runs and prints its JSON (its timings are budgets, never tested here), and the
 two things that keep layer-level recording cheap stay true: one fused pass per tensor gives the
-reference fingerprint, and the layer-level step does not copy the donated training state."""
+reference fingerprint, and the layer-level step does not copy the donated training state. And
+bench/accelerator.py's run on the CPU, whose lanes are this bench's (see its test)."""
 
 import json
 import re
@@ -15,9 +16,10 @@ import numpy as np
 import pytest
 
 from traces.fingerprint import fingerprint
-from trainer.config import get_preset
+from trainer.config import apply_overrides, get_preset
 from replay.record.fingerprint import fingerprints_and_sums_of_squares, lanes_to_int
-from trainer.step import compile_step, init_state
+from trainer.loop import build
+from tests.test_bench_accelerator import bench as accelerator_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,6 +53,38 @@ def test_overhead_bench_reports_every_level():
     assert result["within_budget"] == (result["trainer_within_budget"] and api["within_budget"])
 
 
+@pytest.mark.slow
+def test_accelerator_bench_runs_every_part_on_the_cpu_with_tiny_sizes():
+    """bench/accelerator.py on the CPU: the cross-backend pair is CPU against CPU, so its bits
+    must be equal and its noise verdict "not above"; the no-copy check must hold for every level,
+    in the HLO and in the buffers; the three levels must train identically. Here, after the
+    overhead bench, because its lanes (bench/overhead.py's Lane, the same config) are the same
+    programs: the compile cache serves them (tests/test_bench_accelerator.py has the rest)."""
+    # One block on both sides: the pair's layer-level program is then the lanes' (one compile, not
+    # two), and every program compiles in about half the time; no part needs a second block.
+    one = "model.n_layers=1"
+    done, r = accelerator_bench("--preset", "tiny", "--steps", "4", "--steps-per-round", "2",
+                                "--set", one, "--pair-set", one)
+    assert len(done.stdout.strip().splitlines()) == 1  # one JSON line; progress goes to stderr
+    assert r["args"]["pair_set"] == [one] and r["lanes"]["overrides"][-1] == one
+    assert r["errors"] == {} and r["complete"], r["errors"]
+    assert r["environment"]["backend"] == "cpu"
+    p = r["pair"]
+    assert p["recorded_on"] == p["replayed_on"] == "cpu" and p["steps"] == 4
+    assert p["identical_bits"] and p["noise"]["above"] is False and p["noise"]["replays"] == 1
+    assert p["replay_run_on_cpu"]["exit_code"] == 0 and p["replay_run_on_cpu"]["all_bit_exact"]
+    for level in ("off", "step", "layer"):
+        nc = r["no_copy"][level]
+        assert nc["hlo"]["in_place"] and nc["runtime"]["in_place"], (level, nc)
+        assert nc["memory"]["alias"] == nc["hlo"]["donated_bytes"]
+    m = r["mfu"]
+    assert m["steps"] == 4 and m["median_step_s"] > 0 and m["tokens_per_step"] == 16 * 32
+    assert m["peak_flops"] is None and m["mfu"] is None  # a CPU has no meaningful peak
+    o = r["overhead"]
+    assert o["identical_training"] and o["rounds"] == 2 and set(o["median_s"]) == {"off", "step", "layer"}
+    assert "step_overhead" in o and o["budget_layer_overhead"] == 0.03
+
+
 def test_overhead_bench_rejects_an_unknown_preset():
     out = subprocess.run([sys.executable, "-m", "bench.overhead", "--preset", "nope", "--rounds", "1"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -79,11 +113,12 @@ def test_fused_pass_gives_the_reference_fingerprint_and_sum_of_squares():
 def test_layer_level_step_does_not_copy_the_donated_state():
     # Reading the incoming params/moments for the state fingerprints must happen before the update
     # overwrites them in place; if XLA cannot see that order it copies the whole state every step.
-    cfg = get_preset("tiny")
-    shape = (cfg.data.global_batch_size, cfg.model.seq_len)
-    batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in ("inputs", "targets")}
-    state = jax.eval_shape(lambda: init_state(cfg))
-    hlo = compile_step(cfg, "layer").lower(state, batch).compile().as_text()
+    # The program is the one `replay train` runs (trainer.loop.build), and the layer lane's of the
+    # bench run above (the same config: the persistent compile cache serves it).
+    cfg = apply_overrides(get_preset("tiny"), ["model.n_layers=1", "trace.level=layer", "trace.layer_every=1"])
+    built = build(cfg)
+    state = built.abstract_sharded
+    hlo = built.compiled["layer"].as_text()
     entry = hlo[hlo.index("\nENTRY"):]
     params = set(re.findall(r"^\s*(%\S+) = \S+ parameter\(", entry, re.M))
     copied = sum(int(np.prod([int(d) for d in dims.split(",") if d]))

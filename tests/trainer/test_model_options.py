@@ -20,9 +20,13 @@ from trainer.config import ConfigError, apply_overrides, get_preset
 BASE = ["model.dropout=0.1", "data.global_batch_size=4", "model.seq_len=16", "model.d_model=32",
         "model.n_heads=2", "model.n_kv_heads=1", "model.d_ff=64", "model.vocab_size=128"]
 SLIDING = ["model.sliding_window=4", "model.full_attention_every=2"]  # block_00 sliding, block_01 full
-OPTIONS = {  # every option is on in at least one combination
-    "fused+sliding": ["model.attention=fused"] + SLIDING,
-    "remat-dots+microbatches": ["model.remat=dots", "optimizer.microbatches=2"],
+# Every option is on in at least one combination, and each combination is three compiled programs
+# (one per trace level; compiles are this file's cost): fused attention and the sliding window share
+# one with remat=dots and microbatches; scan+remat-full keeps explicit attention under remat and the
+# scan in fp32; all+bf16 has everything at once.
+OPTIONS = {
+    "fused+sliding+remat-dots+microbatches": ["model.attention=fused", "model.remat=dots",
+                                              "optimizer.microbatches=2"] + SLIDING,
     "scan+remat-full": ["model.scan_layers=true", "model.remat=full"],
     "all+bf16": ["model.attention=fused", "model.remat=full", "model.scan_layers=true",
                  "model.dtype=bfloat16"] + SLIDING,
@@ -147,7 +151,8 @@ def test_flops_count_a_sliding_layers_window():
 
 
 def test_gradient_accumulation_is_the_mean_of_the_microbatches():
-    whole, split = _cfg("plain", "model.dropout=0"), _cfg("plain", "model.dropout=0", "optimizer.microbatches=2")
+    one = ("model.dropout=0", "model.n_layers=1")  # one block: accumulation is about the step, not the model
+    whole, split = _cfg("plain", *one), _cfg("plain", *one, "optimizer.microbatches=2")
     state, b = steplib.init_state(whole), _batch(whole)
     run = lambda cfg: jax.jit(lambda s: steplib.train_step(s, b, cfg=cfg, level="step"))(state)  # noqa: E731
     (s1, m1), (s2, m2) = run(whole), run(split)
@@ -155,4 +160,4 @@ def test_gradient_accumulation_is_the_mean_of_the_microbatches():
     np.testing.assert_allclose(np.asarray(m2["example_loss"]), np.asarray(m1["example_loss"]), rtol=1e-5)
     np.testing.assert_allclose(float(m2["grad_norm"]), float(m1["grad_norm"]), rtol=1e-4)
     with pytest.raises(ConfigError, match="divisible"):
-        jax.eval_shape(lambda s: steplib.train_step(s, b, cfg=_cfg("plain", "optimizer.microbatches=3")), state)
+        jax.eval_shape(lambda s: steplib.train_step(s, b, cfg=_cfg("plain", *one, "optimizer.microbatches=3")), state)

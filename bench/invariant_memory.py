@@ -41,6 +41,21 @@ fits within 13% with a = 1.76 G and b = 63.1 G (= M G: the scan's stacked block 
 temporaries shrink faster than 1/devices down to a floor of about 2 G that does not shrink:
 temp_scales_as_1_over_devices is false.
 
+Session 6 (the scan's block sums added as it goes, trainer/tree_sums.py Counter: log2(M / n) + 1
+partial sums instead of M / n; 73 s, machine otherwise idle), temporaries per device:
+
+    | devices | reduce-scatter, session 5 | reduce-scatter now | now, in G | reference ("gather") now |
+    | ------- | ------------------------- | ------------------ | --------- | ------------------------ |
+    | 2       | 9.83 MB                   | 2.70 MB            | 4.83      | 4.83 MB                  |
+    | 4       | 3.12 MB                   | 1.59 MB            | 2.84      | 3.99 MB                  |
+    | 8       | 1.44 MB                   | 1.17 MB            | 2.09      | 5.03 MB                  |
+    | 64      | 1.13 MB                   | 1.13 MB            | 2.03      | 14.45 MB                 |
+
+(the reference's consecutive path uses the Counter too, so its 2-device figure fell as well.)
+Fits: a + b / n^2 within 5% with a = 2.01 G, b = 11.3 G. The floor of ~2 G is what is left: one
+microbatch's backward (~1.4 G of temporaries on XLA:CPU even when each leaf is consumed at once)
+and the mean, all-gathered whole for the grad norm and the replicated update.
+
 Prints one JSON object on the last line. Cost: one or two compiles per device count (5-40 s
 each on 2 cores, more with the count); nothing depends on a run's length.
 """

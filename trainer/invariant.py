@@ -16,18 +16,22 @@ Enabled with `--set mesh.mesh_invariant=true mesh.n_microbatches=M`. The scheme:
        microbatches (`pair_tree`: adjacent pairs, an odd last element carried up unpaired),
        then divided by M. Strided, the n microbatches of one scan step are consecutive, a
        complete subtree: inside the scan an all_to_all hands device j shard j of all n
-       gradients in global order and device j sums them with the tree (`reduce_block`); after
-       the scan it finishes the tree over the steps' block sums on its shard, and the shards
-       are all_gather'ed (`finish_blocks`). Consecutive, each device reduces the complete
-       subtrees it holds, then the tree over every device's partial sums is finished as a
-       reduce-scatter (`scattered_sum`: all_to_all, the tree per shard, all_gather). All
-       collectives are all_to_alls and all_gathers: copies, never floating-point sums in an
-       unknown order; each element sees the same adds in the same order on any layout.
-    4. Per-microbatch losses, z-losses, per-example losses and (for layer-level records) the
+       gradients in global order and device j sums them with the tree (`reduce_block`); the
+       tree over the steps' block sums is built as the scan goes (tree_sums.Counter: a binary
+       counter of log2(steps) + 1 partial sums, exactly pair_tree's tree). Consecutive, each
+       device reduces the complete subtrees it holds (a Counter capped at their level), then
+       the tree over every device's partial sums is finished as a reduce-scatter
+       (`scattered_sum`: all_to_all, the tree per shard). All collectives are all_to_alls and
+       all_gathers: copies, never floating-point sums in an unknown order; each element sees
+       the same adds in the same order on any layout.
+    4. The reduced shards are all_gather'ed (copies), so the gradient leaves the shard_map
+       whole and the grad norm, clipping and update are optax's full-size computation.
+       Per-microbatch losses, z-losses, per-example losses and (for layer-level records) the
        captured forward activations are all_gather'ed and put in global order; losses are
-       combined with the same tree. Everything leaves the shard_map replicated, so the
-       optimizer update, norms and fingerprints that follow are the same full-size
-       computation on every device count.
+       combined with the same tree. Everything leaves replicated. (Tried in session 6: the
+       gradient left as shards with a fixed-order norm from them, trainer/tree_sums.py `norm`:
+       it changed the recorded grad_norm bits and gradient RMS values across device counts and
+       saved at most 0.2 G of temporaries; not kept.)
 
 The scheme alone is not enough on XLA:CPU. Three more things were needed, each found by
 measurement (jax/jaxlib 0.10.2, x86-64 with AVX-512, 2 cores, virtual CPU devices):
@@ -72,7 +76,8 @@ trace); FSDP layouts data=-1 fsdp=2 and data=1 fsdp=-1 on 2, 4 and 8 devices (3 
 on tiny, but that is not the pinned setting, so 16 is not in the promised set.
 The RMS values a record shows beside each fingerprint are for people, not verified by replay:
 they agreed on 1/2/4/8 data-parallel devices but not under FSDP or at 16 devices, where the
-recording reduces sums of squares over shards (trainer/step.py).
+recording reduces sums of squares over shards (trainer/step.py). A layer-level step has the
+gradient gathered whole inside the shard_map (value_and_grad `whole`), so its records keep those bits.
 
 INVARIANT_COUNTS is what a run's manifest promises (less counts its microbatches do not fit):
 CPU 1, 2, 4, 8. Never promised: more than POOL_THREADS devices per process, GPUs and TPUs
@@ -91,21 +96,20 @@ tiny's steps (5-18 ms) are dominated by per-op overhead, which the scan and the 
 to. The process settings also slow plain code in that process (AVX without FMA, 8 threads on
 2 cores): tiny 1.2-1.7x, demo ~1.1x.
 
-Gradient memory per device (G = the gradient's bytes), strided: one microbatch's gradient (G),
-the all_to_all's n shards of one step's gradients (G), the scan's stacked block sums
-(M / n_devices x G / n_devices), and the all-gathered mean (G), which the grad norm needs whole
-(a norm over shards would sum in an order that follows the device count). The previous
-implementation stacked the M / n_devices whole microbatch gradients of the scan and then
-all-gathered every device's partial sums (n_devices x G more per device, per leaf where the
-scheduler runs leaves one by one, as XLA:CPU's does): it grew with the mesh and with the
-microbatches. `gathered_sum` keeps it as the reference; bit-identical on 1, 2, 4, 8 and 2 x 2
-devices, against it and against a reference recorded from it (tests/trainer/
-test_invariant_scatter.py). Temporaries of tiny's train step (0.56 MB gradient, M = 64): 19.5 /
-9.7 / 5.3 / 14.5 MB before on 2 / 4 / 8 / 64 devices, 9.8 / 3.1 / 1.4 / 1.1 MB now
-(bench/invariant_memory.py). Not O(G / n_devices):
-the parameters are replicated inside the shard_map, so each microbatch's backward makes a full
-G, and so is the mean. Layer-level records all-gather every captured activation (the global
-batch's, on every device).
+Gradient memory per device (G = the gradient's bytes), strided: one microbatch's backward (on
+XLA:CPU about 1.4 G of temporaries for tiny even when each gradient leaf is consumed at once:
+measured, the floor), the all_to_all's shards of one step, and the Counter's log2(M / n) + 1
+shards of G / n (the scan used to stack M / n of them). The previous implementation stacked the
+M / n whole microbatch gradients and all-gathered every device's partial sums; `gathered_sum`
+keeps it as the reference: bit-identical on 1, 2, 4, 8 and 2 x 2 devices, against it and a
+reference recorded from it (tests/trainer/test_invariant_scatter.py). Temporaries of tiny's
+train step at trace level step (0.56 MB gradient, M = 64; bench/invariant_memory.py, in G):
+session 5: 17.59 / 5.58 / 2.58 / 2.03 on 2 / 4 / 8 / 64 devices; with the Counter and the
+gradient whole (what the trainer runs now): 4.89 / 2.84 / 2.09 / 2.03 (the gradient left as
+shards, not kept: 4.90 / 2.88 / 2.16 / 1.82). Not O(G / n_devices): the floor is the microbatch
+backward, and the mean all-gathered whole. Reducing each leaf inside the backward (a
+custom_vjp on the parameters) gave the same program to the byte: XLA sees the same dataflow.
+Layer-level records all-gather every captured activation.
 """
 
 from __future__ import annotations
@@ -121,6 +125,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from replay.record.environment import pool_threads
 from trainer.microbatches import Layout, microbatch
+from trainer.tree_sums import Counter, pair_tree, split_axis
 from trainer.config import Config, ConfigError
 
 POOL_THREADS = 8  # the XLA:CPU intra-op pool size mesh-invariant mode pins (PJRT_NPROC)
@@ -132,7 +137,7 @@ POOL_ENV = "PJRT_NPROC"  # read by XLA's DefaultThreadPoolSize() when the CPU cl
 # recorded but not used for code generation: measured), so it is a process setting.
 ISA_FLAG = "--xla_cpu_max_isa=AVX"
 # Device counts measured to give bit-identical steps with these settings, per backend. Only
-# verified counts go here (bench/invariance.py, tests/trainer/test_invariant.py).
+# verified counts go here (bench/invariance.py, tests/trainer/test_invariant_claims.py).
 INVARIANT_COUNTS: dict[str, tuple[int, ...]] = {"cpu": (1, 2, 4, 8)}
 BATCH_AXES = ("data", "fsdp")  # as trainer.mesh.BATCH_AXES (not imported: mesh imports step)
 
@@ -223,23 +228,6 @@ def check(cfg: Config, n_devices: int) -> None:
 
 # --------------------------------------------------------------------- fixed-order sums
 
-def pair_tree(x_Kx: jax.Array, levels: int | None = None) -> jax.Array:
-    """Sum over axis 0 by a fixed pairwise tree: each level adds adjacent pairs (0+1, 2+3, ...),
-    an odd last element is carried up unpaired. `levels` stops early (the result keeps axis 0).
-
-    Consecutive blocks of 2^k elements are complete subtrees, so devices holding such blocks
-    can reduce them locally and finish the tree on the gathered partial sums: the same adds,
-    in the same order, as one device doing all of it.
-    """
-    done = 0
-    while x_Kx.shape[0] > 1 and (levels is None or done < levels):
-        k = x_Kx.shape[0]
-        pairs = x_Kx[0:k - 1:2] + x_Kx[1:k:2]
-        x_Kx = jnp.concatenate([pairs, x_Kx[k - 1:]], axis=0) if k % 2 else pairs
-        done += 1
-    return x_Kx if levels is not None else x_Kx[0]
-
-
 def _aligned_levels(local: int) -> int:
     """How many tree levels a device can do alone: log2 of the largest power of two dividing
     its (consecutive, aligned) count of microbatches."""
@@ -247,16 +235,6 @@ def _aligned_levels(local: int) -> int:
     while local % (2 << k) == 0:
         k += 1
     return k
-
-
-def split_axis(shape: tuple[int, ...], n_devices: int) -> int | None:
-    """The axis of a gradient leaf cut into `n_devices` shards for the reduce-scatter: the largest
-    one that n_devices divides (the first on a tie); None when none does (the leaf stays whole)."""
-    best = None
-    for axis, dim in enumerate(shape):
-        if dim % n_devices == 0 and (best is None or dim > shape[best]):
-            best = axis
-    return best
 
 
 def strided(n_devices: int) -> bool:
@@ -284,13 +262,10 @@ def reduce_block(g: jax.Array, n_devices: int) -> jax.Array:
     return block_sum(lax.all_to_all(g[None], BATCH_AXES, split_axis=1 + axis, concat_axis=0, tiled=True))
 
 
-def finish_blocks(blocks_Kx: jax.Array, shape: tuple[int, ...], n_devices: int, m_total: int) -> jax.Array:
-    """After the scan (strided): the tree over the scan steps' block sums (the global tree's upper
-    levels: M = steps x n with n = 2^k, so no odd element is carried below them), the mean, and
-    the all_gather of the shards (copies) into the whole leaf of `shape`."""
-    mean = pair_tree(blocks_Kx) / m_total
+def shard_shape(shape: tuple[int, ...], n_devices: int) -> tuple[int, ...]:
+    """A leaf's shape on one device after the reduce-scatter (split_axis cut by n; whole if None)."""
     axis = split_axis(shape, n_devices)
-    return mean if axis is None else lax.all_gather(mean, BATCH_AXES, axis=axis, tiled=True)
+    return shape if axis is None else shape[:axis] + (shape[axis] // n_devices,) + shape[axis + 1:]
 
 
 def gathered_sum(partials_Px: jax.Array, m_total: int) -> jax.Array:
@@ -303,14 +278,15 @@ def gathered_sum(partials_Px: jax.Array, m_total: int) -> jax.Array:
 
 def scattered_sum(partials_Px: jax.Array, n_devices: int, m_total: int) -> jax.Array:
     """gathered_sum's bits as a fixed-order reduce-scatter, for device counts that are not powers
-    of two: an all_to_all gives device j shard j of every device's partial sums in global order,
-    device j finishes the same tree on its shard, the reduced shards are all-gathered. Every
-    element sees the same adds in the same order (elementwise float adds; copies in between)."""
+    of two: an all_to_all gives device j shard j (split_axis) of every device's partial sums in
+    global order and device j finishes the same tree on its shard: this device's shard of the
+    mean (the whole mean where the leaf is not split). Every element sees the same adds in the
+    same order (elementwise float adds; copies in between)."""
     axis = split_axis(partials_Px.shape[1:], n_devices)
     if n_devices == 1 or axis is None:
         return gathered_sum(partials_Px, m_total)
     shards_NPx = lax.all_to_all(partials_Px, BATCH_AXES, split_axis=1 + axis, concat_axis=0, tiled=True)
-    return lax.all_gather(pair_tree(shards_NPx) / m_total, BATCH_AXES, axis=axis, tiled=True)
+    return pair_tree(shards_NPx) / m_total
 
 
 # ------------------------------------------------------------------------ the gradients
@@ -327,7 +303,9 @@ def value_and_grad(params: Any, cfg: Config, batch: dict, step_key: jax.Array, c
     `mesh`: the ("data", "fsdp") mesh the batch is sharded over; None = the first device.
     `reduction`: "scatter" (the trainer's: strided microbatches reduce-scattered in the scan where
     the device count is a power of two, else scattered_sum) or "gather" (consecutive microbatches
-    and gathered_sum: the previous implementation, the reference tests compare with).
+    and gathered_sum: the previous implementation's reduction, the reference tests compare with).
+    Cost per device: one microbatch's backward, the Counter's log2(M / n) + 1 shards of G / n
+    (strided; consecutive: M / n gradients), nothing that grows with the run.
     `step`: the step counter, which the re-run check needs. A FaultyConfig's SDC faults act here.
     """
     from trainer import sdc
@@ -340,6 +318,7 @@ def value_and_grad(params: Any, cfg: Config, batch: dict, step_key: jax.Array, c
         raise ValueError(f"reduction {reduction!r} is not 'scatter' or 'gather'")
     stride = reduction == "scatter" and strided(n)
     finish = scattered_sum if reduction == "scatter" else (lambda x, n, m: gathered_sum(x, m))
+    sharded = reduction == "scatter"  # gradients leave the shard_map as this device's shards
     local = m_total // n
     levels = _aligned_levels(local)
     faults = getattr(cfg, "sdc", ())
@@ -355,20 +334,34 @@ def value_and_grad(params: Any, cfg: Config, batch: dict, step_key: jax.Array, c
         tokens = layout.tokens(inputs_bxL, targets_bxL, gathered=stride or rerun_every > 0)
         checked = step_in % rerun_every == 0 if rerun_every else None
 
-        def body(carry, x):
+        leaves, treedef = jax.tree.flatten(params)
+        # The tree over this device's terms (the scan steps' block-sum shards when strided, else
+        # its microbatches' gradients up to the complete subtrees), built as the scan goes.
+        counter = Counter(local, None if stride else levels)
+        shapes = [shard_shape(p.shape, n) if stride else p.shape for p in leaves]
+        init = [counter.init(jax.ShapeDtypeStruct(shape, p.dtype)) for shape, p in zip(shapes, leaves)]
+
+        def body(acc, x):
             grads, aux = microbatch(params, cfg, base, capture, x[:3])
             if faults:
                 grads = sdc.corrupt(grads, faults, me, x[3], key_data)
             lanes = sdc.microbatch_summaries(grads, cfg) if replicas else ()
+            terms = jax.tree.leaves(grads)
             if stride:  # this step's n microbatches -> this device's shard of their sum
-                grads = jax.tree.map(lambda g: reduce_block(g, n), grads)
-            return carry, (grads, aux, lanes)
+                terms = [reduce_block(g, n) for g in terms]
+            return [counter.push(c, g, x[3]) for c, g in zip(acc, terms)], (aux, lanes)
 
-        _, (grads_K, aux_K, lanes_K) = lax.scan(body, None, layout.work(tokens, me))
-        if stride:
-            grads = jax.tree.map(lambda s, p: finish_blocks(s, p.shape, n, m_total), grads_K, params)
+        acc, (aux_K, lanes_K) = lax.scan(body, init, layout.work(tokens, me))
+        sums = [counter.finish(c) for c in acc]
+        if stride:  # the Counter finished the global tree's upper levels (n = 2^k: no odd carry below)
+            grads = [total / m_total for total in sums]
         else:  # local complete subtrees first, then the tree over every device's partial sums
-            grads = jax.tree.map(lambda g: finish(pair_tree(g, levels), n, m_total), grads_K)
+            grads = [finish(partials, n, m_total) for partials in sums]
+        if sharded:  # the reduced shards all-gathered (copies): the grad norm and the update need it whole
+            grads = [g if split_axis(p.shape, n) is None or n == 1
+                     else lax.all_gather(g, BATCH_AXES, axis=split_axis(p.shape, n), tiled=True)
+                     for g, p in zip(grads, leaves)]
+        grads = jax.tree.unflatten(treedef, grads)
         in_order = layout.in_order
         loss = pair_tree(in_order(aux_K["loss"])) / m_total
         z_loss = pair_tree(in_order(aux_K["z_loss"])) / m_total

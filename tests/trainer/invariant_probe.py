@@ -76,7 +76,11 @@ def scattered_vs_gathered(n_devices: int) -> dict:
                            out_specs=P(), check_vma=False)
         return [np.asarray(x) for x in jax.jit(fn)(leaves)]
 
-    a = run(lambda x: invariant.scattered_sum(x, n_devices, m_total))
+    def scattered(x):  # the reduce-scatter leaves this device's shard: gather it to compare whole leaves
+        shard, axis = invariant.scattered_sum(x, n_devices, m_total), invariant.split_axis(x.shape[1:], n_devices)
+        return shard if axis is None else lax.all_gather(shard, invariant.BATCH_AXES, axis=axis, tiled=True)
+
+    a = run(scattered)
     b = run(lambda x: invariant.gathered_sum(x, m_total))
     c = run(lambda x: _left_fold(lax.all_gather(x, invariant.BATCH_AXES, axis=0, tiled=True)) / m_total)
     return {"equal": all(x.tobytes() == y.tobytes() for x, y in zip(a, b)),

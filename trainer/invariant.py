@@ -76,8 +76,8 @@ trace); FSDP layouts data=-1 fsdp=2 and data=1 fsdp=-1 on 2, 4 and 8 devices (3 
 on tiny, but that is not the pinned setting, so 16 is not in the promised set.
 The RMS values a record shows beside each fingerprint are for people, not verified by replay:
 they agreed on 1/2/4/8 data-parallel devices but not under FSDP or at 16 devices, where the
-recording reduces sums of squares over shards (trainer/step.py). A layer-level step has the
-gradient gathered whole inside the shard_map (value_and_grad `whole`), so its records keep those bits.
+recording reduces sums of squares over shards (trainer/step.py). The gradient leaves the
+shard_map whole (all-gathered inside it), so the records' gradient RMS values keep those bits.
 
 INVARIANT_COUNTS is what a run's manifest promises (less counts its microbatches do not fit):
 CPU 1, 2, 4, 8. Never promised: more than POOL_THREADS devices per process, GPUs and TPUs

@@ -121,10 +121,12 @@ def check_batch(global_batch: int, mesh: Mesh) -> None:
 
 # ---------------------------------------------------------------------- abstract state
 
+@functools.lru_cache(maxsize=16)
 def abstract_state(cfg: Config) -> step.TrainState:
     """The state's shapes and dtypes (ShapeDtypeStructs), computed without allocating it.
     Built from the state constructor, so optax's NamedTuples keep their types (a target
-    read from checkpoint metadata would lose them)."""
+    read from checkpoint metadata would lose them). Kept per config: a trace of the whole
+    initializer each time, and the loop, checkpoints and replay each ask for it."""
     return jax.eval_shape(functools.partial(step.init_state, cfg))
 
 

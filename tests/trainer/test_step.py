@@ -125,3 +125,12 @@ def test_weight_decay_applies_to_matrices_only():
     params = {"w": np.ones((2, 2), np.float32), "scale": np.ones(2, np.float32)}
     updates, _ = opt.update(jax.tree.map(np.zeros_like, params), opt.init(params), params)
     assert np.all(np.asarray(updates["w"]) == -0.5) and np.all(np.asarray(updates["scale"]) == 0)
+
+
+def test_the_same_step_arguments_give_the_same_jitted_program():
+    # compile_step keeps its jitted functions, so a process that builds the step again (a replay
+    # after training, bisect's runs) reuses the compiled program; other arguments, other programs.
+    assert compile_step(CFG, "step") is compile_step(CFG, "step")
+    assert compile_step(CFG, "step") is not compile_step(CFG, "off")
+    other = apply_overrides(CFG, ["optimizer.lr=0.5"])
+    assert compile_step(other, "step") is not compile_step(CFG, "step")

@@ -247,6 +247,13 @@ def compile_step(cfg: Config, level: str, state_sharding: Any = None, batch_shar
 _STEPS_KEPT = 8
 
 
+def forget_compiled_steps() -> None:
+    """Drop the kept programs. For code that changes what tracing the step computes without
+    changing its arguments (a test's stand-in for a model function): the next compile_step
+    traces afresh."""
+    _kept_step.cache_clear()
+
+
 @functools.lru_cache(maxsize=_STEPS_KEPT)
 def _kept_step(key: tuple):
     cfg, level, leaves, treedef, batch_sharding = key

@@ -53,21 +53,25 @@ REPLAYED = (1, 3)  # `replay run --steps 1:3`: from the checkpoint at 0, so step
 # `replay` commands in turn in one fresh process (argv[1]: a JSON list of {"args", "fallback"}),
 # their results as one JSON line. "fallback": model.fixed_order_backward replaced by a no-op for
 # that command: autodiff's backward inside the microbatch scheme, everything else (scheme, process
-# settings) as mesh-invariant mode has it. model's callers look it up at trace time.
+# settings) as mesh-invariant mode has it. model's callers look it up at trace time, so the steps
+# compile_step keeps from other commands are dropped around it.
 _COMMANDS = r"""
 import contextlib, json, sys
 from typer.testing import CliRunner
 from replay.cli.app import app
-from trainer import model
+from trainer import model, step
 out = []
 for job in json.loads(sys.argv[1]):
     kept = model.fixed_order_backward
     if job["fallback"]:
+        step.forget_compiled_steps()
         model.fixed_order_backward = contextlib.nullcontext
     try:
         r = CliRunner().invoke(app, job["args"], env={"REPLAY_DEBUG": None})
     finally:
-        model.fixed_order_backward = kept
+        if job["fallback"]:
+            model.fixed_order_backward = kept
+            step.forget_compiled_steps()
     crash = None if r.exception is None or isinstance(r.exception, SystemExit) else repr(r.exception)
     out.append({"exit_code": r.exit_code, "stdout": r.stdout, "stderr": r.stderr, "crash": crash})
 print(json.dumps(out))

@@ -67,10 +67,11 @@ def test_reduce_scatter_gives_the_bits_recorded_from_the_previous_implementation
 
     cpu = cpu_description()
     here = {"jax": probed["jax"], "jaxlib": jaxlib.__version__, "cpu_model": cpu["cpu_model"], "cpu_isa": cpu["cpu_isa"]}
-    found = [s for s in map(lambda p: json.loads(p.read_text()), REFERENCES) if s["machine"] == here]
+    references = [json.loads(p.read_text()) for p in REFERENCES]
+    found = [s for s in references if s["machine"] == here]
     if not found:  # XLA:CPU's bits follow the CPU and the jaxlib build (JAX-NOTES.md)
         pytest.skip(f"no reference was recorded on this machine ({here}); references: "
-                    f"{[json.loads(p.read_text())['machine']['cpu_model'] for p in REFERENCES]}")
+                    f"{[s['machine']['cpu_model'] for s in references]}")
     stored = found[0]
     for name in SCATTER:
         assert bits(probed["runs"][name]) == (stored["loss"], stored["example_loss"], stored["grads"]), name

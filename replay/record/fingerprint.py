@@ -46,12 +46,21 @@ def _check_dtype(dtype) -> np.dtype:
     return dtype
 
 
+def _u32(c: int, like: jax.Array) -> np.uint32:
+    """`c` mod 2**32 as a uint32 scalar operand for lax ops on `like` (a uint32 array)."""
+    assert like.dtype == jnp.uint32, like.dtype
+    return np.uint32(c % (1 << 32))
+
+
+# Written with lax primitives, not jnp operators: the same uint32 ops (exact, so the same bits),
+# but jnp's operator dispatch (promotion, weak types, broadcasting checks) was more than half the
+# time tracing a layer-level step, which every process that builds one pays.
 def _fmix32(h):
-    h = h ^ (h >> 16)
-    h = h * jnp.uint32(0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = h * jnp.uint32(0xC2B2AE35)
-    return h ^ (h >> 16)
+    h = lax.bitwise_xor(h, lax.shift_right_logical(h, _u32(16, h)))
+    h = lax.mul(h, _u32(0x85EBCA6B, h))
+    h = lax.bitwise_xor(h, lax.shift_right_logical(h, _u32(13, h)))
+    h = lax.mul(h, _u32(0xC2B2AE35, h))
+    return lax.bitwise_xor(h, lax.shift_right_logical(h, _u32(16, h)))
 
 
 def _words(x):
@@ -71,28 +80,27 @@ def _words(x):
 def _global_index(shape: tuple[int, ...], scale: int = 1):
     """(row-major flat index * scale) mod 2**32, as a sum of per-axis iotas.
 
-    Built from small broadcastable iotas (one non-1 axis each) rather than a reshape
-    of a flat iota, so nothing forces a relayout of a sharded operand; XLA fuses it.
+    Built from one iota per axis (broadcasted_iota over the whole shape) rather than a
+    reshape of a flat iota, so nothing forces a relayout of a sharded operand; XLA fuses it.
     Wrapping uint32 arithmetic is a ring, so `scale` folds into the per-axis constants
     (index * GOLDEN costs no extra multiply per element).
     """
-    idx = jnp.uint32(0)
+    idx = None
     stride = 1
     for ax in reversed(range(len(shape))):
-        shp = [1] * len(shape)
-        shp[ax] = shape[ax]
-        iota = lax.broadcasted_iota(jnp.uint32, tuple(shp), ax)
-        idx = idx + iota * jnp.uint32((stride * scale) % (1 << 32))
+        iota = lax.broadcasted_iota(jnp.uint32, shape, ax)
+        term = lax.mul(iota, _u32(stride * scale, iota))
+        idx = term if idx is None else lax.add(idx, term)
         stride *= shape[ax]
-    return idx
+    return lax.full(shape, 0, jnp.uint32) if idx is None else idx
 
 
 def _lane_terms(x: jax.Array, dtype: np.dtype) -> list[jax.Array]:
     """The per-word terms fmix32(bits + index * GOLDEN + seed_k) whose sums are the two lanes."""
     s0, s1 = lane_seeds(dtype.name, x.shape)
     w = _words(x)
-    base = w + _global_index(w.shape, GOLDEN)
-    return [_fmix32(base + jnp.uint32(s)) for s in (s0, s1)]
+    base = lax.add(w, _global_index(w.shape, GOLDEN))
+    return [_fmix32(lax.add(base, _u32(s, base))) for s in (s0, s1)]
 
 
 def _add(a: tuple, b: tuple) -> tuple:

@@ -4,7 +4,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import jax
@@ -20,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[3]
 DTYPES = [np.float32, ml_dtypes.bfloat16, np.float16, np.int32, np.uint32, np.int8, np.uint8,
           np.bool_, ml_dtypes.float8_e4m3fn]
 SHAPES = [(), (1,), (7,), (3, 5), (2, 3, 4), (1, 13, 1), (0, 4)]
+EAGER_SHAPES = [(), (2, 3, 4), (0, 4)]  # a scalar, several axes, empty
 
 
 def _random(shape, dtype, rng):
@@ -46,7 +46,8 @@ def test_matches_reference_eager_and_jit(dtype):
         lanes = _jitted(jnp.asarray(x))
         assert lanes.dtype == jnp.uint32 and lanes.shape == (2,)
         assert lanes_to_int(lanes) == want, shape
-        assert lanes_to_int(fingerprint_lanes(x)) == want, shape  # numpy input, eager
+        if shape in EAGER_SHAPES:  # numpy input, eager: every op compiled on its own, per shape
+            assert lanes_to_int(fingerprint_lanes(x)) == want, shape
 
 
 def test_inside_a_jitted_step_and_over_a_tree():
@@ -154,24 +155,3 @@ def test_sharded_over_8_devices_matches_reference():
                        text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "checked 98" in r.stdout
-
-
-@pytest.mark.slow
-def test_cost_of_fingerprints_vs_plain_sum():
-    """Prints (does not assert) the cost of fingerprinting a ~1M-param tree on CPU."""
-    rng = np.random.default_rng(3)
-    shapes = [(512, 1024), (1024, 256), (256,), (256, 512), (512,), (256, 256)]
-    tree = [jnp.asarray(rng.standard_normal(s).astype(np.float32)) for s in shapes]
-    n = sum(int(np.prod(s)) for s in shapes)
-    fns = {"plain sum": jax.jit(lambda t: [jnp.sum(a) for a in t]),
-           "fingerprint_tree": jax.jit(fingerprint_tree)}
-    for name, fn in fns.items():
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(tree))
-        compile_s = time.perf_counter() - t0
-        reps, t0 = 20, time.perf_counter()
-        for _ in range(reps):
-            jax.block_until_ready(fn(tree))
-        per = (time.perf_counter() - t0) / reps
-        print(f"\n{name}: {n / 1e6:.2f}M params, {per * 1e3:.2f} ms/call "
-              f"({n / per / 1e9:.2f} G elem/s), first call incl. compile {compile_s:.2f} s")

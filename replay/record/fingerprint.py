@@ -46,9 +46,8 @@ def _check_dtype(dtype) -> np.dtype:
     return dtype
 
 
-def _u32(c: int, like: jax.Array) -> np.uint32:
-    """`c` mod 2**32 as a uint32 scalar operand for lax ops on `like` (a uint32 array)."""
-    assert like.dtype == jnp.uint32, like.dtype
+def _u32(c: int) -> np.uint32:
+    """`c` mod 2**32 as a uint32 scalar operand (lax refuses it beside any other dtype)."""
     return np.uint32(c % (1 << 32))
 
 
@@ -56,11 +55,11 @@ def _u32(c: int, like: jax.Array) -> np.uint32:
 # but jnp's operator dispatch (promotion, weak types, broadcasting checks) was more than half the
 # time tracing a layer-level step, which every process that builds one pays.
 def _fmix32(h):
-    h = lax.bitwise_xor(h, lax.shift_right_logical(h, _u32(16, h)))
-    h = lax.mul(h, _u32(0x85EBCA6B, h))
-    h = lax.bitwise_xor(h, lax.shift_right_logical(h, _u32(13, h)))
-    h = lax.mul(h, _u32(0xC2B2AE35, h))
-    return lax.bitwise_xor(h, lax.shift_right_logical(h, _u32(16, h)))
+    h = lax.bitwise_xor(h, lax.shift_right_logical(h, _u32(16)))
+    h = lax.mul(h, _u32(0x85EBCA6B))
+    h = lax.bitwise_xor(h, lax.shift_right_logical(h, _u32(13)))
+    h = lax.mul(h, _u32(0xC2B2AE35))
+    return lax.bitwise_xor(h, lax.shift_right_logical(h, _u32(16)))
 
 
 def _words(x):
@@ -89,7 +88,7 @@ def _global_index(shape: tuple[int, ...], scale: int = 1):
     stride = 1
     for ax in reversed(range(len(shape))):
         iota = lax.broadcasted_iota(jnp.uint32, shape, ax)
-        term = lax.mul(iota, _u32(stride * scale, iota))
+        term = lax.mul(iota, _u32(stride * scale))
         idx = term if idx is None else lax.add(idx, term)
         stride *= shape[ax]
     return lax.full(shape, 0, jnp.uint32) if idx is None else idx
@@ -100,7 +99,7 @@ def _lane_terms(x: jax.Array, dtype: np.dtype) -> list[jax.Array]:
     s0, s1 = lane_seeds(dtype.name, x.shape)
     w = _words(x)
     base = lax.add(w, _global_index(w.shape, GOLDEN))
-    return [_fmix32(lax.add(base, _u32(s, base))) for s in (s0, s1)]
+    return [_fmix32(lax.add(base, _u32(s))) for s in (s0, s1)]
 
 
 def _add(a: tuple, b: tuple) -> tuple:

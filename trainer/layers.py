@@ -59,6 +59,27 @@ _POLICIES = {
 }
 
 
+class Dropout(nn.Dropout):
+    """flax's Dropout with the same key, mask and output bits, its mask drawn as one flat vector.
+
+    With jax_threefry_partitionable (JAX's default, recorded in the manifest) the bits drawn for a
+    shape are those of its row-major flat index, so bernoulli(key, p, (B*L*D,)).reshape(B, L, D) is
+    bernoulli(key, p, (B, L, D)) bit for bit (tests/trainer/test_model.py checks it against flax's).
+    XLA:CPU compiles the threefry of a rank-3 iota in about three times the time of a flat one
+    (measured, jax 0.10.2: 0.59 s vs 0.21 s for 16 x 32 x 64), and every step program has it.
+    """
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array, deterministic: bool | None = None, rng: jax.Array | None = None):
+        deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
+        if self.rate == 0.0 or deterministic or self.broadcast_dims or self.rate == 1.0:
+            return super().__call__(inputs, deterministic, rng)
+        keep_prob = 1.0 - self.rate
+        rng = self.make_rng(self.rng_collection) if rng is None else rng
+        mask = jax.random.bernoulli(rng, p=keep_prob, shape=(inputs.size,)).reshape(inputs.shape)
+        return jax.lax.select(mask, inputs / keep_prob, jnp.zeros_like(inputs))
+
+
 class MLP(nn.Module):
     cfg: ModelConfig
 
@@ -86,13 +107,13 @@ class Block(nn.Module):
         h_BxLxD = Attention(cfg, name="attn")(x_BxLxD, sin_LxH2, cos_LxH2, window)
         h_BxLxD = model.RMSNorm(cfg, name="attn_norm")(h_BxLxD)
         model._tap(self, "attn_norm", h_BxLxD)
-        h_BxLxD = nn.Dropout(cfg.dropout, name="attn_dropout")(h_BxLxD, deterministic=deterministic)
+        h_BxLxD = Dropout(cfg.dropout, name="attn_dropout")(h_BxLxD, deterministic=deterministic)
         model._tap(self, "attn", h_BxLxD, layer=True)  # the branch as added to the residual
         x_BxLxD = x_BxLxD + h_BxLxD
         h_BxLxD = MLP(cfg, name="mlp")(x_BxLxD)
         h_BxLxD = model.RMSNorm(cfg, name="mlp_norm")(h_BxLxD)
         model._tap(self, "mlp_norm", h_BxLxD)
-        h_BxLxD = nn.Dropout(cfg.dropout, name="mlp_dropout")(h_BxLxD, deterministic=deterministic)
+        h_BxLxD = Dropout(cfg.dropout, name="mlp_dropout")(h_BxLxD, deterministic=deterministic)
         model._tap(self, "mlp", h_BxLxD, layer=True)
         x_BxLxD = x_BxLxD + h_BxLxD
         model._tap(self, "", x_BxLxD, layer=True)

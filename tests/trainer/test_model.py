@@ -77,6 +77,38 @@ def test_tree_sum_and_softmax():
     np.testing.assert_allclose(g_ours, g_ref, rtol=1e-4, atol=1e-5)
 
 
+def test_tree_sum_backward_is_the_autodiff_of_its_halving_adds():
+    # tree_sum's custom backward (a broadcast, cheaper to compile) is the exact derivative of a sum,
+    # and has the bits of autodiff through the halving adds it replaced, on a row width that is
+    # padded (48 -> 64), except a zero's sign (autodiff's pad-and-add turns an upstream -0.0 into
+    # +0.0); a backward off by one ulp is seen.
+    x = jax.random.uniform(jax.random.key(0), (3, 5, 48), minval=-4.0, maxval=4.0)
+    w = jax.random.normal(jax.random.key(1), (3, 5, 1)).at[0, 0, 0].set(-0.0).at[1, 1, 0].set(0.0)
+    grad = jax.jit(jax.grad(lambda f, v: (f(v) * w).sum(), argnums=1), static_argnums=0)
+    ours, autodiff = grad(M.tree_sum, x), grad(M._halving_sum, x)
+    assert same_bits(ours, jnp.broadcast_to(w, x.shape))
+    nonzero = np.asarray(ours) != 0
+    assert np.array_equal(ours, autodiff) and same_bits(np.asarray(ours)[nonzero], np.asarray(autodiff)[nonzero])
+    assert not np.array_equal(ours, grad(lambda v: M._halving_sum(v) * np.float32(1 + 2**-23), x))
+
+
+def test_dropout_draws_flaxs_mask_from_a_flat_vector():
+    # trainer.layers.Dropout: the key, mask and output bits of flax's nn.Dropout under the same
+    # module name, for a rank-3 input; another key gives another mask.
+    import flax.linen as nn
+
+    from trainer.layers import Dropout
+
+    x = jax.random.normal(jax.random.key(2), (4, 6, 10))
+
+    def run(cls, key):
+        return jax.jit(lambda k: cls(0.3, name="d").apply({}, x, deterministic=False, rngs={"dropout": k}))(key)
+
+    ours, flax_ = run(Dropout, jax.random.key(3)), run(nn.Dropout, jax.random.key(3))
+    assert same_bits(ours, flax_) and 0 < int((np.asarray(ours) == 0).sum()) < x.size
+    assert not same_bits(ours, run(Dropout, jax.random.key(4)))
+
+
 def test_layer_names_and_param_order_are_execution_order(params):
     names = M.layer_names(CFG)
     assert names == ["embed", "block_00.attn", "block_00.mlp", "block_00",

@@ -193,6 +193,21 @@ def test_init_is_a_pure_function_of_the_key():
     assert jax.tree.structure(M.init_params(CFG, jax.random.PRNGKey(0))) == jax.tree.structure(a)
 
 
+def test_init_draws_flaxs_truncated_normal_bits(monkeypatch):
+    # model._init draws each weight flat and reshapes it (cheaper to compile): the bits of flax's
+    # truncated_normal initializer drawn at the weight's shape, for every leaf of the model.
+    import flax.linen as nn
+
+    key = jax.random.key(0)
+    ours = M.init_params(CFG, key)
+    monkeypatch.setattr(M, "_init", lambda m: nn.initializers.truncated_normal(stddev=m.init_std, lower=-3.0,
+                                                                              upper=3.0))
+    theirs = jax.jit(lambda k: M.init_params.__wrapped__(CFG, k))(key)  # a new function: traced anew
+    assert all(same_bits(x, y) for x, y in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)))
+    other = M.init_params(CFG, jax.random.key(1))
+    assert not same_bits(jax.tree.leaves(ours)[0], jax.tree.leaves(other)[0])
+
+
 def test_dropout_uses_only_the_passed_key(params, tokens):
     k1, k2 = jax.random.key(11), jax.random.key(12)
     a = apply_jit(CFG, params, tokens, dropout_key=k1)

@@ -231,7 +231,7 @@ def compile_step(cfg: Config, level: str, state_sharding: Any = None, batch_shar
     The same arguments give the same jitted function, so a process that builds the step again
     (a replay after a training run, bisect's two runs and its windows, a resume) reuses the
     program traced and compiled the first time instead of tracing, lowering and compiling it again
-    (~5 s of CPU for `tiny`'s step at level off, measured here). Up to `_STEPS_KEPT` programs are kept, each
+    (~4 s of CPU for `tiny`'s step at level off, measured here). Up to `_STEPS_KEPT` programs are kept, each
     an executable's worth of memory; nothing grows with the run's length."""
     if level not in LEVELS:
         raise ValueError(f"trace level {level!r} is not one of {LEVELS}")

@@ -10,17 +10,21 @@ pytest-xdist (pyproject.toml's addopts) the controller loads this file before it
 workers, so they inherit its folder through the environment and share it; only the controller
 owns (and removes) it.
 
-Test files that hold slow tests run first: xdist hands out whole files (`--dist loadfile`) in
-collection order, so the long files start while the other worker still has short ones left to
-take, instead of one long file running alone at the end.
+Test files that hold slow tests run first, and within each group the longest first (their wall
+seconds in a whole suite run, tests/file_durations.json, written by tools/suite_profile): xdist
+hands out whole files (`--dist loadfile`) in collection order, so the long files start while the
+other workers still have short ones left to take, instead of one long file running alone at the
+end. The figures only order the files; a file missing from them (a new one) counts as 0 s.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
 import tempfile
+from pathlib import Path
 
 _CACHE_ENV = {
     "JAX_COMPILATION_CACHE_DIR": None,  # filled in below
@@ -57,9 +61,25 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Files with a slow test first, each file's tests together and in their order (a stable sort).
+    """Files with a slow test first, the longest first within each group, each file's tests
+    together and in their order (a stable sort).
     Among them, files that set READS_SHARED_RUNS come last: another worker makes the shared runs
     they wait for (tests/torch/reference_pair.py) meanwhile, in the slow file that makes them."""
     has_slow = {item.nodeid.split("::", 1)[0] for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: (item.nodeid.split("::", 1)[0] not in has_slow,
-                                 bool(getattr(getattr(item, "module", None), "READS_SHARED_RUNS", False))))
+    durations = _file_durations()
+
+    def key(item):
+        file = item.nodeid.split("::", 1)[0]
+        return (file not in has_slow, bool(getattr(getattr(item, "module", None), "READS_SHARED_RUNS", False)),
+                -durations.get(file, 0.0))
+
+    items.sort(key=key)
+
+
+def _file_durations() -> dict[str, float]:
+    """{test file: its wall seconds in a suite run} (tests/file_durations.json); {} if unreadable."""
+    try:
+        data = json.loads((Path(__file__).parent / "file_durations.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: float(v) for k, v in data.items() if isinstance(v, (int, float))} if isinstance(data, dict) else {}

@@ -1,5 +1,15 @@
-"""Per-worker totals and the top test files by CPU from timeline_plugin.py output: timeline_report.py DIR [N]."""
+"""Per-worker totals and the top test files by CPU from timeline_plugin.py output:
+
+    timeline_report.py DIR [N] [--write-durations tests/file_durations.json]
+
+--write-durations also writes each file's wall seconds (files of 5 s or more), the figures
+tests/conftest.py orders the files by (longest first)."""
 import json, sys, glob, collections, os
+write_to = None
+if "--write-durations" in sys.argv:
+    i = sys.argv.index("--write-durations")
+    write_to = sys.argv[i + 1]
+    del sys.argv[i:i + 2]
 rows = []
 for p in glob.glob(os.path.join(sys.argv[1], "*.jsonl")):
     w = os.path.basename(p)[:-6]
@@ -14,3 +24,7 @@ for r in rows:
 print("total cpu %.0f" % sum(v[1] for v in files.values()))
 for k, v in sorted(files.items(), key=lambda kv: -kv[1][1])[:int(sys.argv[2]) if len(sys.argv) > 2 else 40]:
     print("%6.0f %6.0f %4d %s" % (v[1], v[0], v[2], k))
+if write_to:
+    with open(write_to, "w") as f:
+        json.dump({k: round(v[0]) for k, v in sorted(files.items(), key=lambda kv: -kv[1][0]) if v[0] >= 5}, f, indent=0)
+        f.write("\n")

@@ -30,8 +30,10 @@ from trainer import invariant
 
 ROOT = Path(__file__).resolve().parents[2]
 # One reference per machine it was recorded on (XLA:CPU's bits follow the CPU model), each from the
-# previous implementation: invariant_reference.json (AMD EPYC, session 5) and _intel_6_167.json
-# (session 7: commit 0aec485's trainer run through this probe on an Intel Xeon).
+# previous implementation: invariant_reference.json (AMD EPYC, session 5), _intel_6_167.json
+# (session 7: commit 0aec485's trainer run through this probe on an Intel Xeon) and _amd_25_17.json
+# (session 10: commit c323c3c's gathered_sum and reduce-scatter, equal on every layout, on an AMD EPYC
+# of another family).
 REFERENCES = sorted((Path(__file__).parent / "fixtures").glob("invariant_reference*.json"))
 SCATTER = ("scatter:1x1", "scatter:2x1", "scatter:4x1", "scatter:2x2", "scatter:8x1")
 

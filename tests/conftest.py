@@ -10,11 +10,14 @@ pytest-xdist (pyproject.toml's addopts) the controller loads this file before it
 workers, so they inherit its folder through the environment and share it; only the controller
 owns (and removes) it.
 
-Test files that hold slow tests run first, and within each group the longest first (their wall
-seconds in a whole suite run, tests/file_durations.json, written by tools/suite_profile): xdist
-hands out whole files (`--dist loadfile`) in collection order, so the long files start while the
-other workers still have short ones left to take, instead of one long file running alone at the
-end. The figures only order the files; a file missing from them (a new one) counts as 0 s.
+Test files that hold slow tests run first, in collection order; the others follow, the longest
+first (their wall seconds in a whole suite run, tests/file_durations.json, written by
+tools/suite_profile). xdist hands out whole files (`--dist loadfile`) in this order, so the long
+files start while the other workers still have short ones left to take, instead of one long file
+running alone at the end. The slow files keep collection order on purpose: sorted by length, the
+three longest (two of them 8-device mesh-invariant processes with 8-thread pools) start together
+on the 2 cores, and were measured to cost more CPU so (test_invariant_claims: 1.7x). The figures
+only order the files; a file missing from them (a new one) counts as 0 s.
 """
 
 from __future__ import annotations
@@ -61,8 +64,8 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Files with a slow test first, the longest first within each group, each file's tests
-    together and in their order (a stable sort).
+    """Files with a slow test first, then the others longest first, each file's tests together
+    and in their order (a stable sort).
     Among them, files that set READS_SHARED_RUNS come last: another worker makes the shared runs
     they wait for (tests/torch/reference_pair.py) meanwhile, in the slow file that makes them."""
     has_slow = {item.nodeid.split("::", 1)[0] for item in items if item.get_closest_marker("slow")}
@@ -70,8 +73,9 @@ def pytest_collection_modifyitems(session, config, items):
 
     def key(item):
         file = item.nodeid.split("::", 1)[0]
-        return (file not in has_slow, bool(getattr(getattr(item, "module", None), "READS_SHARED_RUNS", False)),
-                -durations.get(file, 0.0))
+        slow = file in has_slow
+        return (not slow, bool(getattr(getattr(item, "module", None), "READS_SHARED_RUNS", False)),
+                0.0 if slow else -durations.get(file, 0.0))
 
     items.sort(key=key)
 

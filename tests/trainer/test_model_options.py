@@ -59,7 +59,6 @@ def _in_program(cfg) -> str:
     return str(jax.make_jaxpr(jax.grad(fn))(params))
 
 
-@pytest.mark.slow  # nine step programs compiled: the file is the suite's costliest, so it starts early
 @pytest.mark.parametrize("name", OPTIONS)
 def test_each_option_trains_the_same_bits_at_every_recording_level(name):
     cfg = _cfg(name)

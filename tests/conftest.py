@@ -16,7 +16,8 @@ tools/suite_profile). xdist hands out whole files (`--dist loadfile`) in this or
 files start while the other workers still have short ones left to take, instead of one long file
 running alone at the end. The slow files keep collection order on purpose: sorted by length, the
 three longest (two of them 8-device mesh-invariant processes with 8-thread pools) start together
-on the 2 cores, and were measured to cost more CPU so (test_invariant_claims: 1.7x). The figures
+on the 2 cores; measured once so, test_invariant_claims took 1.7x the CPU of a run in this order,
+against 1.3x for the suite as a whole (the machine was slower then too). The figures
 only order the files; a file missing from them (a new one) counts as 0 s.
 """
 

@@ -2,8 +2,8 @@
 
     timeline_report.py DIR [N] [--write-durations tests/file_durations.json]
 
---write-durations also writes each file's wall seconds (files of 5 s or more), the figures
-tests/conftest.py orders the files by (longest first)."""
+--write-durations also writes each file's wall seconds (files of 5 s or more): tests/conftest.py
+orders the files without slow tests by them, longest first (slow files keep collection order)."""
 import json, sys, glob, collections, os
 write_to = None
 if "--write-durations" in sys.argv:

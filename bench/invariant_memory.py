@@ -23,8 +23,7 @@ temporaries at the largest count are at most 3 G (one microbatch's gradient, the
 shards of one scan step, the mean) where the previous one held n_devices of them. The fit's
 verdict `temp_scales_as_1_over_devices` (a <= 0.1 G and every point within 10% of the fit) is
 reported, not budgeted: trainer/invariant.py says why it does not hold today (the parameters
-are replicated inside the shard_map, so each microbatch's backward makes a whole G, and the
-mean is all-gathered whole for the grad norm).
+are replicated inside the shard_map, so each microbatch's backward makes every leaf whole once).
 
 Measured (tiny, M = 64, global batch 64, G = 0.56 MB; temporaries per device; 2.5 minutes on
 2 busy cores for the four counts and both reductions):
@@ -55,6 +54,27 @@ partial sums instead of M / n; 73 s, machine otherwise idle), temporaries per de
 Fits: a + b / n^2 within 5% with a = 2.01 G, b = 11.3 G. The floor of ~2 G is what is left: one
 microbatch's backward (~1.4 G of temporaries on XLA:CPU even when each leaf is consumed at once)
 and the mean, all-gathered whole for the grad norm and the replicated update.
+
+Session 11 (the gradient leaves the shard_map as row shards, split_axis = axis 0; the clip and
+AdamW on the shards; the grad norm from the shards in a fixed order, tree_sums.fixed_order_sums;
+55 s on an Intel Xeon, machine otherwise idle), temporaries per device (the reference is
+unchanged, it still returns the gradient whole):
+
+    | devices | reduce-scatter, session 6 | reduce-scatter now | now, in G | reference ("gather") now |
+    | ------- | ------------------------- | ------------------ | --------- | ------------------------ |
+    | 2       | 2.70 MB                   | 2.74 MB            | 4.90      | 4.87 MB                  |
+    | 4       | 1.59 MB                   | 1.58 MB            | 2.83      | 3.99 MB                  |
+    | 8       | 1.17 MB                   | 1.16 MB            | 2.08      | 5.42 MB                  |
+    | 64      | 1.13 MB                   | 0.87 MB            | 1.56      | 14.54 MB                 |
+
+Fit a + b / n: a = 1.28 G (was 2.01), b = 7.0 G, within 11%. Where the rest is (XLA's buffer
+assignment, `--xla_dump_to`): at 64 devices the peak is inside the scan body, one microbatch's
+backward: a few whole leaves in flight (XLA reuses one leaf's buffer for the next) and the
+activations; before, it was the end of the step (the mean gathered whole and the update's
+whole-leaf temporaries). On a model whose activations are small beside G (`--set
+model.seq_len=8 --set model.d_model=128 --set model.d_ff=512 --set model.n_layers=4`,
+G = 4.27 MB, --no-reference): 4.64 / 1.92 / 0.92 / 0.52 G, the Counter's log2(M / n) + 1 shards
+of G / n at the small counts and that backward floor at 64.
 
 Prints one JSON object on the last line. Cost: one or two compiles per device count (5-40 s
 each on 2 cores, more with the count); nothing depends on a run's length.

@@ -24,14 +24,21 @@ Enabled with `--set mesh.mesh_invariant=true mesh.n_microbatches=M`. The scheme:
        (`scattered_sum`: all_to_all, the tree per shard). All collectives are all_to_alls and
        all_gathers: copies, never floating-point sums in an unknown order; each element sees
        the same adds in the same order on any layout.
-    4. The reduced shards are all_gather'ed (copies), so the gradient leaves the shard_map
-       whole and the grad norm, clipping and update are optax's full-size computation.
-       Per-microbatch losses, z-losses, per-example losses and (for layer-level records) the
-       captured forward activations are all_gather'ed and put in global order; losses are
-       combined with the same tree. Everything leaves replicated. (Tried in session 6: the
-       gradient left as shards with a fixed-order norm from them, trainer/tree_sums.py `norm`:
-       it changed the recorded grad_norm bits and gradient RMS values across device counts and
-       saved at most 0.2 G of temporaries; not kept.)
+    4. The reduced gradient leaves the shard_map as each device's shard of rows (split_axis: axis 0
+       where the device count divides it, else the leaf whole), never all-gathered: the clip and
+       AdamW run on the shards (XLA partitions the elementwise update; trainer/optim.py `update`
+       feeds the clip the norm below with optax's arithmetic). The grad norm is computed from the
+       shards in one order for every device count (tree_sums.fixed_order_sums: each leaf's squares
+       summed per row by slice-add trees, the row sums all-gathered in global order, pair_tree over
+       rows, then over leaves; no XLA reduce); the records' gradient RMS values come from the same
+       sums, and the updated parameters' RMS is taken with the parameters whole (trainer/step.py),
+       so the records keep one set of bits on every count. Per-microbatch losses, z-losses,
+       per-example losses and (for layer-level records) the captured forward activations are
+       all_gather'ed and put in global order; losses are combined with the same tree.
+       (Session 6 left the gradient as shards with a norm over each device's shard: the norm then
+       followed the layout. Session 11: the gradient all-gathered whole, as it was, held ~1 G at the
+       end of the step; its grad norm bits were XLA's reduce of whole leaves, which the fixed-order
+       norm does not reproduce, so mesh-invariant runs recorded before it have other grad_norm bits.)
 
 The scheme alone is not enough on XLA:CPU. Three more things were needed, each found by
 measurement (jax/jaxlib 0.10.2, x86-64 with AVX-512, 2 cores, virtual CPU devices):
@@ -76,8 +83,9 @@ trace); FSDP layouts data=-1 fsdp=2 and data=1 fsdp=-1 on 2, 4 and 8 devices (3 
 on tiny, but that is not the pinned setting, so 16 is not in the promised set.
 The RMS values a record shows beside each fingerprint are for people, not verified by replay:
 they agreed on 1/2/4/8 data-parallel devices but not under FSDP or at 16 devices, where the
-recording reduces sums of squares over shards (trainer/step.py). The gradient leaves the
-shard_map whole (all-gathered inside it), so the records' gradient RMS values keep those bits.
+recording reduces sums of squares over shards (trainer/step.py). The gradient's RMS values are
+its fixed-order sums (step 4) and the updated parameters' are taken whole, so data-parallel
+records keep one set of bits on 1, 2, 4 and 8 devices (tests/trainer/test_invariant_claims.py).
 
 INVARIANT_COUNTS is what a run's manifest promises (less counts its microbatches do not fit):
 CPU 1, 2, 4, 8. Never promised: more than POOL_THREADS devices per process, GPUs and TPUs
@@ -96,20 +104,20 @@ tiny's steps (5-18 ms) are dominated by per-op overhead, which the scan and the 
 to. The process settings also slow plain code in that process (AVX without FMA, 8 threads on
 2 cores): tiny 1.2-1.7x, demo ~1.1x.
 
-Gradient memory per device (G = the gradient's bytes), strided: one microbatch's backward (on
-XLA:CPU about 1.4 G of temporaries for tiny even when each gradient leaf is consumed at once:
-measured, the floor), the all_to_all's shards of one step, and the Counter's log2(M / n) + 1
-shards of G / n (the scan used to stack M / n of them). The previous implementation stacked the
-M / n whole microbatch gradients and all-gathered every device's partial sums; `gathered_sum`
-keeps it as the reference: bit-identical on 1, 2, 4, 8 and 2 x 2 devices, against it and a
-reference recorded from it (tests/trainer/test_invariant_scatter.py). Temporaries of tiny's
-train step at trace level step (0.56 MB gradient, M = 64; bench/invariant_memory.py, in G):
-session 5: 17.59 / 5.58 / 2.58 / 2.03 on 2 / 4 / 8 / 64 devices; with the Counter and the
-gradient whole (what the trainer runs now): 4.89 / 2.84 / 2.09 / 2.03 (the gradient left as
-shards, not kept: 4.90 / 2.88 / 2.16 / 1.82). Not O(G / n_devices): the floor is the microbatch
-backward, and the mean all-gathered whole. Reducing each leaf inside the backward (a
-custom_vjp on the parameters) gave the same program to the byte: XLA sees the same dataflow.
-Layer-level records all-gather every captured activation.
+Gradient memory per device (G = the gradient's bytes), strided: one microbatch's backward (XLA
+reuses one leaf's buffer for the next: a few leaves in flight, plus activations), the all_to_all's
+shards of one step, the Counter's log2(M / n) + 1 shards of G / n and the reduced shard. The
+previous implementation stacked the M / n whole microbatch gradients and all-gathered every
+device's partial sums; `gathered_sum` keeps it as the reference: bit-identical on 1, 2, 4, 8 and
+2 x 2 devices, against it and a reference recorded from it (tests/trainer/test_invariant_scatter.py).
+Temporaries of tiny's train step at trace level step (0.56 MB gradient, M = 64;
+bench/invariant_memory.py, in G) on 2 / 4 / 8 / 64 devices: session 5 17.59 / 5.58 / 2.58 / 2.03;
+the Counter, gradient gathered whole 4.89 / 2.84 / 2.09 / 2.03; the gradient left as row shards
+(now) 4.90 / 2.83 / 2.08 / 1.56 (a + b / n: floor 1.28 G, was 2.01). On a wider model where
+activations are small beside G (d_model 128, d_ff 512, 4 blocks, seq_len 8; G = 4.27 MB):
+4.64 / 1.92 / 0.92 / 0.52 G. What does not shrink is one microbatch's backward: with the
+parameters replicated inside the shard_map, each microbatch makes every leaf whole once (a few at
+a time). Layer-level records all-gather every captured activation and the updated parameters.
 """
 
 from __future__ import annotations
@@ -125,7 +133,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from replay.record.environment import pool_threads
 from trainer.microbatches import Layout, microbatch
-from trainer.tree_sums import Counter, pair_tree, split_axis
+from trainer.tree_sums import Counter, fixed_order_sums, pair_tree, split_axis
 from trainer.config import Config, ConfigError
 
 POOL_THREADS = 8  # the XLA:CPU intra-op pool size mesh-invariant mode pins (PJRT_NPROC)
@@ -357,15 +365,15 @@ def value_and_grad(params: Any, cfg: Config, batch: dict, step_key: jax.Array, c
             grads = [total / m_total for total in sums]
         else:  # local complete subtrees first, then the tree over every device's partial sums
             grads = [finish(partials, n, m_total) for partials in sums]
-        if sharded:  # the reduced shards all-gathered (copies): the grad norm and the update need it whole
-            grads = [g if split_axis(p.shape, n) is None or n == 1
-                     else lax.all_gather(g, BATCH_AXES, axis=split_axis(p.shape, n), tiled=True)
-                     for g, p in zip(grads, leaves)]
+        # The norm from the shards, in an order no device count changes (the clip and the record use it).
+        norm, sums_of_squares = fixed_order_sums(
+            grads, cut, lambda rows: lax.all_gather(rows, BATCH_AXES, axis=0, tiled=True))
         grads = jax.tree.unflatten(treedef, grads)
         in_order = layout.in_order
         loss = pair_tree(in_order(aux_K["loss"])) / m_total
         z_loss = pair_tree(in_order(aux_K["z_loss"])) / m_total
-        out = {"loss": loss, "z_loss": z_loss,
+        out = {"loss": loss, "z_loss": z_loss, "grad_norm": norm,
+               "grad_sums_of_squares": jax.tree.unflatten(treedef, list(sums_of_squares)),
                "example_loss": in_order(aux_K["example_loss"]).reshape(m_total * mb),
                "layers": {name: in_order(x).reshape((m_total * mb,) + x.shape[2:]) for name, x in aux_K["layers"].items()}}
         main = None
@@ -379,9 +387,20 @@ def value_and_grad(params: Any, cfg: Config, batch: dict, step_key: jax.Array, c
         return (loss + z_loss, out), grads
 
     mb = batch["inputs"].shape[0] // m_total  # examples per microbatch
+    # Each gradient leaf leaves as this device's shard along split_axis (scatter, n > 1), else whole.
+    leaves, treedef = jax.tree.flatten(params)
+    cut = [sharded and n > 1 and split_axis(p.shape, n) is not None for p in leaves]
+    grad_specs = jax.tree.unflatten(treedef, [gradient_spec(p.shape, n) if c else P() for p, c in zip(leaves, cut)])
     fn = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(), P(), P(BATCH_AXES), P(BATCH_AXES)),
-                       out_specs=P(), check_vma=False)
+                       out_specs=(P(), grad_specs), check_vma=False)
     return fn(params, key_data, step_in, batch["inputs"], batch["targets"])
+
+
+def gradient_spec(shape: tuple[int, ...], n_devices: int) -> P:
+    """Where value_and_grad leaves a gradient leaf of `shape`: cut along split_axis over the batch
+    axes, or whole (replicated) where the devices do not divide it."""
+    axis = split_axis(shape, n_devices) if n_devices > 1 else None
+    return P() if axis is None else P(*([None] * axis), BATCH_AXES)
 
 
 def _default_mesh(mesh: Mesh | None) -> Mesh:

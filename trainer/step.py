@@ -29,7 +29,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from trainer import chunked_loss, layers, model, rng, sdc, sketches
 from trainer.config import Config
 from replay.record.fingerprint import fingerprint_lanes, fingerprints_and_sums_of_squares
-from trainer.optim import applied_lr, make_optimizer
+from trainer import invariant, optim
+from trainer.optim import applied_lr
 
 LEVELS = ("off", "step", "layer")
 BATCH_AXES = ("data", "fsdp")  # as trainer.mesh.BATCH_AXES (not imported: mesh imports step)
@@ -50,7 +51,7 @@ def init_state(cfg: Config) -> TrainState:
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
-        opt_state=make_optimizer(cfg.optimizer).init(params),
+        opt_state=optim.make_optimizer(cfg.optimizer).init(params),
         key=jax.random.key_data(rng.dropout_key(cfg.seed)),
     )
 
@@ -154,7 +155,6 @@ def train_step(state: TrainState, batch: dict, *, cfg: Config, level: str = "ste
     `mesh`: the batch's mesh; only mesh-invariant mode uses it (trainer/invariant.py)."""
     step_key = rng.step_key(jax.random.wrap_key_data(state.key, impl="threefry2x32"), state.step)
     if cfg.mesh.mesh_invariant:  # --- mesh-invariant mode: fixed-order microbatched gradients
-        from trainer import invariant
         from trainer.config import ConfigError
 
         if cfg.optimizer.microbatches > 1:
@@ -197,8 +197,9 @@ def train_step(state: TrainState, batch: dict, *, cfg: Config, level: str = "ste
             # not (measured: ~1 ms a step on tiny at 8 devices). Its RMS is 0 or 1, never < 0.
             never = never | (aux["check"][1][0] < 0)
         opt_in = jax.tree.map(lambda x: jnp.where(never, jnp.zeros_like(x), x) if x.ndim == 0 else x, opt_in)
-    optimizer = make_optimizer(cfg.optimizer)
-    updates, opt_state = optimizer.update(grads, opt_in, state.params)
+    # mesh-invariant: the gradient arrives as shards, with its fixed-order norm (trainer/invariant.py)
+    grad_norm = aux["grad_norm"] if cfg.mesh.mesh_invariant else None
+    updates, opt_state = optim.update(cfg.optimizer, grads, opt_in, state.params, grad_norm)
     params = optax.apply_updates(state.params, updates)
     new_state = TrainState(state.step + 1, params, opt_state, state.key)
     metrics = {"loss": aux["loss"]}
@@ -206,7 +207,7 @@ def train_step(state: TrainState, batch: dict, *, cfg: Config, level: str = "ste
         return new_state, metrics
     metrics.update(
         z_loss=aux["z_loss"],
-        grad_norm=optax.tree.norm(grads),
+        grad_norm=optax.tree.norm(grads) if grad_norm is None else grad_norm,
         lr=jnp.asarray(applied_lr(opt_state), jnp.float32),
         param_norm=optax.tree.norm(params),
         example_loss=aux["example_loss"],
@@ -214,11 +215,24 @@ def train_step(state: TrainState, batch: dict, *, cfg: Config, level: str = "ste
     )
     if level == "layer":
         # One fused reduction per tensor yields both its fingerprint and its sum of squares.
+        updated = [get_path(params, n) for n in names]
+        if grad_norm is not None and mesh is not None:
+            # mesh-invariant: the update ran on the gradient's shards; its RMS (an XLA reduce) is
+            # taken whole, as on one device, so that the records' bits do not follow the layout
+            whole = NamedSharding(mesh, PartitionSpec())
+            updated = [jax.lax.with_sharding_constraint(x, whole) for x in updated]
         tensors = ([aux["layers"][n] for n in model.layer_names(cfg.model)]
-                   + [get_path(grads, n) for n in reversed(names)]
-                   + [get_path(params, n) for n in names])
+                   + [get_path(grads, n) for n in reversed(names)] + updated)
+        lanes, rms = _summaries(tensors)
+        if grad_norm is not None:
+            # mesh-invariant: the gradient is sharded and XLA's sum of squares over shards follows
+            # the layout; its fixed-order sums (trainer/tree_sums.py) give the same RMS on every count
+            grad_ss = jnp.stack([get_path(aux["grad_sums_of_squares"], n) for n in reversed(names)])
+            sizes = jnp.asarray([get_path(grads, n).size for n in reversed(names)], jnp.float32)
+            first = len(model.layer_names(cfg.model))
+            rms = rms.at[first:first + len(names)].set(jnp.sqrt(grad_ss / sizes))
         # the SDC checks' per-microbatch summaries (trainer/sdc.py), present only when configured
-        parts = state_summaries + [_summaries(tensors)] + [aux[k] for k in ("replicas", "check") if k in aux]
+        parts = state_summaries + [(lanes, rms)] + [aux[k] for k in ("replicas", "check") if k in aux]
         metrics["fingerprints"] = jnp.concatenate([lanes for lanes, _ in parts])
         metrics["rms"] = jnp.concatenate([rms for _, rms in parts])
         metrics.update(sketches.assemble(state_sketch, tensors))  # "sketches", "norms" with trace.sketches

@@ -2,7 +2,8 @@
 
 `pair_tree` is the tree; `Counter` builds the same tree online, one term at a time (a scan
 step's), holding log2(K) + 1 partial sums instead of the K terms; `split_axis` the axis a
-gradient leaf is cut along for the reduce-scatter. No XLA reduce anywhere: XLA:CPU picks a
+gradient leaf is cut along for the reduce-scatter; `fixed_order_sums` the gradient's norm from
+its shards. No XLA reduce anywhere: XLA:CPU picks a
 reduce's order from the shape it sees, which follows the device count; elementwise adds of slices have one order (trainer/model.py tree_sum).
 """
 
@@ -89,14 +90,41 @@ class Counter:
         return total
 
 
-def canonical_axis(shape: tuple[int, ...]) -> int | None:
-    """The axis a leaf is split along when it is split: its largest (the first on a tie); None for
-    a scalar. Independent of the device count, so the norm's order is too."""
-    return max(range(len(shape)), key=lambda a: (shape[a], -a)) if shape else None
-
-
 def split_axis(shape: tuple[int, ...], n_devices: int) -> int | None:
-    """The axis a gradient leaf is cut along into `n_devices` shards: canonical_axis if n_devices
-    divides it, else None (the leaf stays whole on every device)."""
-    axis = canonical_axis(shape)
-    return axis if axis is not None and shape[axis] % n_devices == 0 else None
+    """The axis a gradient leaf is cut along into `n_devices` shards: axis 0 (whole rows, so a
+    shard is contiguous and gathers back without a transpose) if n_devices divides it, else None
+    (the leaf stays whole on every device). The same axis on every count, so the norm's order
+    (fixed_order_sums) is too."""
+    return 0 if shape and shape[0] % n_devices == 0 else None
+
+
+def pair_tree_along(x: jax.Array, axis: int) -> jax.Array:
+    """pair_tree over `axis` of x, keeping that axis (size 1): the same adds on every other index."""
+    while x.shape[axis] > 1:
+        k = x.shape[axis]
+        pairs = lax.slice_in_dim(x, 0, k - 1, 2, axis) + lax.slice_in_dim(x, 1, k, 2, axis)
+        x = jnp.concatenate([pairs, lax.slice_in_dim(x, k - 1, k, 1, axis)], axis) if k % 2 else pairs
+    return x
+
+
+def row_sums_of_squares(x: jax.Array) -> jax.Array:
+    """[rows] sums of x's squares over every axis but 0, by pairwise trees one axis after another
+    ([1] for a scalar). Each row's adds are the same whether x holds every row or a shard of them:
+    elementwise ops only, no XLA reduce."""
+    sq = jnp.square(x)
+    if x.ndim == 0:
+        return sq.reshape(1)
+    for axis in range(1, x.ndim):
+        sq = pair_tree_along(sq, axis)
+    return sq.reshape(x.shape[0])
+
+
+def fixed_order_sums(leaves: list[jax.Array], cut: list[bool], gather) -> tuple[jax.Array, jax.Array]:
+    """(global L2 norm, [leaves] sums of squares) of gradient leaves in one order whatever the
+    device count: each leaf's row sums (row_sums_of_squares), all rows in global order (`gather(rows)`
+    where the leaf is this device's shard of rows, cut[i]), a pair_tree over them; the norm is the
+    sqrt of a pair_tree over the leaves' sums (tree order). The same adds as on one device holding
+    every leaf whole."""
+    totals = jnp.stack([pair_tree(gather(row_sums_of_squares(x)) if is_cut else row_sums_of_squares(x))
+                        for x, is_cut in zip(leaves, cut)])
+    return jnp.sqrt(pair_tree(totals)), totals

@@ -1,11 +1,12 @@
-"""trainer/tree_sums.py: the online Counter is pair_tree's tree; the split axis. Eager, a few hundred small ops: no compile."""
+"""trainer/tree_sums.py: the online Counter is pair_tree's tree; the split axis; the gradient's norm from shards
+is its norm whole, bit for bit. Eager or one small jit: a few hundred small ops."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from trainer.tree_sums import Counter, canonical_axis, pair_tree, split_axis
+from trainer.tree_sums import Counter, fixed_order_sums, pair_tree, row_sums_of_squares, split_axis
 
 
 def _terms(k: int, seed: int) -> np.ndarray:
@@ -66,8 +67,67 @@ def test_a_counter_holds_log2_terms_not_all_of_them():
         Counter(6, 2)
 
 
-def test_the_split_axis_is_the_canonical_one_or_none():
-    assert canonical_axis((64, 320)) == 1 and canonical_axis((64, 64)) == 0 and canonical_axis(()) is None
-    assert split_axis((64, 320), 8) == 1 and split_axis((320, 64), 8) == 0
-    assert split_axis((12, 8), 8) is None  # 8 divides axis 1, but the canonical axis is 0
+def test_the_split_axis_is_axis_0_or_none():
+    assert split_axis((64, 320), 8) == 0 and split_axis((320, 64), 8) == 0 and split_axis((64,), 64) == 0
+    assert split_axis((12, 8), 8) is None  # 8 divides axis 1, not axis 0: whole, on every count alike
     assert split_axis((6, 10), 4) is None and split_axis((), 2) is None and split_axis((7,), 1) == 0
+
+
+def _np_pair_tree(x: np.ndarray) -> np.ndarray:
+    """pair_tree over axis 0 in numpy float32: the reference the jax code must equal."""
+    while x.shape[0] > 1:
+        k = x.shape[0]
+        pairs = x[0:k - 1:2] + x[1:k:2]
+        x = np.concatenate([pairs, x[k - 1:]]) if k % 2 else pairs
+    return x[0]
+
+
+def _leaves(seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    shapes = [(24, 7), (8, 5, 3), (16,), (12, 9)]
+    return [(rng.standard_normal(s) * 10.0 ** rng.integers(-3, 4, s)).astype(np.float32) for s in shapes]
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_the_norm_from_row_shards_is_the_norm_of_the_whole_leaves_bit_for_bit(n):
+    leaves = _leaves(0)
+    # eager, op by op: within one fused kernel XLA:CPU may contract a square and an add into an FMA
+    # (mesh-invariant mode turns FMA off for the process, trainer/invariant.py; this process has it)
+    leaves = [jnp.asarray(x) for x in leaves]
+    whole_norm, whole_sums = fixed_order_sums(leaves, [False] * len(leaves), None)
+    # n devices: device d holds rows d*R/n.. of each leaf axis 0 divides; the gather puts the
+    # devices' row sums back in device order (what the trainer's all_gather does)
+    cut = [split_axis(x.shape, n) is not None for x in leaves]
+
+    def on_devices(ls):  # device 0's fixed_order_sums, its gather handing it every device's row sums in order
+        shards = [jnp.split(x, n) if c else [x] * n for x, c in zip(ls, cut)]
+        gathered = iter([jnp.concatenate([row_sums_of_squares(part) for part in parts])
+                         for parts, c in zip(shards, cut) if c])
+        return fixed_order_sums([parts[0] for parts in shards], cut, lambda rows: next(gathered))
+
+    norm, sums = on_devices(leaves)
+    assert _bits(norm) == _bits(whole_norm) and _bits(sums) == _bits(whole_sums)
+    # the order is the documented one: per row a pairwise tree over the other axes, then over rows
+    def rows(x):
+        sq = np.square(x)
+        for _ in range(1, x.ndim):
+            sq = np.moveaxis(sq, 1, 0)
+            sq = _np_pair_tree(sq)
+        return sq
+    want = np.stack([_np_pair_tree(rows(np.asarray(x))) for x in leaves])
+    assert _bits(whole_sums) == _bits(want)
+    assert _bits(whole_norm) == _bits(np.sqrt(_np_pair_tree(want)))
+
+
+def test_another_order_gives_other_norm_bits():
+    """The bit comparison above can fail: a plain sequential float32 sum of the same squares
+    rounds differently for these leaves."""
+    leaves = _leaves(0)
+    _, sums = fixed_order_sums([jnp.asarray(x) for x in leaves], [False] * 4, None)
+    sequential = [np.float32(0)] * 4
+    for i, x in enumerate(leaves):
+        acc = np.float32(0)
+        for v in np.square(x).ravel():
+            acc = np.float32(acc + v)
+        sequential[i] = acc
+    assert _bits(sums) != _bits(np.asarray(sequential, np.float32))

@@ -88,7 +88,7 @@ def _leaves(seed: int) -> list[np.ndarray]:
     return [(rng.standard_normal(s) * 10.0 ** rng.integers(-3, 4, s)).astype(np.float32) for s in shapes]
 
 
-@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@pytest.mark.parametrize("n", [2, 8])
 def test_the_norm_from_row_shards_is_the_norm_of_the_whole_leaves_bit_for_bit(n):
     leaves = _leaves(0)
     # eager, op by op: within one fused kernel XLA:CPU may contract a square and an add into an FMA

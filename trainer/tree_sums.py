@@ -3,8 +3,8 @@
 `pair_tree` is the tree; `Counter` builds the same tree online, one term at a time (a scan
 step's), holding log2(K) + 1 partial sums instead of the K terms; `split_axis` the axis a
 gradient leaf is cut along for the reduce-scatter; `fixed_order_sums` the gradient's norm from
-its shards. No XLA reduce anywhere: XLA:CPU picks a
-reduce's order from the shape it sees, which follows the device count; elementwise adds of slices have one order (trainer/model.py tree_sum).
+its shards. No XLA reduce anywhere: XLA:CPU picks a reduce's order from the shape it sees, which
+follows the device count; elementwise adds of slices have one order (trainer/model.py tree_sum).
 """
 
 from __future__ import annotations

@@ -304,9 +304,11 @@ def value_and_grad(params: Any, cfg: Config, batch: dict, step_key: jax.Array, c
                    step: jax.Array | None = None) -> tuple[tuple[jax.Array, dict], Any]:
     """((loss + z_loss, aux), grads) of the mean loss over the global batch, like
     jax.value_and_grad(step.loss_fn, has_aux=True), but computed microbatch by microbatch and
-    reduced in one fixed order; every output is replicated. aux: loss, z_loss, example_loss
-    (global order), with `capture` layers (each the global-batch activation) and, trainer/sdc.py,
-    replicas (check.replicas); with `step` and check.rerun_every, check (the re-run's summaries).
+    reduced in one fixed order. grads: with "scatter" on n > 1 devices each leaf sharded by rows
+    over the batch axes (gradient_spec), else whole; aux (replicated): loss, z_loss, example_loss
+    (global order), grad_norm and grad_sums_of_squares (per leaf, tree_sums.fixed_order_sums),
+    with `capture` layers (each the global-batch activation) and, trainer/sdc.py, replicas
+    (check.replicas); with `step` and check.rerun_every, check (the re-run's summaries).
 
     `mesh`: the ("data", "fsdp") mesh the batch is sharded over; None = the first device.
     `reduction`: "scatter" (the trainer's: strided microbatches reduce-scattered in the scan where

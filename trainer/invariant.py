@@ -305,7 +305,7 @@ def value_and_grad(params: Any, cfg: Config, batch: dict, step_key: jax.Array, c
     """((loss + z_loss, aux), grads) of the mean loss over the global batch, like
     jax.value_and_grad(step.loss_fn, has_aux=True), but computed microbatch by microbatch and
     reduced in one fixed order. grads: with "scatter" on n > 1 devices each leaf sharded by rows
-    over the batch axes (gradient_spec), else whole; aux (replicated): loss, z_loss, example_loss
+    over the batch axes (split_axis), else whole; aux (replicated): loss, z_loss, example_loss
     (global order), grad_norm and grad_sums_of_squares (per leaf, tree_sums.fixed_order_sums),
     with `capture` layers (each the global-batch activation) and, trainer/sdc.py, replicas
     (check.replicas); with `step` and check.rerun_every, check (the re-run's summaries).
@@ -392,17 +392,11 @@ def value_and_grad(params: Any, cfg: Config, batch: dict, step_key: jax.Array, c
     # Each gradient leaf leaves as this device's shard along split_axis (scatter, n > 1), else whole.
     leaves, treedef = jax.tree.flatten(params)
     cut = [sharded and n > 1 and split_axis(p.shape, n) is not None for p in leaves]
-    grad_specs = jax.tree.unflatten(treedef, [gradient_spec(p.shape, n) if c else P() for p, c in zip(leaves, cut)])
+    grad_specs = jax.tree.unflatten(treedef, [P(*([None] * split_axis(p.shape, n)), BATCH_AXES) if c else P()
+                                              for p, c in zip(leaves, cut)])
     fn = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(), P(), P(BATCH_AXES), P(BATCH_AXES)),
                        out_specs=(P(), grad_specs), check_vma=False)
     return fn(params, key_data, step_in, batch["inputs"], batch["targets"])
-
-
-def gradient_spec(shape: tuple[int, ...], n_devices: int) -> P:
-    """Where value_and_grad leaves a gradient leaf of `shape`: cut along split_axis over the batch
-    axes, or whole (replicated) where the devices do not divide it."""
-    axis = split_axis(shape, n_devices) if n_devices > 1 else None
-    return P() if axis is None else P(*([None] * axis), BATCH_AXES)
 
 
 def _default_mesh(mesh: Mesh | None) -> Mesh:

@@ -11,8 +11,12 @@ from trainer.config import apply_overrides, get_preset
 G = 1000  # gradient bytes of the synthetic plans
 
 
-def _rows(temps_in_g: dict[int, float]) -> dict:
-    return {n: {"scatter": {"argument": 1, "temp": int(t * G), "total": 1, "grad_bytes": G, "compile_s": 0.0}}
+def _rows(temps_in_g: dict[int, float], states_in_g: dict[int, float] | None = None) -> dict:
+    """Synthetic plans; the gradient state defaults to the trainer's shape with 64 microbatches
+    (bit_length(64 / n) Counter shards of G / n, plus the reduced shard)."""
+    states = states_in_g or {n: ((64 // n).bit_length() + 1) / n for n in temps_in_g}
+    return {n: {"scatter": {"argument": 1, "temp": int(t * G), "total": 1, "grad_bytes": G,
+                            "gradient_state": int(states[n] * G), "compile_s": 0.0}}
             for n, t in temps_in_g.items()}
 
 
@@ -45,3 +49,20 @@ def test_the_verdict_is_true_for_shards_and_false_with_a_floor_that_does_not_shr
     assert floored["per_device"]["64"]["temp_scatter_gradients"] == pytest.approx(2.016, abs=1e-3)
     assert floored["within_budget"] is True  # no reference plans: only the 3 G bound at the largest count
     assert summarize(_rows({2: 40.0, 64: 3.5}), args)["within_budget"] is False
+
+
+def test_the_gradient_state_verdict_holds_for_shards_and_fails_for_a_state_that_does_not_shrink():
+    """devices x state may not grow from one count to the next: the trainer's shape (faster than
+    1/n at small counts) passes; the previous reduction's (at least the whole mean, G, on every
+    device) fails it, and then the bench is not within budget."""
+    args = argparse.Namespace(preset="tiny", microbatches=64, set=None)
+    temps = {n: 1.5 + 3.0 / n for n in (2, 4, 8, 64)}
+    shards = summarize(_rows(temps), args)
+    assert shards["gradient_state_scales_as_1_over_devices"] is True and shards["within_budget"] is True
+    assert shards["per_device"]["64"]["devices_x_gradient_state_gradients"] == pytest.approx(2.0, abs=0.02)
+    assert shards["per_device"]["2"]["temp_minus_gradient_state_gradients"] == pytest.approx(3.0 - 3.5, abs=1e-2)
+    whole = summarize(_rows(temps, {n: 1.0 + 1.0 / n for n in temps}), args)
+    assert whole["gradient_state_scales_as_1_over_devices"] is False and whole["within_budget"] is False
+    missing = _rows(temps)
+    missing[8]["scatter"]["gradient_state"] = None  # a plan that did not report it cannot pass
+    assert summarize(missing, args)["gradient_state_scales_as_1_over_devices"] is False

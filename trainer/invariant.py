@@ -118,6 +118,13 @@ activations are small beside G (d_model 128, d_ff 512, 4 blocks, seq_len 8; G = 
 4.64 / 1.92 / 0.92 / 0.52 G. What does not shrink is one microbatch's backward: with the
 parameters replicated inside the shard_map, each microbatch makes every leaf whole once (a few at
 a time). Layer-level records all-gather every captured activation and the updated parameters.
+What a device keeps of the gradient across microbatches (the Counter) and the reduced shard is
+read from the traced step by trainer/gradient_memory.py (`replay plan`'s gradient_state_per_device):
+(bit_length(M / n) + 1) G / n strided, shrinking as 1/devices or faster (tiny, M = 64: 3.5 / 1.5 /
+0.625 / 0.032 G on 2 / 4 / 8 / 64); the temporaries less it, one microbatch's backward, stay at
+1.3-1.5 G on every count. (Reducing each leaf inside the backward, a custom_vjp on the parameters
+whose backward is reduce_block, was tried in session 12: XLA already schedules each leaf's
+all_to_all as soon as its gradient is whole, and the temporaries did not change by a byte.)
 """
 
 from __future__ import annotations

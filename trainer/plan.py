@@ -9,7 +9,8 @@ ShapeDtypeStructs carrying their shardings, so no parameter, optimizer or batch 
 allocated. It reports what the compiled per-device program needs (XLA's memory analysis:
 arguments, outputs, temporaries, bytes aliased to the donated state, generated code), whether
 the donated state is written in place (trainer/donation.py: input_output_alias and copies in
-the compiled HLO), the parameter count, parameter and optimizer bytes per device, FLOPs per
+the compiled HLO), in mesh-invariant mode the gradient state a device keeps across microbatches
+(trainer/gradient_memory.py, from the traced program), the parameter count, parameter and optimizer bytes per device, FLOPs per
 step (the model's 6N + attention, trainer/model.py, and XLA's cost analysis of the program),
 whether it fits a named device's HBM (DEVICE_HBM) and the time it took to trace, lower and
 compile. Model options: `--remat none|full|dots` (model.remat), `--scan` (model.scan_layers),
@@ -91,7 +92,7 @@ def plan(cfg: Any, n_devices: int | None = None, preset: str | None = None,
     import jax
     import numpy as np
 
-    from trainer import donation, invariant, model, step
+    from trainer import donation, gradient_memory, invariant, model, step
     from trainer import mesh as mesh_lib
 
     devices = jax.devices()
@@ -188,6 +189,11 @@ def plan(cfg: Any, n_devices: int | None = None, preset: str | None = None,
             "batch_per_device": shard_bytes(batch_in, {k: v.sharding for k, v in batch_in.items()}),
         },
         "memory_per_device": memory,
+        # mesh-invariant mode: what a device keeps of the gradient across microbatches (the scan's
+        # carry) and the reduced gradient's shard, from the traced program (trainer/gradient_memory.py)
+        "gradient_state_per_device": (gradient_memory.gradient_state(
+            traced.jaxpr, len(jax.tree.leaves(abstract.params)), full_bytes(abstract.params))
+            if cfg.mesh.mesh_invariant else None),
         "donation": donation.check(compiled),  # the donated state written in place, read from the HLO
         "seconds": {"trace": round(t1 - t0, 3), "lower": round(t2 - t1, 3), "compile": round(t3 - t2, 3)},
         "versions": {"jax": jax.__version__},

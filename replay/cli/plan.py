@@ -211,6 +211,11 @@ def render(r: dict[str, Any]) -> None:
         ]
     else:
         rows.append(("memory", "not reported by this backend"))
+    state = r.get("gradient_state_per_device")
+    if state:
+        rows.append(("gradient state", f"{_bytes(state['total'])} ({state['in_gradients']:g} gradients: "
+                                       f"{_bytes(state['accumulators'])} kept across {state['microbatch_steps']} "
+                                       f"microbatch steps + {_bytes(state['reduced'])} reduced shard)"))
     rows.append(("donated state", _donation(r.get("donation"))))
     if r.get("fit"):
         rows.append(("fits", _fit(r["fit"])))

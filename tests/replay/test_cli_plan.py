@@ -77,6 +77,7 @@ def test_plan_tiny_on_4_devices_json(tiny_plan):
     assert r["fit"] == {"device_kind": "h100", "hbm_bytes": 80 * 10**9, "total_per_device": mem["total"],
                         "fits": True, "share": round(mem["total"] / (80 * 10**9), 4)}
     assert r["model"]["d_model"] == cfg.model.d_model and r["mesh_invariant"] is None
+    assert r["gradient_state_per_device"] is None  # mesh-invariant mode only
 
 
 @pytest.mark.slow
@@ -165,3 +166,16 @@ def test_plan_with_remat_scan_and_bf16_compiles_and_reports_them():
         ("full", True, "bfloat16", "float32", "fused")
     assert r["precision"] == {"compute": "bfloat16", "params": "float32", "optimizer": ["float32"]}
     assert r["donation"]["in_place"] and r["params"] == param_count(get_preset("tiny"))
+
+
+@pytest.mark.slow
+def test_plan_table_shows_the_gradient_state_of_a_mesh_invariant_plan(tiny_plan, capsys):
+    """The row for trainer/gradient_memory.py's figures (bench/invariant_memory.py plans real
+    mesh-invariant steps; tests/trainer/test_invariant_scatter.py checks the figures)."""
+    _, report = tiny_plan
+    state = {"accumulators": 3 * 2**20, "reduced": 2**20, "total": 4 * 2**20, "in_gradients": 0.625,
+             "microbatch_steps": 8}
+    plan_cli.render(dict(report, mesh_invariant={"n_microbatches": 64}, gradient_state_per_device=state))
+    out = " ".join(capsys.readouterr().out.split())
+    assert "gradient state" in out and "4.00 MiB (0.625 gradients: 3.00 MiB kept across 8" in out, out
+    assert "1.00 MiB reduced shard" in out, out

@@ -7,8 +7,9 @@ XLA:CPU pool is pinned to 8 threads, so a mesh over the first n devices computes
 of n devices does (trainer/invariant.py, c). For each run "REDUCTION:DATAxFSDP" it compiles
 `invariant.value_and_grad` of `tiny` (8 microbatches, a fixed batch and key; trace level step:
 no captured activations) and prints one JSON line: per run the sha256 of the loss, the
-per-example losses and every gradient leaf (in tree order), and the compiled program's
-per-device memory (`memory_analysis()`). Reductions: scatter (the trainer's), gather (the
+per-example losses and every gradient leaf (in tree order), the compiled program's
+per-device memory (`memory_analysis()`) and the gradient state a device keeps across
+microbatches, read from the traced program (trainer/gradient_memory.py). Reductions: scatter (the trainer's), gather (the
 previous implementation, kept in trainer/invariant.py as the reference) and sequential (an
 injected difference: scatter with a left-to-right sum over each scan step's microbatches
 instead of the tree; strided layouts only).
@@ -92,7 +93,7 @@ def probe(runs: list[tuple[str, int, int]]) -> dict:
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from trainer import invariant, step
+    from trainer import gradient_memory, invariant, step
     from trainer.config import apply_overrides, get_preset
 
     invariant.prepare_process()
@@ -102,6 +103,7 @@ def probe(runs: list[tuple[str, int, int]]) -> dict:
                                                (cfg.data.global_batch_size, cfg.model.seq_len + 1))
     batch = {"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32)}
     key = jax.random.key(3, impl="threefry2x32")
+    grad_bytes = int(sum(np.asarray(g).nbytes for g in jax.tree.leaves(params)))
     out = {}
     for reduction, data, fsdp in runs:
         devices = np.asarray(jax.devices()[:data * fsdp]).reshape(data, fsdp)
@@ -114,7 +116,8 @@ def probe(runs: list[tuple[str, int, int]]) -> dict:
         if reduction == "sequential":
             invariant.block_sum = _left_fold
         try:
-            compiled = fn.lower(p, b).compile()
+            traced = fn.trace(p, b)
+            compiled = traced.lower().compile()
         finally:
             invariant.block_sum = block_sum
         (_, aux), grads = compiled(p, b)
@@ -125,10 +128,11 @@ def probe(runs: list[tuple[str, int, int]]) -> dict:
             "grads": {jax.tree_util.keystr(path): _digest(g) for path, g in flat},
             "memory": {"argument": int(mem.argument_size_in_bytes), "output": int(mem.output_size_in_bytes),
                        "temp": int(mem.temp_size_in_bytes), "alias": int(mem.alias_size_in_bytes)},
+            "gradient_state": gradient_memory.gradient_state(traced.jaxpr, len(jax.tree.leaves(params)), grad_bytes),
         }
     units = {f"scattered_vs_gathered:{n}": scattered_vs_gathered(n) for n in (3,)}
     return {"jax": jax.__version__, "pool": invariant.pool_threads(), "units": units,
-            "grad_bytes": int(sum(np.asarray(g).nbytes for g in jax.tree.leaves(params))),
+            "grad_bytes": grad_bytes,
             "largest_leaf_bytes": int(max(np.asarray(g).nbytes for g in jax.tree.leaves(params))), "runs": out}
 
 

@@ -122,6 +122,28 @@ def test_the_scan_holds_log2_partial_sums_not_every_microbatch_gradient(probed):
     assert runs["scatter:1x1"]["memory"]["temp"] < 6.5 * grad, (runs["scatter:1x1"]["memory"], grad)
 
 
+@pytest.mark.slow
+def test_the_gradient_state_shrinks_as_1_over_devices_and_the_previous_reduction_s_does_not(probed):
+    """What a device keeps of the gradient across microbatches (the scan's carry) and the reduced
+    gradient, read from each traced program (trainer/gradient_memory.py; 8 microbatches, G the
+    gradient's bytes). The reduce-scatter: devices x state never grows from 1 to 2, 4, 8 devices
+    (the Counter's bit_length(8 / n) shards of G / n, then this device's G / n; whole on 1
+    device: 3 slots + 1 partial + the mean = 5 G), and on 8 devices it is 2 shards of G / 8 up to
+    the leaves 8 does not divide. The previous reduction (consecutive microbatches, every
+    device's partial sums all-gathered, the mean whole on every device) keeps at least G on every
+    count, so its devices x state grows with the count: the measure tells them apart."""
+    runs, grad = probed["runs"], probed["grad_bytes"]
+    state = {n: runs[f"scatter:{n}x1"]["gradient_state"] for n in (1, 2, 4, 8)}
+    assert state[1]["microbatch_steps"] == 8 and state[8]["microbatch_steps"] == 1
+    assert state[1]["total"] == 5 * grad, state[1]
+    products = [n * state[n]["total"] for n in (1, 2, 4, 8)]
+    assert products == sorted(products, reverse=True) and products[-1] < products[0] / 2, products
+    assert 2 * grad / 8 <= state[8]["total"] <= 1.1 * 2 * grad / 8, (state[8], grad)
+    assert runs["scatter:2x2"]["gradient_state"] == state[4]  # the all_to_all over both axes: the same shards
+    before = {n: runs[f"gather:{n}x1"]["gradient_state"]["total"] for n in (2, 8)}
+    assert min(before.values()) >= grad and 8 * before[8] > 2 * before[2], (before, grad)
+
+
 def test_split_axis_is_axis_0_where_the_devices_divide_it():
     assert [n for n in range(1, 17) if invariant.strided(n)] == [2, 4, 8, 16]
     assert invariant.split_axis((64, 320), 8) == 0

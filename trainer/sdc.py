@@ -248,7 +248,7 @@ def microbatch_summaries(grads: Any, cfg: Config) -> tuple[jax.Array, jax.Array]
         leaves = [_get(grads, n) for n in names]
         leaf_lanes, sum_sq = fingerprints_and_sums_of_squares(leaves)
         lanes.append(fingerprint_lanes(leaf_lanes))
-        rms.append(jnp.sqrt(jnp.sum(sum_sq) / sum(x.size for x in leaves)))
+        rms.append(jnp.sqrt(jnp.sum(sum_sq) / float(sum(x.size for x in leaves))))
     return jnp.stack(lanes), jnp.stack(rms)
 
 

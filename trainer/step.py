@@ -87,7 +87,8 @@ def _tree_summary(leaves: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
     numpy reference can recompute it from per-leaf fingerprints; its RMS is over all elements.
     """
     lanes, sum_sq = fingerprints_and_sums_of_squares(leaves)
-    return fingerprint_lanes(lanes)[None], jnp.sqrt(jnp.sum(sum_sq) / sum(x.size for x in leaves))[None]
+    # float: a 1B model has more than 2^31 elements, which JAX refuses as an int argument
+    return fingerprint_lanes(lanes)[None], jnp.sqrt(jnp.sum(sum_sq) / float(sum(x.size for x in leaves)))[None]
 
 
 def loss_fn(params: Any, cfg: Config, inputs_BxL: jax.Array, targets_BxL: jax.Array, key: jax.Array | None,

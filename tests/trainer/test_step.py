@@ -134,3 +134,20 @@ def test_the_same_step_arguments_give_the_same_jitted_program():
     assert compile_step(CFG, "step") is not compile_step(CFG, "off")
     other = apply_overrides(CFG, ["optimizer.lr=0.5"])
     assert compile_step(other, "step") is not compile_step(CFG, "step")
+
+
+def test_summaries_of_more_than_2_to_the_31_elements_trace():
+    """olmo-1b's optimizer state at trace level layer: the RMS divides by an element count over 2^31
+    (an int argument JAX refused: OverflowError). Traced only, nothing allocated."""
+    from trainer import sdc
+    from trainer.step import _tree_summary
+
+    big = [jax.ShapeDtypeStruct((2**16, 2**15), np.float32)] * 2  # 2^32 elements in all
+    lanes, rms = jax.eval_shape(_tree_summary, big)
+    assert lanes.shape == (1, 2) and rms.shape == (1,) and rms.dtype == np.float32
+    cfg = apply_overrides(get_preset("tiny"), ["model.n_layers=1", "model.d_model=32768", "model.vocab_size=131072", "data.token_dtype=uint32",
+                                               "model.d_ff=64", "model.n_heads=256", "model.n_kv_heads=256"])
+    grads = jax.eval_shape(lambda: model.init_params(cfg.model, jax.random.key(0)))
+    assert sum(x.size for x in jax.tree.leaves(grads)) > 2**31
+    lanes, rms = jax.eval_shape(lambda g: sdc.microbatch_summaries(g, cfg), grads)
+    assert rms.dtype == np.float32 and lanes.shape[0] == rms.shape[0] > 1

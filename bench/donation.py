@@ -15,8 +15,10 @@ parameter aliased with an output and none copied but the step's scalars). The co
 tests/trainer/test_donation.py shows the check failing for a step that copies its state.
 Budget: every combination in place (`all_in_place`). Prints one JSON object on the last line
 (per combination: in_place, aliased / donated leaves, copied and unaliased bytes, compile s).
-Cost: 10 compiles per preset (tiny and demo a few seconds each on 2 cores, olmo-1b ~6-9 s,
-olmo3-7b ~12-25 s; about 8 minutes for the four); nothing depends on a run's length.
+Cost: 10 compiles per preset (tiny and demo 2-6 s each on 2 cores, olmo-1b 7-44 s, olmo3-7b
+13-182 s, the layer level the longest: 14 minutes for the four); nothing depends on a run's length.
+Measured (session 12, 8 devices): 40 of 40 in place; at most 4,648 bytes copied (demo at level
+layer: the step's scalars and the RNG key), against 1.7 MB to 10.9 GB donated per device.
 """
 
 from __future__ import annotations

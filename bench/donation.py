@@ -18,7 +18,7 @@ Budget: every combination in place (`all_in_place`). Prints one JSON object on t
 Cost: 10 compiles per preset (tiny and demo 2-6 s each on 2 cores, olmo-1b 7-44 s, olmo3-7b
 13-182 s, the layer level the longest: 14 minutes for the four); nothing depends on a run's length.
 Measured (session 12, 8 devices): 40 of 40 in place; at most 4,648 bytes copied (demo at level
-layer: the step's scalars and the RNG key), against 1.7 MB to 10.9 GB donated per device.
+layer, under the 1% the check allows), against 1.7 MB to 10.9 GB donated per device.
 """
 
 from __future__ import annotations

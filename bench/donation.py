@@ -28,7 +28,8 @@ import json
 import os
 import sys
 
-LEVELS = ("off", "step", "layer")
+from trainer.plan import EXIT_BAD_INPUT, LEVELS  # trainer.plan imports no jax at module level
+
 OPTIONS: dict[str, list[str]] = {
     "remat-full": ["model.remat=full"],
     "remat-dots": ["model.remat=dots"],
@@ -85,12 +86,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--presets", default="tiny,demo,olmo-1b,olmo3-7b")
     ap.add_argument("--devices", type=int, default=8)
     args = ap.parse_args(argv)
-    if "jax" in sys.modules:
-        raise SystemExit("bench.donation sets the device count before JAX starts; run it as python -m bench.donation")
+    from trainer.config import PRESETS
     from trainer.plan import plan_env
 
+    presets = [p for p in args.presets.split(",") if p]
+    unknown = [p for p in presets if p not in PRESETS]
+    if unknown or not presets or args.devices < 1:
+        problem = (f"unknown preset {unknown[0]!r}; valid presets: {', '.join(PRESETS)}" if unknown
+                   else "--presets names no preset" if not presets else f"--devices {args.devices} is not >= 1")
+        print(f"error: {problem}", file=sys.stderr)
+        raise SystemExit(EXIT_BAD_INPUT)
+    if "jax" in sys.modules:
+        raise SystemExit("bench.donation sets the device count before JAX starts; run it as python -m bench.donation")
     os.environ.update(plan_env(args.devices))  # before JAX initialises: N virtual CPU devices
-    report = run([p for p in args.presets.split(",") if p], args.devices,
+    report = run(presets, args.devices,
                  log=lambda msg: print(f"donation: {msg}", file=sys.stderr, flush=True))
     print(json.dumps(report), flush=True)
 

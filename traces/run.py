@@ -15,131 +15,23 @@ stale lock behind, and `status` can tell a live writer from a crashed one.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import os
 from pathlib import Path
 
-from traces.errors import (
-    DISK_FULL_ERRNOS, DiskFullError, ManifestCorruptError, NewerFormatError, NotARunError, RunLockedError,
-    RunNotFoundError, TraceError, disk_full_message,
+from traces.errors import ManifestCorruptError, NotARunError, RunLockedError, TraceError
+from traces.manifest import (  # noqa: F401  (re-exported: the run format's names, where readers look for them)
+    MANIFEST, MANIFEST_CHECKSUM, TRACE_FIRST_STEP, TRUST_FLAG, manifest_checksum, read_manifest, write_json_atomic, write_manifest,
 )
 from traces.schema import Schema
 from traces.trace import DEFAULT_SEGMENT_RECORDS, FORMAT_VERSION, Damage, TraceReader
 from traces.writer import TraceWriter
 
-MANIFEST = "run.json"
 INCOMPLETE = "INCOMPLETE"
 COMPLETE = "COMPLETE"
 LOCK = ".lock"
 TRACE_DIR = "trace"
 CHECKPOINT_DIR = "checkpoints"
-MANIFEST_CHECKSUM = "manifest_sha256"
-TRACE_FIRST_STEP = "trace_first_step"
-
-
-def write_json_atomic(path: Path, obj: dict, last_step: int | None = None) -> None:
-    """Write-then-rename, so a crash leaves the old file or the new one, never half of one."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        if e.errno in DISK_FULL_ERRNOS:
-            run = path.parent
-            raise DiskFullError(disk_full_message(path, f"replacing {path.name} (the old one is kept)", last_step, run),
-                                str(path), last_step) from None
-        raise
-
-
-def manifest_checksum(manifest: dict) -> str:
-    """sha256 hex of the manifest's canonical JSON, without the checksum key itself."""
-    body = {k: v for k, v in manifest.items() if k != MANIFEST_CHECKSUM}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def write_manifest(path: Path, manifest: dict, last_step: int | None = None) -> dict:
-    """Writes run.json atomically with its checksum; returns the manifest as a reader will see it.
-
-    The manifest goes through JSON once first, so the checksum is over exactly what a reader
-    parses (tuples become lists, keys strings); a stale checksum in `manifest` is replaced.
-    """
-    body = json.loads(json.dumps({k: v for k, v in manifest.items() if k != MANIFEST_CHECKSUM}))
-    write_json_atomic(Path(path), {**body, MANIFEST_CHECKSUM: manifest_checksum(body)}, last_step)
-    return body
-
-
-def read_manifest(path: Path, notes: list[str] | None = None) -> dict:
-    """The verified manifest of the run at `path`, without its checksum key.
-
-    Raises one-line errors for every way that can fail; a manifest recorded before checksums
-    is returned with a line added to `notes`.
-    """
-    path = Path(path)
-    if not path.exists():
-        raise RunNotFoundError(f"{path}: no such run; check the path (a run is the folder `replay train --out` wrote)")
-    if not path.is_dir():
-        raise NotARunError(f"{path}: is a file, not a run directory; pass the folder that `replay train --out` wrote")
-    mpath = path / MANIFEST
-    if not mpath.exists():
-        raise NotARunError(f"{path}: not a run (no {MANIFEST}); pass the folder that `replay train --out` wrote")
-
-    def corrupt(what: str) -> ManifestCorruptError:
-        return ManifestCorruptError(
-            f"{mpath}: {what}: run.json was changed or damaged after recording; restore it from a copy of the run",
-            str(mpath))
-
-    try:
-        manifest = json.loads(mpath.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise corrupt(f"unreadable ({e.__class__.__name__})") from None
-    if not isinstance(manifest, dict):
-        raise corrupt("not a JSON object")
-    version = manifest.get("format_version")
-    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise corrupt(f"format_version {version!r} is not a positive integer")
-    # Before the checksum: a newer writer may checksum differently, so a mismatch proves nothing there.
-    if version > FORMAT_VERSION:
-        ours = manifest.get(MANIFEST_CHECKSUM) == manifest_checksum(manifest)
-        raise NewerFormatError(
-            f"{path}: written by run format_version {version}, this replay reads up to {FORMAT_VERSION}: upgrade "
-            f"replay (pip install -U replay-jax)" + ("" if ours else "; if this replay recorded it, run.json was damaged")
-        )
-    if MANIFEST_CHECKSUM in manifest:
-        if manifest.pop(MANIFEST_CHECKSUM) != manifest_checksum(manifest):
-            raise corrupt(f"its content does not match its {MANIFEST_CHECKSUM}")
-    elif _damaged_checksum_key(manifest):
-        raise corrupt(f"its {MANIFEST_CHECKSUM} is missing or its key damaged")
-    elif notes is not None:
-        notes.append(f"{mpath} has no checksum (recorded before replay checked manifests); its content is taken as recorded")
-    if "schema" not in manifest:
-        raise corrupt("it has no schema")
-    first = manifest.get(TRACE_FIRST_STEP, 0)
-    if not isinstance(first, int) or isinstance(first, bool) or first < 0:
-        raise corrupt(f"{TRACE_FIRST_STEP} {first!r} is not a step")
-    return manifest
-
-
-def _damaged_checksum_key(manifest: dict) -> bool:
-    """Whether a manifest without a checksum lost it to damage rather than being recorded before them.
-
-    Manifests written since checksums also record trace_first_step; and a damaged key name keeps
-    most of its letters, or at least its value, the checksum of everything else.
-    """
-    if TRACE_FIRST_STEP in manifest:
-        return True
-    for key, value in manifest.items():
-        if len(key) == len(MANIFEST_CHECKSUM) and sum(a != b for a, b in zip(key, MANIFEST_CHECKSUM)) <= 3:
-            return True
-        if isinstance(value, str) and len(value) == 64 and value == manifest_checksum(
-                {k: v for k, v in manifest.items() if k != key}):
-            return True
-    return False
 
 
 class Run:
@@ -159,7 +51,7 @@ class Run:
         self._lock_fd = lock_fd
         self._writer: TraceWriter | None = None
         self._reader: TraceReader | None = None
-        if TRACE_FIRST_STEP not in manifest:
+        if TRACE_FIRST_STEP not in manifest and not any(TRUST_FLAG in note for note in self.notes):
             self.notes.append(f"{path / MANIFEST} does not record where the trace starts (recorded before replay "
                               "did), so missing leading segment files cannot be detected")
 

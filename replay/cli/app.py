@@ -126,9 +126,17 @@ def _root(
     debug: Annotated[
         bool, typer.Option("--debug", envvar="REPLAY_DEBUG", help="Print full tracebacks on errors.")
     ] = False,
+    trust_unchecked_manifest: Annotated[
+        bool, typer.Option("--trust-unchecked-manifest", envvar="REPLAY_TRUST_UNCHECKED_MANIFEST",
+                           help="Read a format_version 1 run.json that has no checksum (recorded before replay "
+                                "checked manifests) as written, instead of refusing it.")
+    ] = False,
 ) -> None:
     """Deterministic record/replay and bisection debugger for JAX training."""
+    from traces.manifest import trusting_unchecked_manifests
+
     ctx.meta[_DEBUG_KEY] = debug
+    ctx.with_resource(trusting_unchecked_manifests(trust_unchecked_manifest))  # for this command only
 
 
 def _register_commands() -> None:

@@ -279,17 +279,19 @@ def test_console_script_without_debug_has_no_traceback(tmp_path):
     assert json.loads(proc.stdout)["steps"]["count"] == 6
 
 
-def test_a_run_from_before_manifest_checksums_is_shown_with_a_note(tmp_path):
+def test_a_run_from_before_manifest_checksums_is_shown_only_when_trusted(tmp_path):
     from traces.run import write_json_atomic
 
     run = make_run(tmp_path / "run")
     manifest = json.loads((run / "run.json").read_text())
     for key in ("manifest_sha256", "trace_first_step"):  # what runs recorded before issue 10 lack
         manifest.pop(key)
+    manifest["format_version"] = 1
     write_json_atomic(run / "run.json", manifest)
     result = invoke("show", str(run))
-    assert result.exit_code == 0, result.output
-    assert "has no checksum" in result.stderr and "taken as recorded" in result.stderr
-    manifest["config"] = {"edited": True}  # nothing to check it against: read as recorded, with the note
-    write_json_atomic(run / "run.json", manifest)
-    assert invoke("show", str(run)).exit_code == 0
+    assert result.exit_code == 2 and "--trust-unchecked-manifest" in result.stderr, result.output
+    # Trusted, it is still refused: its trace segments say format_version 2, which always checksums run.json.
+    result = invoke("--trust-unchecked-manifest", "show", str(run))
+    assert result.exit_code == 2 and "its trace was written by format_version 2" in result.stderr, result.output
+
+

@@ -95,7 +95,7 @@ def test_a_version_1_reader_refuses_a_version_2_run(tmp_path, monkeypatch):
     w.close()
     run.finish()
     # The version-1 reader is this code with its version constant at 1: the check is the same code.
-    import traces.run as trun
+    import traces.manifest as trun
     import traces.segment as tseg
     import traces.trace as ttrace
 

@@ -9,7 +9,7 @@ import pytest
 
 from traces import (
     FORMAT_VERSION, Damage, ManifestCorruptError, NewerFormatError, Run, TraceCorruptError, TraceError, describe_damage,
-    manifest_checksum, same_bits, write_manifest,
+    UncheckedManifestError, manifest_checksum, same_bits, trusting_unchecked_manifests, write_manifest,
 )
 from tests.traces.helpers import BytesRead, make_record, make_schema
 
@@ -117,13 +117,59 @@ def test_a_null_checksum_is_refused(tmp_path):
     assert "does not match" in assert_refused_naming_run_json(tmp_path / "run")
 
 
-def test_a_manifest_from_before_checksums_is_read_with_a_note(tmp_path):
+def test_a_current_manifest_without_its_checksum_keys_is_refused(tmp_path):
+    # Issue 30 (3): removing the two keys used to pass for "recorded before checksums" (two notes, exit 0),
+    # after which any edit (seed, lr, program hash, checkpoints) and deleted leading segments were accepted.
     write_run(tmp_path / "run", n=3)
-    edit_manifest(tmp_path / "run", lambda m: (m.pop("manifest_sha256"), m.pop("trace_first_step")))
-    run = Run.open(tmp_path / "run")
-    assert run.manifest["config"] == MANIFEST["config"]
-    assert "has no checksum" in run.notes[0] and "run.json" in run.notes[0]
-    assert "does not record where the trace starts" in run.notes[1] and len(run.notes) == 2
+    edit_manifest(tmp_path / "run", lambda m: (m.pop("manifest_sha256"), m.pop("trace_first_step"),
+                                               m["config"].update(seed=8)))
+    message = assert_refused_naming_run_json(tmp_path / "run")
+    assert "manifest_sha256 is missing or its key damaged" in message or "every format_version 2 run" in message
+    with trusting_unchecked_manifests():  # the flag is for old runs only: a version-2 manifest always had its keys
+        assert_refused_naming_run_json(tmp_path / "run")
+
+
+def test_a_current_manifest_with_a_valid_checksum_but_no_trace_start_is_refused(tmp_path):
+    write_run(tmp_path / "run", n=3)
+    mpath = tmp_path / "run" / "run.json"
+    manifest = json.loads(mpath.read_text())
+    del manifest["trace_first_step"]
+    write_manifest(mpath, manifest)  # re-checksummed, as a tool that edits and re-signs would
+    assert "no trace_first_step" in assert_refused_naming_run_json(tmp_path / "run")
+
+
+def test_a_downgraded_manifest_without_a_checksum_is_refused_even_when_trusted(tmp_path):
+    write_run(tmp_path / "run", n=3)
+    edit_manifest(tmp_path / "run", lambda m: (m.pop("manifest_sha256"), m.pop("trace_first_step"),
+                                               m.update(format_version=1)))
+    message = assert_refused_naming_run_json(tmp_path / "run", UncheckedManifestError)
+    assert "--trust-unchecked-manifest" in message
+    with trusting_unchecked_manifests():
+        message = assert_refused_naming_run_json(tmp_path / "run")
+    assert "its trace was written by format_version 2" in message
+
+
+def _old_run_without_checksum(tmp_path) -> Path:
+    """The version-1 fixture as a run recorded before checksums: no manifest_sha256, no trace_first_step."""
+    import shutil
+
+    shutil.copytree(Path(__file__).parent / "fixtures" / "v1_run", tmp_path / "old")
+    edit_manifest(tmp_path / "old", lambda m: (m.pop("manifest_sha256"), m.pop("trace_first_step")))
+    return tmp_path / "old"
+
+
+def test_an_old_manifest_without_a_checksum_needs_the_explicit_trust(tmp_path):
+    old = _old_run_without_checksum(tmp_path)
+    message = assert_refused_naming_run_json(old, UncheckedManifestError)
+    assert "--trust-unchecked-manifest" in message
+    with trusting_unchecked_manifests():
+        run = Run.open(old)
+    assert run.manifest["format_version"] == 1 and run.trace.end == 3
+    [note] = run.notes  # one line that says what is then unchecked
+    assert "has no checksum" in note and "--trust-unchecked-manifest" in note
+    assert "learning rate" in note and "where the trace starts" in note
+    with pytest.raises(UncheckedManifestError):  # the trust ends with its context
+        Run.open(old)
 
 
 @pytest.mark.parametrize("damage", [
@@ -205,17 +251,14 @@ def test_a_run_may_start_its_trace_later_and_the_writer_holds_it_to_that(tmp_pat
     assert (run.trace.start, run.trace.end, run.damage) == (5, 12, [])
 
 
-def test_a_run_without_a_recorded_first_step_is_not_checked_and_says_so(tmp_path):
-    write_run(tmp_path / "run", n=30)
-    mpath = tmp_path / "run" / "run.json"
-    manifest = json.loads(mpath.read_text())
-    del manifest["trace_first_step"]
-    write_manifest(mpath, manifest)
-    (tmp_path / "run" / "trace" / "000000000000.seg").unlink()
-    run = Run.open(tmp_path / "run")
-    assert run.first_step is None and run.trace.start == 7
-    assert run.damage == []  # nothing recorded to check against
-    assert any("does not record where the trace starts" in n for n in run.notes)
+def test_an_old_run_without_a_recorded_first_step_is_not_checked_and_says_so(tmp_path):
+    old = _old_run_without_checksum(tmp_path)
+    (old / "trace" / "000000000000.seg").unlink()
+    with trusting_unchecked_manifests():
+        run = Run.open(old)
+    assert run.first_step is None and run.trace.start == 2
+    assert run.damage == []  # nothing recorded to check against, and the note says so
+    assert any("where the trace starts" in n for n in run.notes)
 
 
 # ------------------------------------------------------------------------------ damage reports

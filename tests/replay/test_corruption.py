@@ -212,6 +212,41 @@ def test_random_manifest_damage_is_never_vouched_for(trained, tmp_path):
     assert checked >= MANIFEST_CASES * 3 // 4
 
 
+STRIPPED_EDITS = [("config.seed", 8), ("config.optimizer.lr", 0.5), ("program_hash", "f" * 64),
+                  ("checkpoints", [0]), ("data.fingerprint", "0" * 16), ("delete segment 0", None)]
+
+
+@pytest.mark.parametrize("key,value", STRIPPED_EDITS, ids=[k for k, _ in STRIPPED_EDITS])
+def test_an_edit_with_the_checksum_keys_removed_is_never_vouched_for(trained, tmp_path, key, value):
+    """Issue 30 (3): removing manifest_sha256 and trace_first_step used to make the manifest pass
+    for one recorded before checksums, so each of these edits was accepted with exit 0 (and a
+    deleted leading segment called complete). Every command that reads a run refuses them."""
+    a, b = trained
+    damaged = _copy(b, tmp_path / "stripped")
+    manifest = json.loads((damaged / "run.json").read_text())
+    del manifest["manifest_sha256"], manifest["trace_first_step"]
+    if value is None:
+        (damaged / "trace" / "000000000000.seg").unlink()
+    else:
+        node = manifest
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    (damaged / "run.json").write_text(json.dumps(manifest, indent=2))
+    for args in (("show", str(damaged), "--verify"), ("bisect", str(a), str(damaged)), ("audit", str(damaged)),
+                 ("run", str(damaged), "--steps", "0:3"), ("spike", str(damaged)),
+                 ("verify", str(damaged), "--steps", "0:2"), ("compare", str(a), str(damaged), "--eval"),
+                 ("pack", str(damaged), "--steps", "0:3", "--out", str(tmp_path / "b.rpk"))):
+        for trust in ((), ("--trust-unchecked-manifest",)):
+            result = invoke(*trust, *args)
+            try:
+                _refused(result, "run.json")
+            except AssertionError as e:
+                raise AssertionError(f"{key} edited, checksum keys removed, `replay {' '.join(trust + args[:1])}`: {e}")
+    assert not (tmp_path / "b.rpk").exists()
+
+
 # ------------------------------------------------------------------------------ checkpoint data
 
 def _data_files(checkpoint: Path) -> list[Path]:

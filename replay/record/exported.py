@@ -35,6 +35,7 @@ import numpy as np
 from replay.record import checkpoints as ckpts
 from replay.record import examples_store
 from replay.record import export as exportlib
+from replay.record.exported_entry import entry_damage
 from traces.errors import TraceError
 
 EXPORTED_NOTE = "replayed from the exported program ({file}), without your code"
@@ -79,17 +80,29 @@ def flat_state(paths, leaves) -> Any:
     return _FLAT(paths, leaves)
 
 
-def usable(manifest: dict) -> str | None:
-    """None when the run recorded an exported program and its examples; else why not."""
-    entry = manifest.get(exportlib.KEY)
-    if not isinstance(entry, dict):
+def usable(manifest: dict, where: str = "run.json") -> str | None:
+    """None when the run recorded an exported program and its examples; else why not. A damaged
+    "exported" or "example_store" entry is refused here (ExportedProgramError naming `where`, the
+    manifest as messages show it): its checksum only says run.json is what some writer wrote."""
+    if exportlib.KEY not in manifest:
         return "it recorded no exported program"
+    damage = entry_damage(manifest)
+    if damage:
+        raise ExportedProgramError(f"{where}: its \"{damage[0]}\" entry is damaged ({damage[1]}): run.json was "
+                                   "changed after recording; restore it from a copy of the run, or record it again")
+    entry = manifest[exportlib.KEY]
     if entry.get("error"):
         return f"its step was not exported: {entry['error']}"
     store = manifest.get(examples_store.KEY)
     if not isinstance(store, dict) or not store.get("leaves"):
         return "it recorded no example store (replay.init(..., store_examples=True) keeps one), so its batches need your batch_at"
     return None
+
+
+def manifest_shown(run) -> str:
+    """run.json as messages name it: BUNDLE:run.json for a bundle."""
+    bundle = getattr(run, "bundle", None)
+    return f"{bundle}:run.json" if bundle else str(Path(run.path) / "run.json")
 
 
 class ExportedReplay:
@@ -104,7 +117,7 @@ class ExportedReplay:
         if data is not None:
             raise _unavailable(f"{shown_path(run)}: this run's batches come from its example store; --data does not apply")
         manifest = run.manifest
-        why = usable(manifest)
+        why = usable(manifest, manifest_shown(run))
         if why:
             raise _unavailable(f"{shown_path(run)}: cannot be replayed without its code: {why}")
         self.run, self.entry = run, manifest[exportlib.KEY]
@@ -252,7 +265,7 @@ def choose(run, with_code, **options: Any) -> Any:
     """The replayable for an API run: `with_code(run, **options)` (LoopReplay) or ExportedReplay."""
     from replay.code import CodeNotAllowed, is_bundle_run
 
-    why = usable(run.manifest)
+    why = usable(run.manifest, manifest_shown(run))
     if is_bundle_run(run) and why is None:
         return ExportedReplay(run, **options)
     try:
@@ -278,6 +291,9 @@ def pack_refusal(manifest: dict) -> str | None:
     if manifest.get("replayable") != FACTORY:
         return (f"it was recorded by its own training loop ({manifest.get('replayable')}), whose batches replay "
                 "cannot carry")
+    damage = entry_damage(manifest) if exportlib.KEY in manifest else None
+    if damage:  # pack's message names the run
+        return f"run.json's \"{damage[0]}\" entry is damaged ({damage[1]})"
     return usable(manifest)
 
 
@@ -302,13 +318,13 @@ def stage_for_bundle(run, stage: Path, first: int, last: int, staged) -> tuple[d
     for rec in staged.records(first, last + 1):
         needed.update(np.asarray(rec.example_hashes, np.uint64).tolist())
     try:
-        count = reader.write_subset(stage / store["file"], needed)
+        count = reader.write_subset(stage / store.get("file", examples_store.FILE), needed)
         carried = examples_store.ExampleReader(stage, store)
         for rec in staged.records(first, last + 1):  # as the replay will rebuild them
             carried.batch(rec.step, rec.example_hashes)
     except examples_store.ExampleStoreError as e:
         raise PackError(str(e)) from None
-    files = [stage / entry["file"], stage / store["file"]]
+    files = [stage / entry["file"], stage / store.get("file", examples_store.FILE)]
     raw = sum(int(np.prod(s["shape"], dtype=np.int64)) * np.dtype(s["dtype"]).itemsize for s in store["leaves"])
     info = {"examples": count, "detail": f"{count} distinct examples of {raw} bytes, the exported program"}
     return info, files, {"checkpoint_dir": "checkpoints"}

@@ -23,13 +23,22 @@ def verify(
     from replay.bundle import open_run
     from replay.cli.replaying import load_replayable, prepare_process, replay_notes
     from replay.engine import check_range, parse_steps
+    from replay.verify import VerifyInputError, refusal, too_few_devices
     from replay.verify import verify as run_verify
 
     if rotate < 1:
         console.fail(f"--rotate {rotate} must be at least 1")
     target = open_run(path, for_replay=True)
-    prepare_process(target)
     first, last = parse_steps(steps)
+    why = refusal(target)  # from the manifest: before anything compiles or prints
+    if why:
+        raise VerifyInputError(why)
+    prepare_process(target)
+    import jax
+
+    why = too_few_devices(jax.device_count())  # the replay's mesh has at most these
+    if why:
+        raise VerifyInputError(why)
     replayable, _ = load_replayable(target, path, data, False, lambda cps: check_range(target, first, last, cps))
     with console.progress(f"verify {path.name}") as bar:
         task = bar.add_task("verify", total=last - first + 1, info="")

@@ -69,6 +69,39 @@ def trace_replicas(schema, record, m: int, layers: list[str]) -> np.ndarray | No
     return np.asarray([[record.fingerprints[index[replica_name(i, g, m)]] for g in layers] for i in range(m)], np.uint64)
 
 
+def refusal(run) -> str | None:
+    """Why `replay verify` cannot check `run`, from its manifest alone (None: it can), so the
+    command refuses before anything compiles or prints. Verify re-computes each microbatch's
+    gradients on other devices through the trainer's mesh-invariant step (trainer/sdc.py); a loop
+    recorded with replay.init (or the legacy protocol, or replay.torch) has no such step yet."""
+    from replay.bundle.format import shown_path
+    from replay.contract import config_of
+    from trainer.replayable import TRAINER_FACTORY
+
+    manifest, shown = run.manifest, shown_path(run)
+    factory = manifest.get("replayable", TRAINER_FACTORY)
+    if factory != TRAINER_FACTORY or manifest.get("recorded_by") == "replay.torch":
+        from replay.record.manifest import FACTORY
+
+        who = ("recorded with replay.init" if factory == FACTORY else "recorded by replay.torch"
+               if manifest.get("recorded_by") == "replay.torch" else f"recorded by their own loop ({str(factory)[:80]})")
+        return (f"{shown}: replay verify needs the trainer's mesh-invariant mode (each microbatch's gradient "
+                f"re-computed on other devices, bit for bit); it is not yet available for runs {who}: "
+                "replay the steps with `replay run`, or compare two runs with `replay bisect`")
+    mesh = config_of(manifest).get("mesh")
+    if not (isinstance(mesh, dict) and mesh.get("mesh_invariant") is True):
+        return (f"{shown} is not a mesh-invariant run: only then is one device's work comparable bit for bit "
+                "with another's; train with --set mesh.mesh_invariant=true")
+    return None
+
+
+def too_few_devices(devices: int) -> str | None:
+    if devices < 3:
+        return (f"verify needs at least 3 devices to out-vote a bad one; this process has {devices} "
+                "(XLA_FLAGS=--xla_force_host_platform_device_count=8 on a CPU)")
+    return None
+
+
 def verify(run, replayable, first: int, last: int, rotate: int = 1,
            on_step: Callable[[int], None] | None = None) -> VerifyReport:
     """Verify steps first..last of a trainer run (`replayable`: trainer.replayable.TrainerReplay)."""
@@ -78,15 +111,18 @@ def verify(run, replayable, first: int, last: int, rotate: int = 1,
     from replay.engine import check_range
     from trainer import rng, sdc
 
-    built = replayable.built
+    why = refusal(run)
+    built = getattr(replayable, "built", None)  # the trainer's step (TrainerReplay); no other replayable has one
+    if why is None and built is None:
+        why = f"{shown_path(run)}: replay verify needs the trainer's replayable; this run loaded another"
+    if why is None and not built.cfg.mesh.mesh_invariant:  # the manifest said it was
+        why = f"{shown_path(run)} is not a mesh-invariant run as replayed; train with --set mesh.mesh_invariant=true"
+    if why is None:
+        why = too_few_devices(int(built.mesh.devices.size))
+    if why:
+        raise VerifyInputError(why)
     cfg = built.cfg
     n, m = int(built.mesh.devices.size), cfg.mesh.n_microbatches
-    if not cfg.mesh.mesh_invariant:
-        raise VerifyInputError(f"{shown_path(run)} is not a mesh-invariant run: only then is one device's work "
-                               "comparable bit for bit with another's; train with --set mesh.mesh_invariant=true")
-    if n < 3:
-        raise VerifyInputError(f"verify needs at least 3 devices to out-vote a bad one; this process has {n} "
-                               "(XLA_FLAGS=--xla_force_host_platform_device_count=8 on a CPU)")
     rotations = sorted({0, rotate % n, (2 * rotate) % n})
     if len(rotations) < 3:
         raise VerifyInputError(f"--rotate {rotate}: rotations 0, {rotate} and {2 * rotate} must put the work on three "

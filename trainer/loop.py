@@ -179,6 +179,8 @@ def load_resume_config(path: Path, cfg: Config | None, steps: int | None) -> Con
     record), so that is refused; a shorter run is a new run."""
     run = Run.open(path)
     recorded = from_dict(run.manifest["config"])
+    if steps is not None and steps < 1:
+        raise ConfigError(f"--steps {steps}: a run takes at least 1 step; give --steps 1 or more")
     if steps is not None and steps < recorded.steps:
         raise ConfigError(f"--steps {steps}: {path} is configured for {recorded.steps} steps and a resume can only "
                           f"extend it; give --steps {recorded.steps} or more, or omit --steps to finish it as configured")
@@ -189,6 +191,10 @@ def load_resume_config(path: Path, cfg: Config | None, steps: int | None) -> Con
             raise ConfigError(f"{path} was made with {key}={a!r}, not {b!r}: resume with the run's own config "
                               f"(drop --preset/--set) or train a new run")
     total = steps if steps is not None else recorded.steps
+    if run.status == "complete" and total <= run.trace.end:
+        # Nothing to train: refused before the lock or a compile, so the run stays byte for byte as it was.
+        raise ConfigError(f"{path} already has {run.trace.end} steps and is complete, so there is nothing to train; "
+                          f"pass a larger --steps (more than {run.trace.end}) to continue it")
     return from_dict({**to_dict(recorded), "steps": total})
 
 
@@ -208,6 +214,8 @@ def prepare(cfg: Config, out: str | Path, *, resume: bool = False, preset: str |
             on_compile: Callable[[], None] | None = None, faults: FaultPlan | None = None) -> Prepared:
     """Validates everything and compiles the step; raises a one-line error on bad input."""
     out = Path(out)
+    if cfg.steps < 1:
+        raise ConfigError(f"steps={cfg.steps}: a run takes at least 1 step; give --steps 1 or more")
     if not resume and out.exists() and (not out.is_dir() or any(out.iterdir())):
         if (out / LOCK).exists():
             _release(take_lock(out, create=False))  # a live writer: say so rather than "already exists"

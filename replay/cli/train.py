@@ -35,6 +35,8 @@ def train(
     from trainer.faults import FaultPlan, parse
 
     new_faults = [parse(spec) for spec in inject or []]
+    if steps is not None and steps < 1:  # a run of no steps records nothing: bad input, not "done"
+        console.fail(f"--steps {steps}: a run takes at least 1 step; give --steps 1 or more")
     if resume is not None and out is not None:
         console.fail("give either --out (a new run) or --resume RUN, not both")
     if resume is None and out is None:

@@ -159,7 +159,7 @@ def test_trainer_replay_verifies_and_notes_an_unverified_checkpoint(run_copy):
 def test_resume_from_a_newest_checkpoint_with_one_flipped_bit_refuses_naming_it(run_copy):
     flip_bit(data_file(run_copy, 20))
     before = dir_digest(run_copy)
-    result = invoke("train", "--resume", str(run_copy))
+    result = invoke("train", "--resume", str(run_copy), "--steps", "21")  # a complete run: continued by a step
     assert_one_line_error(result, "checkpoints/20: checkpoint 20 is damaged", "fingerprint", "re-create the run")
     assert dir_digest(run_copy) == before  # refused before the run was touched
     assert Run.open(run_copy).status == "complete"
@@ -169,7 +169,7 @@ def test_resume_from_an_unverified_checkpoint_says_so(run_copy):
     manifest = Run.open(run_copy).manifest
     manifest.pop("checkpoint_fingerprints")
     write_manifest(run_copy / "run.json", manifest)
-    result = invoke("train", "--resume", str(run_copy), "--json")
+    result = invoke("train", "--resume", str(run_copy), "--steps", "21", "--json")
     assert result.exit_code == 0, result.output
     assert "checkpoint 20 has no recorded fingerprint" in result.stderr and "unverified" in result.stderr
 
@@ -186,7 +186,7 @@ def test_a_resume_that_does_not_reproduce_a_recorded_step_exits_1(run_copy, monk
         return rec
 
     monkeypatch.setattr(recorder, "to_record", drifted)
-    result = invoke("train", "--resume", str(run_copy))
+    result = invoke("train", "--resume", str(run_copy), "--steps", "21")
     assert result.exit_code == 1, result.output
     assert "step 10 is already recorded with different content" in error_line(result)
 

@@ -29,7 +29,7 @@ from replay.record.orbax_io import CheckpointDiskFullError
 from replay.record.gather import Timeline, gather_blocking, start_gather
 from replay.record.recorder import Recorder
 from traces import Run, Schema, TraceWriter
-from traces.errors import DiskFullError, disk_full_message
+from traces.errors import DISK_FULL_ERRNOS, DiskFullError, disk_full_message
 from traces.run import LOCK, take_lock
 from trainer import data, invariant, mesh as meshlib, model, rng, sketches
 from trainer.checkpoint import FINGERPRINTS_KEY, Checkpointer, recorded_fingerprint
@@ -269,11 +269,19 @@ def run_prepared(job: Prepared, on_step: Callable[[StepInfo], None] | None = Non
             _release(job.lock_fd)  # Run.resume takes the same lock through its own descriptor
             job.lock_fd = None
             if job.resume:
-                run = Run.resume(job.out)
-                # Each resume's host and device count: under a host-dependent sampler they decide the data.
-                resumes = [*run.manifest.get("resumes", []), {
-                    "step": job.resumed.start, "process_count": jax.process_count(), "device_count": jax.device_count()}]
-                run.update_manifest(faults=job.manifest["faults"], resumes=resumes)
+                try:
+                    run = Run.resume(job.out)
+                    # Each resume's host and device count: under a host-dependent sampler they decide the data.
+                    resumes = [*run.manifest.get("resumes", []), {
+                        "step": job.resumed.start, "process_count": jax.process_count(),
+                        "device_count": jax.device_count()}]
+                    run.update_manifest(faults=job.manifest["faults"], resumes=resumes)
+                except DiskFullError as e:
+                    raise _full_on_resume(job, e.path or job.out) from None
+                except OSError as e:
+                    if e.errno not in DISK_FULL_ERRNOS:
+                        raise
+                    raise _full_on_resume(job, e.filename or job.out) from None
             else:
                 run = Run.create(job.out, job.built.schema, job.manifest)
         elif not job.resume:
@@ -292,6 +300,15 @@ def run_prepared(job: Prepared, on_step: Callable[[StepInfo], None] | None = Non
             run.close()  # a no-op after finish(); otherwise the run stays marked incomplete
 
 
+def _full_on_resume(job: Prepared, path: str | Path) -> DiskFullError:
+    """A full disk before the resume wrote anything: the writers' own message would count the steps
+    this process recorded (none yet), so it is said here from the trace as the resume found it."""
+    resumed = job.resumed
+    last = resumed.recorded_end - 1 if resumed.recorded_end > 0 else None
+    doing = "starting the resume: the disk is " + ("full" if resumed.was_complete else "still full")
+    return DiskFullError(disk_full_message(path, doing, last, job.out), str(path), last)
+
+
 @dataclass
 class _Resumed:
     ckpt: Checkpointer
@@ -299,6 +316,8 @@ class _Resumed:
     state: Any  # None: no checkpoint yet, the run restarts from its initial state
     fingerprints: dict[str, str]  # the manifest's checkpoint fingerprints
     notes: list[str]
+    recorded_end: int = 0  # the step after the last one the trace held when the resume began
+    was_complete: bool = False
 
 
 def _restore_newest(cfg: Config, out: Path) -> _Resumed:
@@ -307,6 +326,7 @@ def _restore_newest(cfg: Config, out: Path) -> _Resumed:
         invariant.prepare_process()
     recorded = Run.open(out)
     manifest, recorded_end = recorded.manifest, recorded.trace.end  # every process: the same step
+    complete = recorded.status == "complete"
     ckpt = Checkpointer(out / "checkpoints", keep=cfg.checkpoint.keep, create=True)
     try:
         fingerprints = dict(manifest.get(FINGERPRINTS_KEY) or {})
@@ -317,7 +337,7 @@ def _restore_newest(cfg: Config, out: Path) -> _Resumed:
         verified = [k for k in usable if str(k) in fingerprints]
         latest = (verified or usable or [None])[-1] if fingerprints else (usable or [None])[-1]
         if latest is None:
-            return _Resumed(ckpt, 0, None, fingerprints, [])
+            return _Resumed(ckpt, 0, None, fingerprints, [], recorded_end, complete)
         expected = recorded_fingerprint(manifest, latest)
         state = ckpt.restore(latest, meshlib.sharded_abstract_state(cfg, meshlib.make_mesh(cfg.mesh)),
                              fingerprint=expected)
@@ -326,7 +346,7 @@ def _restore_newest(cfg: Config, out: Path) -> _Resumed:
         raise
     notes = [] if expected else [f"{ckpt.path / str(latest)}: checkpoint {latest} has no recorded fingerprint "
                                  "(saved before replay recorded them); resumed from it unverified"]
-    return _Resumed(ckpt, latest, state, fingerprints, notes)
+    return _Resumed(ckpt, latest, state, fingerprints, notes, recorded_end, complete)
 
 
 class _Saver:

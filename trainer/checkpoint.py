@@ -52,7 +52,7 @@ import orbax.checkpoint as ocp
 
 from replay.record.orbax_io import (  # one home for these, shared with the recording API
     _WHAT_TO_DO, CheckpointDamagedError, CheckpointDiskFullError, CheckpointError, _is_disk_full, _quiet_orbax,
-    _read_failure, disk_of,
+    _read_failure, disk_of, quiet_until_released,
 )
 
 
@@ -96,6 +96,7 @@ class Checkpointer:
             self._manager = ocp.CheckpointManager(self.path, options=options,
                                                   item_handlers=ocp.StandardCheckpointHandler())
         self._pending: int | None = None  # the step of an asynchronous save not yet waited for
+        self._unquiet = None  # ends the quiet kept while that save's writer threads run
         self._failed = False  # a save failed: orbax's manager re-raises it from then on
 
     # ------------------------------------------------------------------------ writing
@@ -116,23 +117,28 @@ class Checkpointer:
         self.wait()
         if k in self.steps():
             return False
+        unquiet = quiet_until_released()  # from before the writer threads start: they may fail at once
         try:
             with _quiet_orbax():
                 self._manager.save(k, args=ocp.args.StandardSave(state), force=True)
                 if wait:
                     self._manager.wait_until_finished()
         except Exception as e:
+            unquiet()
             self._failed = True
             if _is_disk_full(e):
                 raise self._disk_full(k) from None
             raise
-        self._pending = None if wait else k
+        if wait:
+            unquiet()
+        self._pending, self._unquiet = (None, None) if wait else (k, unquiet)
         return True
 
     def wait(self) -> int | None:
         """Blocks until the asynchronous save in flight is on disk; returns its step (None when
         there was none). Its failure is raised here: CheckpointDiskFullError for a full disk."""
         k, self._pending = self._pending, None
+        unquiet, self._unquiet = self._unquiet, None
         if k is None:
             return None
         try:
@@ -143,6 +149,9 @@ class Checkpointer:
             if _is_disk_full(e):
                 raise self._disk_full(k) from None
             raise
+        finally:
+            if unquiet is not None:
+                unquiet()
         return k
 
     @property

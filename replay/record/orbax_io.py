@@ -17,8 +17,9 @@ import logging
 import os
 import re
 import sys
+import threading
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 
 class CheckpointError(ValueError):
@@ -82,16 +83,41 @@ def disk_of(path: str | os.PathLike) -> str:
     return f"the disk holding {path}{where}"
 
 
+# How many quiet sections and asynchronous writes are open: the loggers stay silenced while any is,
+# and get their own levels back when the last closes (saved by the first).
+_QUIET_LOCK = threading.Lock()
+_quiet_depth = 0
+_saved_levels: list[int] = []
+_LOGGERS = ("absl", "asyncio")
+
+
+def _silence() -> None:
+    global _quiet_depth, _saved_levels
+    with _QUIET_LOCK:
+        if _quiet_depth == 0:
+            loggers = [logging.getLogger(name) for name in _LOGGERS]
+            _saved_levels = [lg.level for lg in loggers]
+            for lg in loggers:
+                lg.setLevel(logging.CRITICAL + 1)
+        _quiet_depth += 1
+
+
+def _unsilence() -> None:
+    global _quiet_depth
+    with _QUIET_LOCK:
+        _quiet_depth -= 1
+        if _quiet_depth == 0:
+            for name, level in zip(_LOGGERS, _saved_levels):
+                logging.getLogger(name).setLevel(level)
+
+
 @contextlib.contextmanager
 def _quiet_orbax():
     """Keeps orbax's chatter off the terminal while it works: absl logs from its threads, and the
     unraisable errors a failed read or write leaves behind (see _drop_orbax_leftovers). The
     failure itself still propagates as an exception, which callers turn into one line."""
     _drop_orbax_leftovers()
-    loggers = [logging.getLogger(name) for name in ("absl", "asyncio")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.CRITICAL + 1)
+    _silence()
     try:
         yield
     except BaseException:
@@ -102,8 +128,24 @@ def _quiet_orbax():
         gc.collect()
         raise
     finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
+        _unsilence()
+
+
+def quiet_until_released() -> Callable[[], None]:
+    """Keeps orbax quiet past the call that started an asynchronous save: its writer threads log a
+    failure (a full disk: three absl ERROR records with ~70-line tracebacks each) when it happens,
+    not when the caller waits for it. Returns the release (idempotent); call it once the save has
+    been waited for (its failure, if any, raised as one line)."""
+    _drop_orbax_leftovers()
+    _silence()
+    released = threading.Event()
+
+    def release() -> None:
+        if not released.is_set():
+            released.set()
+            _unsilence()
+
+    return release
 
 
 def _from_orbax(unraisable: Any) -> bool:

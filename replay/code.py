@@ -8,8 +8,15 @@ runs that code, so resolving it is a security decision, not a convenience:
   every folder the manifest names, and the run folder itself, left out, so a file that
   travels with a run is never picked up by accident;
 - a folder the manifest names (`search_path`, relative to the run or absolute) is used only
-  with `allow_code=True` (the CLI's `--allow-code`), and never when the run is an unpacked
-  bundle: nothing inside a bundle runs, whatever the flags;
+  with `allow_code=True` (the CLI's `--allow-code`), and never when it lies inside the run
+  folder or inside a folder a bundle was unpacked to: --allow-code allows the user's own
+  checkout, never code that travels with a run;
+- a bundle never chooses code: for a bundle (a .rpk file, or a folder `replay unpack` wrote,
+  known by the MARKER file unpack writes there, which the bundle's bytes cannot remove) only
+  replay's own factories (OWN_FACTORIES) are resolved, whatever its manifest says;
+- a module of Python's standard library is never imported as an entry point (no loop factory
+  lives there, and some run code when imported), and a function replay calls must be one of
+  OWN_FACTORIES or carry the @replay.entrypoint marker, checked before it is called;
 - code loaded from a folder is loaded by file location under a module name unique to that
   folder, so two runs whose loops are both `train.py` in two checkouts each get their own
   module (importing by name would hand run B the module run A imported first).
@@ -34,6 +41,13 @@ from types import ModuleType
 from typing import Any, Callable
 
 TRUSTED_PACKAGES = ("replay", "trainer")  # replay's own factories: they ship with replay itself
+# The only functions replay calls without a marker: the trainer's and replay.init's factories.
+OWN_FACTORIES = ("trainer.replayable:from_run", "replay.record.replayable:from_run")
+API_FACTORY = OWN_FACTORIES[1]
+# Written by `replay unpack` (and by every command that opens a bundle) into the folder it unpacks
+# to: replay's own mark, on the user's machine, so a bundle's bytes can neither forge it away nor
+# keep a folder they fill from being known as a bundle's (format.py refuses a member of this name).
+MARKER = "FROM_BUNDLE.json"
 ALLOW_FLAG = "--allow-code"
 _ALIAS_PREFIX = "_replay_code_"
 _display_names: dict[str, str] = {}  # unique module name -> the name the manifest gave it
@@ -84,8 +98,72 @@ def code_allowed() -> bool:
 
 
 def is_bundle_run(run) -> bool:
-    """The run was unpacked from a bundle (a file someone sent), so nothing in it may run."""
-    return getattr(run, "bundle", None) is not None or isinstance(run.manifest.get("bundle"), dict)
+    """The run was unpacked from a bundle (a file someone sent), so nothing in it may run: it was
+    opened from a bundle file, its manifest says so, or a folder holding it carries the MARKER
+    `replay unpack` wrote (the one a crafted manifest cannot talk away)."""
+    return (getattr(run, "bundle", None) is not None or isinstance(run.manifest.get("bundle"), dict)
+            or unpacked_from(run.path) is not None)
+
+
+def unpacked_from(path: str | os.PathLike) -> Path | None:
+    """The folder at or above `path` that a bundle was unpacked to (it holds MARKER), else None."""
+    try:
+        p = Path(path).resolve()
+    except (OSError, RuntimeError):
+        return None
+    for folder in (p, *p.parents):
+        try:
+            if os.path.lexists(folder / MARKER):
+                return folder
+        except OSError:
+            continue
+    return None
+
+
+def bundle_code_problem(manifest: dict) -> str | None:
+    """What a bundle's manifest names of code (None: nothing but replay's own factories).
+
+    A bundle replays with the factory replay knows for its kind of run (the trainer's, or
+    replay.init's exported program), never with code its manifest chooses: any other
+    "replayable", a folder of code ("replayable_path", a relative "entrypoint_path": inside the
+    bundle), or an "entrypoint" where replay.init's factory is not the one named (only replay.init
+    runs have one, and theirs is shown, never imported, for a bundle) is refused. `replay pack`
+    writes none of these, so a bundle holding one was written by something else."""
+    named = manifest.get("replayable")
+    if named is not None and named not in OWN_FACTORIES:
+        return f"its manifest names code to replay it with ('replayable': {_brief(named)})"
+    if "replayable_path" in manifest:
+        return f"its manifest names a folder of code ('replayable_path': {_brief(manifest['replayable_path'])})"
+    where = manifest.get("entrypoint_path")
+    if where is not None and not (isinstance(where, str) and Path(where).is_absolute()):
+        return f"its manifest names a folder of code inside it ('entrypoint_path': {_brief(where)})"
+    entry = manifest.get("entrypoint")
+    if entry is not None and (named != API_FACTORY or not _is_spec(entry)):
+        return f"its manifest names code to replay it with ('entrypoint': {_brief(entry)})"
+    return None
+
+
+def bundle_refusal(run) -> CodeNotAllowed | None:
+    """The one-line refusal of a bundle whose manifest names code (bundle_code_problem), else None."""
+    problem = bundle_code_problem(run.manifest)
+    if problem is None:
+        return None
+    return CodeNotAllowed(f"{_shown(run)}: {problem}; {BUNDLE_CODE_TAIL}")
+
+
+BUNDLE_CODE_TAIL = ("a bundle never chooses the code that replays it (replay pack writes none), and code it names is "
+                    f"never run, with or without {ALLOW_FLAG}: ask for a bundle written by `replay pack`")
+
+
+def _brief(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _is_spec(spec: Any) -> bool:
+    module_name, sep, attr = str(spec).partition(":")
+    return (isinstance(spec, str) and bool(sep) and bool(attr)
+            and all(p.isidentifier() for p in module_name.split(".") + attr.split(".")))
 
 
 def import_entrypoint(run, spec: str, *, allow_code: bool, search_path: str | None = None) -> Any:
@@ -95,18 +173,33 @@ def import_entrypoint(run, spec: str, *, allow_code: bool, search_path: str | No
     policy refuses, EntrypointNotFound when the module or function is not there, and
     UserCodeError when importing the module raises."""
     module_name, sep, attr = str(spec).partition(":")
-    if not sep or not attr or not all(p.isidentifier() for p in module_name.split(".") + attr.split(".")):
-        raise EntrypointNotFound(f"{run.path}: its manifest names the replay entry point {spec!r}, "
+    if not _is_spec(spec):
+        raise EntrypointNotFound(f"{_shown(run)}: its manifest names the replay entry point {_brief(spec)}, "
                                  "which is not of the form module:function")
+    own = spec in OWN_FACTORIES
+    if is_bundle_run(run) and not own:  # before anything is looked up: a bundle's names are not followed
+        raise CodeNotAllowed(f"{_shown(run)}: is a bundle whose manifest names code ({_brief(spec)}); code a "
+                             "bundle names is never run, with or without --allow-code: a bundle replays only "
+                             "from its exported program (or the trainer's code); replay the run it was packed "
+                             "from to use your code")
+    top = module_name.split(".")[0]
+    # Python's standard library holds no loop factory, and some of its modules act when imported:
+    # never imported by name (a user's own test.py in a named folder is loaded by location below).
+    stdlib = top in sys.stdlib_module_names or top in sys.builtin_module_names
     folder = _folder(run, search_path) if search_path else None
+    if stdlib and folder is None:
+        raise CodeNotAllowed(f"{_shown(run)}: its manifest names {_brief(spec)} as the code that replays it, a "
+                             "function of Python's standard library, not a loop factory; replay calls only "
+                             "functions marked @replay.entrypoint: fix the manifest, or record the run again")
     forbidden = [Path(run.path).resolve()] + ([folder] if folder else [])
-    trusted = module_name.split(".")[0] in TRUSTED_PACKAGES
-    module = _installed(module_name, forbidden, trusted)
+    trusted = top in TRUSTED_PACKAGES
+    module = None if stdlib else _installed(module_name, forbidden, trusted)
     if module is None and not trusted and folder is not None:
-        if is_bundle_run(run):
-            raise CodeNotAllowed(f"{_shown(run)}: is a bundle whose manifest names code from a folder it "
-                                 f"names ({search_path!r}: {module_name}); code that travels with a bundle is "
-                                 f"never run. Install {module_name} here, or replay the run it was packed from")
+        carried = _carried(run, folder)
+        if carried:
+            raise CodeNotAllowed(f"{_shown(run)}: its manifest names code in {folder} ({module_name}), {carried}; "
+                                 "code that travels with a run or a bundle is never run, with or without "
+                                 f"{ALLOW_FLAG}: install {module_name}, or keep it in your checkout")
         if not allow_code:
             raise CodeNotAllowed(f"{_shown(run)}: its replay entry point {module_name} is not installed here; "
                                  f"it is in {folder}, which replay imports from only when asked: pass "
@@ -121,7 +214,22 @@ def import_entrypoint(run, spec: str, *, allow_code: bool, search_path: str | No
             raise EntrypointNotFound(f"{_shown(run)}: its manifest names the replay entry point {spec!r}, but "
                                      f"{_origin(module)} has no {attr!r}; is it the same version of the code?")
         obj = getattr(obj, part)
+    if not own and not getattr(obj, _MARK, False):
+        raise CodeNotAllowed(f"{_shown(run)}: its manifest names {_brief(spec)}, which is not marked "
+                             "@replay.entrypoint; replay calls only functions declared as loop factories: "
+                             "decorate it, or fix the manifest")
     return obj
+
+
+_MARK = "__replay_entrypoint__"  # replay.record.loop.MARK, set by @replay.entrypoint (no import: no JAX here)
+
+
+def _carried(run, folder: Path) -> str | None:
+    """Why `folder` holds code that came with the run rather than from the user (None: it does not)."""
+    if _inside(folder, [Path(run.path).resolve()]):
+        return "inside the run's own folder"
+    marked = unpacked_from(folder)
+    return f"inside {marked}, a folder a bundle was unpacked to" if marked is not None else None
 
 
 def function_name(fn: Callable) -> str:
@@ -171,7 +279,7 @@ def _installed(module_name: str, forbidden: list[Path], trusted: bool) -> Module
     and a module already imported is used only if the filtered path would find that same file
     (one imported earlier from a folder since removed from sys.path is not "installed")."""
     top = module_name.split(".")[0]
-    path = [p for p in sys.path if not _inside(p or os.getcwd(), forbidden)]
+    path = [p for p in sys.path if not _forbidden(p or os.getcwd(), forbidden)]
     loaded = sys.modules.get(top)
     if loaded is not None and (trusted or not _has_location(loaded)):
         if _locations_inside(_module_locations(loaded), forbidden):
@@ -210,8 +318,12 @@ def _module_locations(module: ModuleType) -> list[str]:
     return found + [str(p) for p in (getattr(module, "__path__", None) or [])]
 
 
+def _forbidden(path: str | os.PathLike, forbidden: list[Path]) -> bool:
+    return _inside(path, forbidden) or unpacked_from(path) is not None
+
+
 def _locations_inside(locations: list[str], forbidden: list[Path]) -> bool:
-    return any(_inside(p, forbidden) for p in locations)
+    return any(_forbidden(p, forbidden) for p in locations)
 
 
 def _same_file(a: list[str], b: list[str]) -> bool | None:

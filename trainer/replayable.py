@@ -5,11 +5,13 @@ checkpoint, and (2) run step k again, returning the same metrics dict it recorde
 global per-example hashes of the batch it fed. The engine compares the result with the trace.
 
 Runs of `trainer/` are replayed by `TrainerReplay`. Another loop names its own factory in
-the run manifest ("replayable": "module:function"; the legacy "replayable_path" names a
-folder to import it from, used only with --allow-code and never from a bundle: see
-replay/code.py); `replay run` calls `function(run, data=..., allow_data_change=...,
-allow_code=...)` (allow_code only if the factory takes it) and uses what it returns, every
-call into it made through replay.code.call_user.
+the run manifest ("replayable": "module:function", marked @replay.entrypoint; the legacy
+"replayable_path" names a folder to import it from, used only with --allow-code, never inside
+the run or a bundle: see replay/code.py); `replay run` calls `function(run, data=...,
+allow_data_change=..., allow_code=...)` (allow_code only if the factory takes it) and uses what
+it returns, every call into it made through replay.code.call_user. A bundle never chooses its
+factory: it replays with the trainer's or replay.init's, and one whose manifest names any other
+code is refused (replay.code.bundle_code_problem).
 """
 
 from __future__ import annotations
@@ -50,13 +52,20 @@ def load(run: Run, *, allow_code: bool | None = None, **options: Any) -> Replaya
     but the trainer's is called with `allow_code=` too when it takes it (it may resolve more
     code of its own); exceptions raised inside a user's factory and its replayable's methods
     are the user's (replay.code.UserCodeError, exit 2), not replay's."""
-    from replay.code import TRUSTED_PACKAGES, call_user, code_allowed, import_entrypoint
+    from replay.code import OWN_FACTORIES, bundle_refusal, call_user, code_allowed, import_entrypoint, is_bundle_run
+    from replay.replayer import ReplayUnavailable
 
     if allow_code is None:  # not passed down: the command's --allow-code (replay.code.allowing)
         allow_code = code_allowed()
+    if is_bundle_run(run):  # its manifest does not choose: the trainer's factory, or replay.init's
+        refused = bundle_refusal(run)
+        if refused is not None:
+            raise refused
+        loop = (run.manifest.get("bundle") or {}).get("source_replayable")
+        if loop is not None:
+            raise ReplayUnavailable(f"{_shown(run)}: is a bundle of a run of its own loop ({loop}), which a bundle "
+                                    "cannot replay; replay the run it was packed from")
     if run.manifest.get("recorded_by") == "replay.torch" and "replayable" not in run.manifest:
-        from replay.replayer import ReplayUnavailable
-
         raise ReplayUnavailable(f"{run.path}: recorded by a PyTorch loop (replay.torch), which has no JAX program to "
                                 "replay; compare its trace without replaying (replay bisect --no-refine)")
     target = run.manifest.get("replayable", TRAINER_FACTORY)
@@ -65,7 +74,7 @@ def load(run: Run, *, allow_code: bool | None = None, **options: Any) -> Replaya
         return factory(run, **options)
     if _takes(factory, "allow_code"):  # older factories (the legacy protocol) do not take it
         options["allow_code"] = allow_code
-    if target.partition(":")[0].split(".")[0] in TRUSTED_PACKAGES:  # replay's own: its errors are replay's
+    if target in OWN_FACTORIES:  # replay's own: its errors are replay's
         return factory(_absolute(run), **options)
     return UserReplayable(call_user(factory, _absolute(run), **options))
 
@@ -87,6 +96,10 @@ class UserReplayable:
 
             return lambda *a, **kw: call_user(value, *a, **kw)
         return value
+
+
+def _shown(run: Run) -> str:
+    return str(getattr(run, "bundle", None) or run.path)
 
 
 def _takes(fn: Any, keyword: str) -> bool:

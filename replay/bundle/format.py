@@ -44,7 +44,12 @@ Tar members carry zeroed times and owners and are written in a fixed order. Read
 in order: the magic ("not a bundle"), the prefix crc (a damaged header), the version (newer:
 upgrade), the version-1 header crc, the file size against the payload size (truncated, or
 trailing bytes), the payload's sha256 (any changed byte); then, unpacking, the zstd frame
-checksum and that every member is a plain file or folder inside the bundle. The unpacked
+checksum and that every member is a plain file or folder inside the bundle, under one of the
+top-level names above (MEMBERS), and no file of code (CODE_SUFFIXES: a module, a pickle). The
+checksums prove only that the bytes are those packed, not who packed them, so nothing in a
+bundle is trusted to name code: a manifest naming any (replay.code.bundle_code_problem) is
+refused. `unpack` writes replay.code.MARKER into every folder it fills: the folder stays a
+bundle's for every command (replay.code.is_bundle_run), whatever its manifest says. The unpacked
 folder is opened with traces.Run, so the manifest's checksum, the trace's checksums and the
 replay's verification are those of any run; a trace that is damaged inside a bundle whose
 sha256 holds is refused by `unpack` (commands that open bundles judge it with their own
@@ -59,6 +64,7 @@ from __future__ import annotations
 import atexit
 import hashlib
 import io
+import json
 import os
 import shutil
 import struct
@@ -87,6 +93,11 @@ REPORT = "REPORT.md"
 EXAMPLES = "data/examples.npz"
 ZSTD_LEVEL = 9
 _CHUNK = 1 << 20
+# Every top-level name a bundle may hold (the layout above; program/ and examples/ are replay.init's
+# exported program and example store), and suffixes of files that hold code: neither kind is unpacked.
+MEMBERS = frozenset({MANIFEST, "COMPLETE", REPORT, "trace", "data", "checkpoints", "program", "examples"})
+CODE_SUFFIXES = (".py", ".pyc", ".pyo", ".pyd", ".pyw", ".pth", ".so", ".dylib", ".dll", ".pkl", ".pickle", ".egg",
+                 ".whl")
 
 
 class NotABundleError(NotARunError):
@@ -211,7 +222,26 @@ def _member_path(dest: Path, name: str, src: Path) -> Path:
     parts = PurePosixPath(name).parts
     if not parts or PurePosixPath(name).is_absolute() or any(p in ("..", "") for p in parts):
         raise BundleCorruptError(f"{src}: damaged bundle: member {name!r} points outside the bundle", str(src))
+    if parts[0] not in MEMBERS or name.lower().endswith(CODE_SUFFIXES):
+        raise BundleCorruptError(f"{src}: refused: member {_brief(name)} is not part of a bundle (replay pack writes "
+                                 f"only {', '.join(sorted(MEMBERS))}, and no code); nothing was unpacked from it",
+                                 str(src))
     return dest.joinpath(*parts)
+
+
+def _brief(name: str) -> str:
+    text = repr(name)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _code_refusal(run: Run, shown) -> BundleCorruptError | None:
+    """A bundle whose manifest names code: refused (replay.code.bundle_code_problem), naming `shown`."""
+    from replay.code import BUNDLE_CODE_TAIL, bundle_code_problem
+
+    problem = bundle_code_problem(run.manifest)
+    if problem is None:
+        return None
+    return BundleCorruptError(f"{shown}: refused: {problem}; {BUNDLE_CODE_TAIL}", str(shown))
 
 
 def unpack(path: str | os.PathLike, dest: str | os.PathLike, allow_damaged: bool = False) -> Header:
@@ -228,24 +258,39 @@ def unpack(path: str | os.PathLike, dest: str | os.PathLike, allow_damaged: bool
     header = verify(path)
     stage = Path(tempfile.mkdtemp(prefix=f".{dest.name}.unpack-", dir=dest.parent))
     try:
+        _mark(stage, path, header)  # first: the folder is a bundle's from its first byte on
         _extract(path, header, stage)
         run = Run.open(stage)
         run.bundle = path
+        refused = _code_refusal(run, path)
+        if refused is not None:
+            raise refused
         damage = run_damage(run)
         if damage and not allow_damaged:
             raise BundleCorruptError(f"{path}: damaged bundle: its checksum matches, but the trace it holds is "
                                      f"damaged ({describe_damage(run, damage)}); it was packed from a damaged run, or "
                                      "written by something other than `replay pack`", str(path))
         os.replace(stage, dest)  # onto a missing or empty folder: atomic
-    except (zstandard.ZstdError, tarfile.TarError, EOFError, FileExistsError) as e:
-        raise BundleCorruptError(f"{path}: damaged bundle: its content does not unpack ({e.__class__.__name__}: {e}); "
-                                 "get a fresh copy", str(path)) from None
+    except (zstandard.ZstdError, tarfile.TarError, EOFError, FileExistsError, NotADirectoryError,
+            IsADirectoryError) as e:
+        why = f"{e.strerror}: {_in_terms(str(e.filename), stage, path)}" if isinstance(e, OSError) else str(e)
+        raise BundleCorruptError(f"{path}: damaged bundle: its content does not unpack ({e.__class__.__name__}: "
+                                 f"{why}); get a fresh copy", str(path)) from None
     except Exception as e:
         _rename_in(e, stage, path)
         raise
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     return header
+
+
+def _mark(folder: Path, path: Path, header: Header) -> None:
+    from replay.code import MARKER
+
+    note = {"unpacked_from": str(Path(path).absolute()), "sha256": header.sha256.hex(),
+            "why": "written by replay unpack: this folder came from a bundle, so replay runs no code from it"}
+    with open(folder / MARKER, "x") as f:
+        json.dump(note, f, indent=1)
 
 
 def _extract(path: Path, header: Header, dest: Path) -> None:
@@ -353,6 +398,11 @@ def open_run(path: str | os.PathLike, for_replay: bool = False) -> Run:
     if p.is_dir() or not p.exists():
         run = Run.open(p)
         run.bundle = None
+        from replay.code import is_bundle_run
+
+        refused = _code_refusal(run, p) if is_bundle_run(run) else None  # a folder `replay unpack` wrote
+        if refused is not None:
+            raise refused
     else:
         tmp = tempfile.mkdtemp(prefix="replay-bundle-")
         _TEMP_DIRS.append(tmp)

@@ -123,7 +123,7 @@ def pack(run_path: str | os.PathLike, out: str | os.PathLike, steps: tuple[int, 
         }
         # The bundle's trace starts at `trace_first`: recorded, so a bundle missing its leading
         # records reads as damaged. The checksum is the bundle's own, computed by write_manifest.
-        manifest = {**run.manifest,
+        manifest = {**_without_code(run.manifest, info),
                     "checkpoints": [] if lite else [checkpoint], "trace_first_step": trace_first, "bundle": info,
                     **api_manifest}
         write_manifest(stage / MANIFEST, manifest)
@@ -161,6 +161,19 @@ def pack(run_path: str | os.PathLike, out: str | os.PathLike, steps: tuple[int, 
     result.examples = info["example_count"]
     result.finding, result.report = finding, report
     return result
+
+
+def _without_code(manifest: dict, info: dict) -> dict:
+    """The run's manifest as a bundle carries it: naming no code but replay's own factory (a bundle
+    never chooses code, replay.code.bundle_code_problem): no folder of code, and a loop's own
+    factory (a legacy "replayable", only ever in a --lite bundle) kept in `info` as a fact, unused."""
+    from replay.code import OWN_FACTORIES
+
+    out = {k: v for k, v in manifest.items() if k not in ("replayable_path", "entrypoint_path")}
+    if out.get("replayable") not in (None, *OWN_FACTORIES):
+        info["source_replayable"] = out.pop("replayable")
+        out.pop("entrypoint", None)
+    return out
 
 
 def _files_under(folder: Path) -> list[Path]:

@@ -21,7 +21,9 @@ from traces import Run, Schema
 
 EVIL = """
 from pathlib import Path
+import replay
 Path({marker!r}).write_text("imported")
+@replay.entrypoint
 def replayable(run, **kw):
     Path({marker!r}).write_text("called")
 """
@@ -36,8 +38,9 @@ def loops(tmp_path_factory):
     return {"root": root, "a": record(a, runs / "a"), "a2": record(a, runs / "a2"), "b": record(b, runs / "b")}
 
 
-def _run_carrying(tmp: Path, marker: Path, bundle: bool, search_path: str | None = ".") -> Path:
-    """A run folder that ships a module (evil.py, which writes `marker` when imported) and names it."""
+def _run_carrying(tmp: Path, marker: Path, bundle: bool, search_path: str | None = ".", code_in: str = ".") -> Path:
+    """A run folder that names a module (evil.py, which writes `marker` when imported, in the run's
+    folder `code_in`, relative to the run: the run ships it; or outside it: the user's checkout)."""
     path = tmp / "carrier"
     manifest = {"replayable": "evil:replayable"}
     if search_path is not None:
@@ -46,7 +49,8 @@ def _run_carrying(tmp: Path, marker: Path, bundle: bool, search_path: str | None
         manifest["bundle"] = {"format_version": 1, "lite": False, "steps": [0, 0], "checkpoint": 0}
     run = Run.create(path, Schema(examples_per_step=1, rng_words=2, metrics=(("loss", "loss"),)), manifest)
     run.finish()
-    (path / "evil.py").write_text(EVIL.format(marker=str(marker)))
+    (path / code_in).mkdir(parents=True, exist_ok=True)
+    (path / code_in / "evil.py").write_text(EVIL.format(marker=str(marker)))
     return path
 
 
@@ -68,6 +72,10 @@ def test_a_bundle_module_is_not_found_through_sys_path_either(tmp_path, monkeypa
     monkeypatch.syspath_prepend(str(path))
     monkeypatch.chdir(path)
     run = Run.open(path)
+    with pytest.raises(code.CodeNotAllowed, match="never run"):
+        code.import_entrypoint(run, "evil:replayable", allow_code=True)
+    assert not marker.exists() and "evil" not in sys.modules
+    run.manifest.pop("bundle")  # not known as a bundle: the run's own folder is still not on the path
     with pytest.raises(code.CodeNotAllowed, match="cannot be imported here"):
         code.import_entrypoint(run, "evil:replayable", allow_code=True)
     assert not marker.exists() and "evil" not in sys.modules
@@ -86,12 +94,68 @@ def test_an_unpacked_bundle_is_known_by_its_run_bundle_attribute(tmp_path):
 
 def test_a_folder_the_manifest_names_needs_allow_code(tmp_path):
     marker = tmp_path / "imported.txt"
-    path = _run_carrying(tmp_path, marker, bundle=False)
+    path = _run_carrying(tmp_path, marker, bundle=False, search_path="../checkout", code_in="../checkout")
     line = assert_error_line(invoke("run", str(path), "--steps", "0"), 2, "--allow-code", "evil")
     assert not marker.exists(), line
     run = Run.open(path)
-    fn = code.import_entrypoint(run, "evil:replayable", allow_code=True, search_path=".")
+    fn = code.import_entrypoint(run, "evil:replayable", allow_code=True, search_path="../checkout")
     assert marker.read_text() == "imported" and callable(fn)
+
+
+@pytest.mark.parametrize("code_in", [".", "sub/dir"])
+def test_code_inside_the_run_folder_never_runs_even_with_allow_code(tmp_path, code_in):
+    """A run (a copied folder, a bundle unpacked and stripped of its manifest's "bundle" key) that
+    carries its own code: --allow-code allows the user's checkout, not what travels with the run.
+    Old code imported it."""
+    marker = tmp_path / "imported.txt"
+    path = _run_carrying(tmp_path, marker, bundle=False, search_path=code_in, code_in=code_in)
+    for flags in ([], ["--allow-code"]):
+        assert_error_line(invoke("run", str(path), "--steps", "0", *flags), 2, "inside the run's own folder", "evil")
+    assert not marker.exists()
+    with pytest.raises(code.CodeNotAllowed, match="never run"):
+        code.import_entrypoint(Run.open(path), "evil:replayable", allow_code=True, search_path=str(path / code_in))
+    assert not marker.exists()
+
+
+def test_code_inside_a_folder_a_bundle_was_unpacked_to_never_runs(tmp_path):
+    """A run nested inside an unpacked bundle's folder names code elsewhere in that folder (not
+    inside the run's own folder): the marker `replay unpack` wrote there refuses it."""
+    marker = tmp_path / "imported.txt"
+    path = _run_carrying(tmp_path, marker, bundle=False, search_path="../shipped", code_in="../shipped")
+    (tmp_path / code.MARKER).write_text("{}")  # tmp_path: the folder a bundle was unpacked to
+    for flags in ([], ["--allow-code"]):
+        result = invoke("run", str(path), "--steps", "0", *flags)
+        assert_error_line(result, 2, "evil", "never run")
+    assert not marker.exists() and code.is_bundle_run(Run.open(path))
+
+
+@pytest.mark.parametrize("spec", ["sys:exit", "builtins:print", "os:system", "antigravity:x", "this:x"])
+def test_a_standard_library_function_is_never_imported_or_called(tmp_path, spec, monkeypatch):
+    """Old code imported the module and called the function with the run (sys:exit exited)."""
+    path = tmp_path / "run"
+    Run.create(path, Schema(examples_per_step=1, rng_words=2, metrics=(("loss", "loss"),)),
+               {"replayable": spec}).finish()
+    calls = []  # sys.exit stays itself: the CLI exits through it
+    monkeypatch.setattr("os.system", lambda *a: calls.append(a))
+    monkeypatch.delitem(sys.modules, "antigravity", raising=False)
+    monkeypatch.delitem(sys.modules, "this", raising=False)
+    for flags in ([], ["--allow-code"]):
+        assert_error_line(invoke("run", str(path), "--steps", "0", *flags), 2, spec, "standard library")
+    assert calls == [] and "antigravity" not in sys.modules and "this" not in sys.modules
+
+
+def test_an_unmarked_function_is_never_called(loops, tmp_path):
+    """An installed module's function that is not a loop factory (here: the fixture's `train`)."""
+    from traces.run import write_manifest
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(loops["a"], copy)
+    write_manifest(copy / "run.json", {**Run.open(loops["a"]).manifest, "replayable": "tinyloop:train"})
+    line = assert_error_line(invoke("run", str(copy), "--steps", "0", "--allow-code"), 2, "tinyloop:train",
+                             "@replay.entrypoint")
+    assert "Traceback" not in line and len(list((copy / "checkpoints").iterdir())) == len(
+        list((loops["a"] / "checkpoints").iterdir()))
 
 
 def test_legacy_user_loop_replays_with_allow_code_only(loops):
@@ -184,10 +248,12 @@ def test_siblings_and_packages_of_two_checkouts_stay_apart(tmp_path):
     for name in ("a", "b"):
         (tmp_path / name / "pkg").mkdir(parents=True)
         (tmp_path / name / "helper.py").write_text(f"VALUE = {name!r}\n")
-        (tmp_path / name / "train.py").write_text("import helper\ndef f():\n    return helper.VALUE\n")
+        (tmp_path / name / "train.py").write_text("import helper, replay\n@replay.entrypoint\n"
+                                                  "def f():\n    return helper.VALUE\n")
         (tmp_path / name / "pkg" / "__init__.py").write_text("")
         (tmp_path / name / "pkg" / "inner.py").write_text(f"V = {name!r}\n")
-        (tmp_path / name / "pkg" / "mod.py").write_text("from . import inner\ndef f():\n    return inner.V\n")
+        (tmp_path / name / "pkg" / "mod.py").write_text("import replay\nfrom . import inner\n@replay.entrypoint\n"
+                                                        "def f():\n    return inner.V\n")
     run_path = tmp_path / "run"
     run = Run.create(run_path, Schema(examples_per_step=1, rng_words=2, metrics=(("loss", "loss"),)), {})
     run.finish()

@@ -120,7 +120,8 @@ def test_lite_bundle_holds_the_trace_bit_for_bit_and_show_reads_it(lite, tmp_pat
     dest = tmp_path / "u"
     result = invoke("unpack", out, dest)
     assert result.exit_code == 0, result.stderr
-    assert sorted(p.name for p in dest.iterdir()) == ["COMPLETE", "REPORT.md", "run.json", "trace"]
+    # FROM_BUNDLE.json: unpack's mark that the folder came from a bundle (replay/code.py)
+    assert sorted(p.name for p in dest.iterdir()) == ["COMPLETE", "FROM_BUNDLE.json", "REPORT.md", "run.json", "trace"]
     original, unpacked = traces.Run.open(run), traces.Run.open(dest)
     assert unpacked.status == "complete" and (unpacked.trace.start, unpacked.trace.end) == (5, 25)
     for step in range(5, 25):

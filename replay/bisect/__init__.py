@@ -67,6 +67,16 @@ class BisectReport:
     failure: Exception | None = None  # the replay the answer needed, failed: raised by the CLI after the report
     hardware: dict | None = None  # replay/bisect/replica.py: the runs differ in one device's replica results only
     rerun_checks: dict = field(default_factory=dict)  # replica.py: "A"/"B" -> its first SDC re-run from the divergence
+    checkpoints: dict | None = None  # traces agree: "A"/"B" -> listed checkpoints checked intact (_check_checkpoints)
+
+    @property
+    def checkpoint_note(self) -> str | None:
+        """What an agreeing verdict says of the checkpoints: structure checked, contents not compared."""
+        c = self.checkpoints
+        if not c or not (c["A"] or c["B"]):
+            return None
+        return (f"checkpoints not compared: the {c['A']} of A and {c['B']} of B are present and structurally intact, "
+                "their contents unread (a restore checks each against its recorded fingerprint)")
 
     @property
     def whole(self) -> bool:
@@ -153,7 +163,7 @@ class BisectReport:
                 "step": c.first_step, "kind": c.first.kind, "name": c.first.name,
                 **({"fields": [{"kind": d.kind, "name": d.name} for d in c.diffs]} if self.found_before_trace else {})},
             "fields": self.fields(), "permutation": self.permutation, "hardware": self.hardware,
-            "rerun_checks": self.rerun_checks,
+            "rerun_checks": self.rerun_checks, "checkpoints": self.checkpoints,
             "manifest_diff": [{"key": m.key, "a": m.a, "b": m.b} for m in self.manifest],
             "examples": [{"run": e.run, "position": e.position, "hash": e.example_hash, "seen_before": e.seen}
                          for e in self.examples],
@@ -259,6 +269,8 @@ def bisect(run_a: Run, run_b: Run, refine: bool = True):
     report.rerun_checks = rerun_checks(run_a, run_b, first_step)
     report.hardware = hardware_fault(run_a, run_b, first_step) or check_fault(report.rerun_checks, first_step)
     first = report.comparison.first
+    if first is None:
+        _check_checkpoints(report, run_a, run_b)
     if first is not None and first.kind == "data":
         _data_at(report, run_a, run_b, report.comparison.first_step, first.positions or [])
     report.bits_expected = _bits_expected(run_a, run_b)
@@ -278,6 +290,24 @@ def bisect(run_a: Run, run_b: Run, refine: bool = True):
                             "trace scan only (--no-refine): the traces alone do not show every step's state, so "
                             "a divergence they do not record would go unnoticed")
     return report
+
+
+def _check_checkpoints(report: BisectReport, run_a: Run, run_b: Run) -> None:
+    """Traces that agree say nothing of the checkpoint files: before an agreeing verdict, every
+    listed checkpoint of both runs is checked present and structurally intact, cheaply (no
+    restore, no array bytes: replay/record/checkpoint_check.py, O(chunks) per checkpoint), and a
+    damaged one is refused here, before any report. Their contents stay unread, and the
+    verdict says so (`checkpoint_note`)."""
+    from replay.bundle.format import bundle_terms
+    from replay.record.checkpoint_check import checkpoint_problem, listed_checkpoints
+    from replay.record.orbax_io import CheckpointDamagedError
+
+    for name, run in (("A", run_a), ("B", run_b)):
+        problem = checkpoint_problem(run)
+        if problem:
+            raise CheckpointDamagedError(f"run {name}: {bundle_terms(run, problem)}")
+    report.checkpoints = {"A": len(listed_checkpoints(run_a)), "B": len(listed_checkpoints(run_b)),
+                          "checked": "structure", "contents_compared": False}
 
 
 def _bits_expected(run_a: Run, run_b: Run) -> bool:

@@ -110,6 +110,8 @@ def render(report) -> None:
             console.print_text(f"identical: steps {c.compared[0]}..{c.compared[1] - 1} are bit-identical in both runs "
                                f"(A holds {c.a_range[0]}..{c.a_range[1] - 1}, B {c.b_range[0]}..{c.b_range[1] - 1})",
                                style="green")
+        if report.checkpoint_note:  # never let "identical" speak for checkpoint contents it did not read
+            console.print_text(report.checkpoint_note)
         if report.method == "checkpoint comparison":
             console.print_text(f"identical: {'; '.join(report.notes) or 'the states at the common checkpoints are equal'}",
                                style="green")

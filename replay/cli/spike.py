@@ -34,7 +34,7 @@ def spike(
                                              "names from a folder it names (never from inside a bundle).")] = False,
 ) -> None:
     """Find loss spikes in a run, or replay one (--step) and show its examples and layers."""
-    from replay.spike import check_metric, check_window, plot_scan, scan
+    from replay.spike import check_window
 
     check_window(window, threshold)
     if top < 1:
@@ -45,6 +45,16 @@ def spike(
     if save_batch is not None and save_batch.suffix != ".npy":
         console.fail(f"--save-batch {save_batch}: the file name must end in .npy")
     target = _open(path, for_replay=step is not None)
+    with _named_as_bundle(target):  # messages name BUNDLE or BUNDLE:member, not the temporary folder
+        _spike(target, path, step, window, threshold, top, save_batch, plot, data, allow_data_change, json_out,
+               metric, allow_code)
+
+
+def _spike(target, path: Path, step: int | None, window: int, threshold: float, top: int, save_batch: Path | None,
+           plot: Path | None, data: str | None, allow_data_change: bool, json_out: bool, metric: str,
+           allow_code: bool) -> None:
+    from replay.spike import check_metric, plot_scan, scan
+
     check_metric(target, metric)  # before anything is replayed: names the metrics the run has
     if step is None:
         if save_batch is not None:
@@ -77,6 +87,7 @@ def _spike_step(target, path: Path, step: int, window: int, threshold: float, to
     with replay_progress(f"replay {path.name} to step {step}", step) as on_step:
         report = analyze(target, rep, step, contract, window, threshold, top, on_step, metric=metric)
     report.notes.extend(replay_notes(rep))
+    report.notes = [_bundle_terms(target, n) for n in report.notes]  # restore notes name checkpoint folders
     check = _sdc_check_at(target, step)
     if check is not None:  # a silent-data-corruption re-run disagreed at this step: a chip, not the batch
         report.notes.append(check)
@@ -93,6 +104,22 @@ def _spike_step(target, path: Path, step: int, window: int, threshold: float, to
         _render_step(report)
     if not report.exact and report.replay.contract.expect_bits:
         raise typer.Exit(EXIT_DIVERGED)
+
+
+def _named_as_bundle(target):
+    try:
+        from replay.bundle import named_as_bundle
+    except ImportError:  # no bundles: nothing to rename
+        import contextlib
+
+        return contextlib.nullcontext()
+    return named_as_bundle(target)
+
+
+def _bundle_terms(target, text: str) -> str:
+    from replay.bundle.format import bundle_terms
+
+    return bundle_terms(target, text)
 
 
 def _open(path: Path, for_replay: bool):

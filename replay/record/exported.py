@@ -274,7 +274,11 @@ def choose(run, with_code, **options: Any) -> Any:
         if why is not None:  # say both: why the code is not used, and why the exported program cannot stand in
             raise type(e)(f"{str(e).rstrip('.')}; without that code it cannot be replayed: {why}") from None
         rep = ExportedReplay(run, **options)
-        rep.restore_notes[0] += f" (the entry point was not imported: {' '.join(str(e).split())[:160]})"
+        # Whole: cut to a width, it lost its instruction mid-word ("pass --allow-cod"). The run's own
+        # name, which starts the error, is dropped: the note is the run's already.
+        why = " ".join(str(e).split())
+        why = why.removeprefix(f"{rep.shown}: ").removeprefix(f"{run.path}: ")
+        rep.restore_notes[0] += f" (the entry point was not imported: {why})"
         return rep
     rep.replayed_from = "code"
     rep.restore_notes.insert(0, CODE_NOTE.format(spec=run.manifest.get("entrypoint")))

@@ -14,7 +14,7 @@ import numpy as np
 from replay.contract import config_of
 from replay.spike.detect import (DECODE_TOKENS, DEFAULT_METRIC, DEFAULT_THRESHOLD, DEFAULT_TOP, DEFAULT_WINDOW, LOG_FLOOR,
                                  MIN_WINDOW, REL_FLOOR, Spike, SpikeInputError, _json_safe, _num, check_metric,
-                                 check_window, robust)
+                                 check_window, robust, shown)
 from traces import Run, StepRecord
 
 if TYPE_CHECKING:  # the engine imports JAX; `replay spike RUN` (detection only) never needs it
@@ -98,9 +98,9 @@ def check_step(run: Run, step: int, window: int, checkpoints: list[int]) -> int:
     """The checkpoint to replay from; raises SpikeInputError for a step spike analysis cannot use."""
     trace = run.trace
     if len(trace) == 0:
-        raise SpikeInputError(f"{run.path}: the trace holds no steps (was it recorded with trace.level=off?)")
+        raise SpikeInputError(f"{shown(run)}: the trace holds no steps (was it recorded with trace.level=off?)")
     if not trace.start <= step < trace.end:
-        raise SpikeInputError(f"--step {step} is outside the recorded steps {trace.start}..{trace.end - 1} of {run.path}")
+        raise SpikeInputError(f"--step {step} is outside the recorded steps {trace.start}..{trace.end - 1} of {shown(run)}")
     before = step - trace.start
     if before < window:
         hint = (f"pass --window {before} or less" if before >= MIN_WINDOW
@@ -112,7 +112,7 @@ def check_step(run: Run, step: int, window: int, checkpoints: list[int]) -> int:
     start = latest_checkpoint(checkpoints, step)
     if start is None:
         have = ", ".join(map(str, checkpoints)) or "none"
-        raise SpikeInputError(f"{run.path} has no checkpoint at or before step {step} (checkpoints: {have}); "
+        raise SpikeInputError(f"{shown(run)} has no checkpoint at or before step {step} (checkpoints: {have}); "
                               "spike replay starts from a checkpoint: pick a spike after one")
     return start
 
@@ -196,8 +196,8 @@ def decode_tokens(run: Run, tokens: np.ndarray) -> str | None:
     parts = []
     for c, group in itertools.groupby(tokenizer.decode(tokens)):
         n = len(list(group))
-        shown = c if c.isprintable() else repr(c)[1:-1]
-        parts.append(f"{shown}×{n}" if n >= 4 else shown * n)
+        char = c if c.isprintable() else repr(c)[1:-1]
+        parts.append(f"{char}×{n}" if n >= 4 else char * n)
     return "".join(parts)
 
 
@@ -316,7 +316,7 @@ def analyze(run: Run, replayable: Any, step: int, contract: Any, window: int = D
     if source == "replayed":
         notes.append("layer RMS at this step come from the replay (the trace records layers every "
                      f"{run.manifest.get('config', {}).get('trace', {}).get('layer_every', '?')} steps)")
-    return SpikeReport(str(run.path), step, (first, step - 1), threshold, loss, grad, typical, spread_e, examples,
+    return SpikeReport(shown(run), step, (first, step - 1), threshold, loss, grad, typical, spread_e, examples,
                        layers, source, report_replay, injected_positions(run, step), notes,
                        {k: r.rms for k, r in replayed.items() if r.rms is not None})
 
@@ -328,7 +328,7 @@ def save_batch(replayable: Any, run: Run, step: int, out: str | Path) -> Path:
     after checking that its rows hash to the recorded example hashes."""
     tokens = fed_tokens(replayable, step)
     if tokens is None:
-        raise SpikeInputError(f"{run.path} was recorded by another training loop; --save-batch needs a trainer run")
+        raise SpikeInputError(f"{shown(run)} was recorded by another training loop; --save-batch needs a trainer run")
     from trainer.data import example_hashes
 
     if not np.array_equal(example_hashes(tokens), run.trace.read(step).example_hashes):

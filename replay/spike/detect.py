@@ -23,6 +23,14 @@ import numpy as np
 
 from traces import Run, columns
 
+
+def shown(run: Run) -> str:
+    """The run as messages name it: a bundle by its file (BUNDLE), never the temporary folder it
+    was unpacked to; a run by its folder."""
+    from replay.bundle.format import shown_path
+
+    return shown_path(run)
+
 DEFAULT_WINDOW = 50
 DEFAULT_THRESHOLD = 6.0
 MIN_WINDOW = 5
@@ -169,7 +177,7 @@ def check_metric(run: Run, name: str = DEFAULT_METRIC) -> int:
     have = ", ".join(names) or "none"
     how = (f"pass --metric NAME to choose one" if name == DEFAULT_METRIC
            else "pass --metric with one of them")
-    raise SpikeInputError(f"{run.path}: records no metric named {name!r} (its metrics: {have}); {how}")
+    raise SpikeInputError(f"{shown(run)}: records no metric named {name!r} (its metrics: {have}); {how}")
 
 
 def _loss_curve(run: Run, name: str = DEFAULT_METRIC) -> tuple[np.ndarray, np.ndarray]:
@@ -178,7 +186,7 @@ def _loss_curve(run: Run, name: str = DEFAULT_METRIC) -> tuple[np.ndarray, np.nd
     trace = run.trace
     check_metric(run, name)
     if len(trace) == 0:
-        raise SpikeInputError(f"{run.path}: the trace holds no steps (was it recorded with trace.level=off?)")
+        raise SpikeInputError(f"{shown(run)}: the trace holds no steps (was it recorded with trace.level=off?)")
     steps = np.arange(trace.start, trace.end)
     return steps, columns.metric(trace, name).astype(np.float64)
 
@@ -192,10 +200,10 @@ def scan(run: Run, window: int = DEFAULT_WINDOW, threshold: float = DEFAULT_THRE
     check_window(window, threshold)
     steps, loss = _loss_curve(run, metric)
     if steps.size <= window:
-        raise SpikeInputError(f"{run.path} records {steps.size} steps ({steps[0]}..{steps[-1]}), too few for a baseline "
+        raise SpikeInputError(f"{shown(run)} records {steps.size} steps ({steps[0]}..{steps[-1]}), too few for a baseline "
                               f"of --window {window} previous steps: pass a smaller --window (at least {MIN_WINDOW})")
     base, spread, score = rolling_scores(loss, window)
-    result = Scan(str(run.path), window, threshold, (int(steps[window]), int(steps[-1])))
+    result = Scan(shown(run), window, threshold, (int(steps[window]), int(steps[-1])))
 
     def spike(i: int) -> Spike:
         return Spike(int(steps[i]), float(loss[i]), float(base[i]), float(spread[i]), float(score[i]))

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from replay.spike.analysis import SpikeReport
-from replay.spike.detect import Scan, _loss_curve, rolling_scores
+from replay.spike.detect import Scan, _loss_curve, rolling_scores, shown
 from traces import Run
 
 
@@ -42,7 +42,7 @@ def plot_spike(run: Run, report: SpikeReport, out: str | Path, after: int | None
         ax.axvspan(report.window[0] - 0.5, report.window[1] + 0.5, color="grey", alpha=0.08)
         ax.set_ylabel(name)
         ax.legend(loc="upper left", fontsize=8)
-    axes[0].set_title(f"{run.path.name}: step {step} (score {report.loss.score:.1f}); shaded: baseline window")
+    axes[0].set_title(f"{Path(shown(run)).name}: step {step} (score {report.loss.score:.1f}); shaded: baseline window")
     heat_ax = axes[2]
     if report.layers:
         names = [r.name for r in report.layers]
@@ -93,7 +93,7 @@ def plot_scan(run: Run, result: Scan, out: str | Path) -> Path:
         ax.annotate(str(s.step), (s.step, s.loss), xytext=(4, 4), textcoords="offset points", fontsize=8)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    ax.set_title(f"{run.path.name}: {len(result.spikes)} spike(s) at threshold {result.threshold:g}")
+    ax.set_title(f"{Path(shown(run)).name}: {len(result.spikes)} spike(s) at threshold {result.threshold:g}")
     ax.legend(fontsize=8)
     fig.tight_layout()
     out = Path(out)

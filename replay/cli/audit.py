@@ -3,9 +3,10 @@
 A thin wrapper over replay/audit/__init__.py. Read-only. Exit codes:
   0  no example came back early
   1  the data order is violated (examples came back within the epoch that already had them)
-  2  bad input: no such run, not a run, a damaged run (a damaged index table; with --verify also a
-     damaged record), no recorded step, a bad --steps or one reaching past the recorded steps
-     (refused, never clipped)
+  2  bad input: no such run, not a run, a damaged run (a damaged or missing segment, a damaged
+     index table; with --verify also a damaged record; a crashed run's torn last record is not
+     damage: what was recorded is audited), no recorded step, a bad --steps or one reaching past
+     the recorded steps (refused, never clipped)
 
 Cost at a million steps: reads each segment's example-hash table (~8 KB a step at 1,024 examples
 a step), one range at a time; --verify reads every record's checksum too, about as much again.
@@ -44,16 +45,23 @@ def audit(
                                                          "as the hash tables the verdict rests on).")] = False,
 ) -> None:
     """Audit a run's data order from its per-example hashes: which examples came back early, and where."""
+    import traces
     from replay import audit as lib
+    from replay.bundle import damage_error
 
-    report = lib.audit(run, parse_steps(steps), source=source, verify=verify)
+    opened = traces.Run.open(run)
+    damaged = damage_error(opened, f"{run}: its trace", "restore the run's files from a copy (audit never passes a "
+                           "damaged run)")
+    if damaged:
+        raise damaged
+    report = lib.audit(opened, parse_steps(steps), source=source, verify=verify)
     data = to_json(report, run)
     if json_out:
         console.print_json(data)
     else:
         render(report, data)
     for note in report.notes:
-        if "damaged" in note or "more than the dataset" in note:
+        if "more than the dataset" in note:
             console.warn(note)
         else:
             console.status(note)

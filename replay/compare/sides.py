@@ -161,5 +161,13 @@ def _chunks(rows: np.ndarray, batch: int):
 
 
 def open_side(path: str | Path) -> JaxSide | TorchSide:
+    """The run at `path` as one side of a comparison; a damaged run is refused (one line, exit 2)
+    even though only its checkpoints are evaluated: its manifest and trace are what name them."""
+    from replay.bundle import damage_error
+
     run = Run.open(path)
+    damaged = damage_error(run, f"{path}: its trace", "compare its checkpoints once the run's files are restored "
+                           "from a copy")
+    if damaged:
+        raise damaged
     return TorchSide(run) if framework_of(run) == "torch" else JaxSide(run)

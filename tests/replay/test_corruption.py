@@ -143,10 +143,20 @@ def test_random_trace_damage_is_never_vouched_for(trained, tmp_path):
         # Any file of the damaged trace may be the one named: a deleted segment is named by the
         # gap it leaves (its successor) or, at the end, by the run's recorded end.
         names = (str(damaged / "trace"),)
+        # audit reads the checksummed index tables and compare --eval the checkpoints, not the records: a
+        # record-level change that opening the run cannot see is theirs to miss (never to vouch for).
+        hidden = not Run.open(damaged).damage
         for args in (("show", str(damaged), "--verify"), ("bisect", str(a), str(damaged)),
-                     ("run", str(damaged), "--steps", f"0:{STEPS - 1}")):
+                     ("run", str(damaged), "--steps", f"0:{STEPS - 1}"), ("audit", str(damaged)),
+                     ("compare", str(a), str(damaged), "--eval", "--examples", "8"),
+                     ("pack", str(damaged), "--steps", f"0:{STEPS - 1}", "--out", str(tmp_path / f"t{case}.rpk"))):
             result = invoke(*args)
+            if hidden and args[0] in ("audit", "compare") and result.exit_code == 0:
+                assert not re.search(r"identical|bit-exact", result.stdout, re.IGNORECASE), result.stdout
+                assert args[0] == "compare" or "not the records" in result.stderr, result.stderr  # audit says so
+                continue
             try:
+                assert not (tmp_path / f"t{case}.rpk").exists(), "packed a damaged run"
                 _refused(result, *names)
             except AssertionError as e:
                 raise AssertionError(f"case {case} ({what} of {seg.name}), `replay {args[0]}`: {e}") from None

@@ -18,7 +18,8 @@ checkpoint), so a verdict built on this check says the contents were not compare
 Cost: per checkpoint a few small JSON files, the OCDBT manifest and B-tree nodes (KBs) and one
 1-byte read per stored chunk: O(chunks), no array bytes, whatever the model's size. At a million
 steps it is the checkpoints the run keeps (checkpoint.keep), milliseconds each (the tiny
-preset's three checkpoints: ~20 ms in all). No JAX.
+preset's three checkpoints: 7-10 ms in all, ~46 ms on the first call of a process, which loads
+tensorstore; measured on this 2-core machine). No JAX.
 """
 
 from __future__ import annotations

@@ -32,10 +32,13 @@ def describe(manifest: dict, schema, record) -> dict | None:
     where = check_tensors(schema)
     if not where or record.fingerprints is None:
         return None
-    cfg = manifest.get("config", {})
-    m = int(cfg.get("mesh", {}).get("n_microbatches", 1))
-    n = int(manifest.get("mesh", {}).get("devices", 1))
-    rotate = int(cfg.get("check", {}).get("rotate", 1)) % max(n, 1)
+    def section(d: object, key: str) -> dict:  # a user loop's config (or manifest) need not have the trainer's
+        value = d.get(key) if isinstance(d, dict) else None
+        return value if isinstance(value, dict) else {}
+
+    m = _count(section(section(manifest, "config"), "mesh").get("n_microbatches"))
+    n = _count(section(manifest, "mesh").get("devices"))
+    rotate = _count(section(section(manifest, "config"), "check").get("rotate")) % n
     checked = bool(record.rms[where[0]] == 1.0)
     mbs = mask_microbatches([int(record.fingerprints[i]) for i in where])
     pairs = [(i, owner(i, n, m), executor(i, n, m, rotate)) for i in mbs]
@@ -50,6 +53,11 @@ def describe(manifest: dict, schema, record) -> dict | None:
                    "one of devices " + " / ".join(f"{a} or {b}" for _, a, b in pairs) + " (run `replay verify`)"))
     return {"step": record.step, "checked": checked, "microbatches": mbs, "bad_devices": bad,
             "pairs": [{"microbatch": i, "step_device": a, "rerun_device": b} for i, a, b in pairs], "line": line}
+
+
+def _count(value: object) -> int:
+    """A positive count from the manifest, 1 when it records none (or none that is one)."""
+    return value if type(value) is int and value >= 1 else 1
 
 
 def _bad_devices(pairs: list[tuple[int, int]]) -> list[int]:

@@ -45,3 +45,11 @@ def test_a_run_without_the_check_has_nothing_to_describe():
 
 def test_mask_bits_are_microbatches_across_words():
     assert mask_microbatches([1 << 63 | 1, 1 << 2]) == [0, 63, 66]
+
+
+def test_a_user_loops_config_without_the_trainers_sections_is_read_as_one_device():
+    """A loop recorded with replay.init keeps its own config: "mesh" or "check" may be anything, or
+    absent (a tensor it named "check/rerun" makes the run look checked). Was AttributeError (exit 3)."""
+    for manifest in ({"config": {"mesh": "data", "check": 3}, "mesh": [1, 2]}, {"config": None}, {}):
+        d = describe(manifest, SCHEMA, record(1 << 0))
+        assert d["microbatches"] == [0] and d["pairs"] == [{"microbatch": 0, "step_device": 0, "rerun_device": 0}]

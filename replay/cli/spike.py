@@ -57,6 +57,13 @@ def _spike(target, path: Path, step: int | None, window: int, threshold: float, 
 
     check_metric(target, metric)  # before anything is replayed: names the metrics the run has
     if step is None:
+        from replay.bundle import damage_error
+
+        # A scan of a damaged trace would find spikes in what is left and exit 0 (--step refuses it in
+        # load_replayable); a crashed run's torn last record is not damage: what was recorded is scanned.
+        damaged = damage_error(target, f"{path}: its trace", "restore the run's files from a copy")
+        if damaged:
+            raise damaged
         if save_batch is not None:
             console.fail("--save-batch needs --step S: it writes the batch of step S")
         result = scan(target, window, threshold, metric)

@@ -215,7 +215,9 @@ def test_random_manifest_damage_is_never_vouched_for(trained, tmp_path):
             pass
         checked += 1
         for args in (("show", str(damaged)), ("bisect", str(a), str(damaged)),
-                     ("run", str(damaged), "--steps", "0:3")):
+                     ("run", str(damaged), "--steps", "0:3"), ("audit", str(damaged)), ("spike", str(damaged)),
+                     ("verify", str(damaged), "--steps", "0:2"), ("compare", str(a), str(damaged), "--eval"),
+                     ("pack", str(damaged), "--steps", "0:3", "--out", str(tmp_path / f"m{case}.rpk"))):
             result = invoke(*args)
             try:
                 _refused(result, "run.json")

@@ -204,6 +204,30 @@ def _host_fingerprint(x: Any) -> int:
     return int.from_bytes(digest[:8], "little")
 
 
+def _is_flat(state: Any) -> bool:
+    from replay.record import exported  # its FlatState class exists once a state was made flat
+
+    return exported._FLAT is not None and isinstance(state, exported._FLAT)
+
+
+def _alike(sa: Any, sb: Any) -> tuple[Any, Any]:
+    """Both states in one form. A run replayed from its exported program carries its state as the
+    recorded leaves under their recorded paths (replay/record/exported.py), one replayed with the
+    user's code as the user's tree: the same state either way, so the tree side is flattened with
+    the paths the recording gave it (the user's tree, flattened, is what was recorded)."""
+    flat_a, flat_b = _is_flat(sa), _is_flat(sb)
+    if flat_a == flat_b:
+        return sa, sb
+    from replay.record.export import _path
+    from replay.record.exported import flat_state
+
+    def flat(state: Any) -> Any:
+        leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+        return flat_state([_path(p) for p, _ in leaves], [x for _, x in leaves])
+
+    return (sa if flat_a else flat(sa)), (sb if flat_b else flat(sb))
+
+
 def state_fingerprints(state: Any) -> list[tuple[str, int]]:
     """(leaf path, 64-bit fingerprint) of every leaf of the state's parameters and optimizer
     state, in tree order. Arrays are fingerprinted on the device, so only 8 bytes per leaf come
@@ -234,6 +258,7 @@ def state_fingerprints(state: Any) -> list[tuple[str, int]]:
 
 def first_state_difference(sa: Any, sb: Any) -> str | None:
     """The first leaf (tree order) whose fingerprint differs, else None."""
+    sa, sb = _alike(sa, sb)
     fa, fb = state_fingerprints(sa), state_fingerprints(sb)
     if [p for p, _ in fa] != [p for p, _ in fb]:
         raise ReplayUnavailable("the runs' states have different structures (different models or optimizers); "

@@ -235,9 +235,14 @@ def _brief(name: str) -> str:
 
 
 def _code_refusal(run: Run, shown) -> BundleCorruptError | None:
-    """A bundle whose manifest names code: refused (replay.code.bundle_code_problem), naming `shown`."""
+    """A bundle whose manifest names code (replay.code.bundle_code_problem), or does not say it is a
+    bundle: refused, naming `shown`."""
     from replay.code import BUNDLE_CODE_TAIL, bundle_code_problem
 
+    if not isinstance(run.manifest.get("bundle"), dict):  # replay pack always writes it; unpack's mark says it was one
+        return BundleCorruptError(f"{shown}: refused: its manifest does not describe a bundle (no \"bundle\" entry), "
+                                  "so it was not written by `replay pack`, or was edited after `replay unpack` (whose "
+                                  f"mark it still holds); {BUNDLE_CODE_TAIL}", str(shown))
     problem = bundle_code_problem(run.manifest)
     if problem is None:
         return None
@@ -262,7 +267,7 @@ def unpack(path: str | os.PathLike, dest: str | os.PathLike, allow_damaged: bool
         _extract(path, header, stage)
         run = Run.open(stage)
         run.bundle = path
-        refused = _code_refusal(run, path)
+        refused = _code_refusal(run, path) or _layout_refusal(stage, run.manifest, path)
         if refused is not None:
             raise refused
         damage = run_damage(run)
@@ -282,6 +287,23 @@ def unpack(path: str | os.PathLike, dest: str | os.PathLike, allow_damaged: bool
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     return header
+
+
+def _layout_refusal(stage: Path, manifest: dict, path: Path) -> BundleCorruptError | None:
+    """A file under data/, program/ or examples/ that the manifest does not name (the batch rows,
+    the exported program, the example store): nothing replay reads, so only a crafted bundle has one."""
+    named = set()
+    for entry, key in ((manifest.get("bundle"), "examples"), (manifest.get("exported"), "file"),
+                       (manifest.get("example_store"), "file")):
+        if isinstance(entry, dict) and isinstance(entry.get(key), str):
+            named.add(entry[key])
+    for top in ("data", "program", "examples"):
+        for p in sorted((stage / top).rglob("*")) if (stage / top).is_dir() else []:
+            rel = p.relative_to(stage).as_posix()
+            if p.is_file() and rel not in named:
+                return BundleCorruptError(f"{path}: refused: member {_brief(rel)} is not part of a bundle (its "
+                                          "manifest names no such file); nothing was unpacked from it", str(path))
+    return None
 
 
 def _mark(folder: Path, path: Path, header: Header) -> None:
@@ -407,7 +429,11 @@ def open_run(path: str | os.PathLike, for_replay: bool = False) -> Run:
         tmp = tempfile.mkdtemp(prefix="replay-bundle-")
         _TEMP_DIRS.append(tmp)
         dest = Path(tmp) / p.name  # shown where a report names the run
-        unpack(p, dest, allow_damaged=True)  # the command judges the damage, with its own flags
+        try:
+            unpack(p, dest, allow_damaged=True)  # the command judges the damage, with its own flags
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # a refused bundle leaves nothing behind
+            raise
         run = Run.open(dest)
         run.bundle = p
     info = run.manifest.get("bundle")

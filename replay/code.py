@@ -429,7 +429,7 @@ class _siblings_from:
 
 
 def _is_user_error(exc: BaseException) -> bool:
-    from replay.cli.errors import user_error_code  # no JAX: the table is strings
+    from replay.errors import user_error_code  # no JAX: the table is strings
 
     return user_error_code(exc) is not None
 

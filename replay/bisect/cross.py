@@ -37,7 +37,7 @@ CAUSE_TEXT = {"data": "data (the batches differ)", "init": "init (the initial pa
               "forward": "forward layer", "loss": "loss", "backward": "gradient", "update": "optimizer update"}
 
 
-from replay.cli.errors import UserError  # noqa: E402 - a one-line user error, exit 2 (no heavy imports)
+from replay.errors import UserError  # noqa: E402 - a one-line user error, exit 2 (no heavy imports)
 
 
 class CrossBisectError(UserError):

@@ -7,7 +7,7 @@ Heavy imports (JAX, the trainer) go inside the command function, so `replay show
 
 Errors are turned into exit codes in one place, `ReplayGroup`, so the console script and
 in-process tests (typer's CliRunner) behave the same:
-  * a user error (the table in replay/cli/errors.py): `error: <message>` on stderr, its code
+  * a user error (the table in replay/errors.py): `error: <message>` on stderr, its code
     (1 when the runs differ, 2 for bad input or a damaged run);
   * a usage error (an unknown option or command, a missing argument, a value click cannot
     parse): one `error:` line that names the command's --help, exit 2;
@@ -27,7 +27,7 @@ import typer
 from typer.core import TyperGroup
 
 from replay.cli import console
-from replay.cli.errors import EXIT_BAD_INPUT, exit_code_of, message, user_error_code
+from replay.errors import EXIT_BAD_INPUT, exit_code_of, message, user_error_code
 
 try:  # recent typer carries its own copy of click
     from typer._click import exceptions as _click_exceptions

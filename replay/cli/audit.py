@@ -20,7 +20,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from replay.cli import console
-from replay.cli.errors import EXIT_DIVERGED
+from replay.errors import EXIT_DIVERGED
 
 SHOWN_REPEATS = 20  # steps in the human table
 JSON_REPEATS = 1000  # steps in --json; a run that replays data for days would otherwise print gigabytes

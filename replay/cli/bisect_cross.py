@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from replay.cli import console
-from replay.cli.errors import EXIT_DIVERGED
+from replay.errors import EXIT_DIVERGED
 
 
 def run_cross(a, b, *, json_out: bool, plot: Path | None, no_refine: bool) -> None:

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from replay.cli.errors import EXIT_BAD_INPUT, UserError
+from replay.errors import EXIT_BAD_INPUT, UserError
 
 # No file is bound: rich looks up sys.stdout / sys.stderr at each print, so output that
 # tests capture (and redirections made after import) are followed.

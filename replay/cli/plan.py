@@ -41,7 +41,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from replay.cli import console
-from replay.cli.errors import EXIT_BAD_INPUT, EXIT_BUG
+from replay.errors import EXIT_BAD_INPUT, EXIT_BUG
 
 
 def register(app: typer.Typer) -> None:

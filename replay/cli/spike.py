@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from replay.cli import console
-from replay.cli.errors import EXIT_DIVERGED
+from replay.errors import EXIT_DIVERGED
 from replay.spike import DEFAULT_METRIC, DEFAULT_THRESHOLD, DEFAULT_TOP, DEFAULT_WINDOW
 
 

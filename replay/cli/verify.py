@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from replay.cli import console
-from replay.cli.errors import EXIT_DIVERGED
+from replay.errors import EXIT_DIVERGED
 
 
 def verify(

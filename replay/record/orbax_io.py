@@ -2,7 +2,7 @@
 
 Shared by the recording API's checkpoints (replay/record/checkpoints.py, exported.py) and the
 trainer's Checkpointer (trainer/checkpoint.py): one class per failure, so an exit code (the
-table in replay/cli/errors.py) and an `except` mean the same thing whichever loop saved.
+table in replay/errors.py) and an `except` mean the same thing whichever loop saved.
 
 Orbax reports through absl logging, asyncio and unraisable-exception hooks from its threads;
 `_quiet_orbax` keeps all of that off the terminal while it works: failures become one-line

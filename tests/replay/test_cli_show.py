@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 import traces
 from replay.cli import show as show_module
 from replay.cli.app import app
-from replay.cli.errors import UserError, user_error_code
+from replay.errors import UserError, user_error_code
 
 SCHEMA = traces.Schema(
     examples_per_step=4,

@@ -20,7 +20,7 @@ import pytest
 
 import traces
 from replay import audit as audit_lib
-from replay.cli import errors
+from replay import errors
 from tests.cli_util import assert_error_line, dir_digest, invoke
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -196,7 +196,7 @@ def test_every_exception_the_packages_raise_to_users_has_a_code():
     classes = _defined_exception_classes()
     assert len(classes) >= 10
     missing = [errors.class_name(c) for c in classes if errors.code_of_type(c) is None]
-    assert not missing, f"add these to replay/cli/errors.py EXIT_CODES: {missing}"
+    assert not missing, f"add these to replay/errors.py EXIT_CODES: {missing}"
 
 
 def test_most_specific_class_wins():

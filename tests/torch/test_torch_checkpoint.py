@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import replay.torch  # noqa: E402
-from replay.cli.errors import exit_code_of  # noqa: E402
+from replay.errors import exit_code_of  # noqa: E402
 from replay.torch import checkpoint  # noqa: E402
 from traces import Run  # noqa: E402
 

@@ -13,6 +13,9 @@ it does not name is a bug (3). Classes are named by string so the table needs no
 a registry filled in by commands as they ran made `ConfigError` a bug or not depending on
 which command the process had run first. `UserError` carries its own code.
 
+The table lives here, not in replay/cli/, so library code can raise and classify user errors
+without importing the CLI (the layers: traces <- replay <- replay.cli; tools/check_layers.py).
+
 A user error's message is the whole report (`main` prints it as one `error:` line; the
 traceback only with `--debug`), so it must say what is wrong and what to do.
 """
@@ -58,8 +61,8 @@ EXIT_CODES = MappingProxyType({
     "replay.record.examples_store.ExampleStoreError": EXIT_BAD_INPUT,
     "replay.record.export.ExportError": EXIT_BAD_INPUT,  # a step jax.export cannot serialize (caught in export.py)
     "replay.record.recorder.RecordSchemaError": EXIT_BAD_INPUT,
-    # the CLI's own one-line errors (console.fail); the instance's exit_code wins
-    "replay.cli.errors.UserError": EXIT_BAD_INPUT,
+    # one-line errors raised by name (console.fail, library code); the instance's exit_code wins
+    "replay.errors.UserError": EXIT_BAD_INPUT,
     # a path the user gave that cannot be read or written as asked
     "builtins.PermissionError": EXIT_BAD_INPUT,
     "builtins.IsADirectoryError": EXIT_BAD_INPUT,
@@ -70,7 +73,7 @@ INTERNAL_ERROR_CHARS = 400  # of the exception's text on the internal-error line
 
 
 class UserError(Exception):
-    """A one-line, user-facing error. Raise it through `console.fail(msg, code)`."""
+    """A one-line, user-facing error. The CLI raises it through `console.fail(msg, code)`."""
 
     def __init__(self, message: str, exit_code: int = EXIT_BAD_INPUT):
         super().__init__(message)

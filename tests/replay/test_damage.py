@@ -144,7 +144,7 @@ def _rebundle_with_damaged_trace(tmp_path: Path, run: Path) -> Path:
     seg = sorted((staged / "trace").iterdir())[0]
     truncate(seg, seg.stat().st_size // 2)
     damaged = tmp_path / "damaged.rpk"
-    files = sorted(p for p in staged.rglob("*") if p.is_file())
+    files = sorted(p for p in staged.rglob("*") if p.is_file() and p.name != "FROM_BUNDLE.json")  # unpack's mark
     _write_bundle(damaged, [("all", "", files, staged)], lite=True)
     return damaged
 
@@ -173,7 +173,8 @@ def test_unpack_that_fails_after_extracting_leaves_nothing(pair, tmp_path):
     manifest["config"]["seed"] = 4  # edited after packing: the manifest's checksum no longer matches
     (staged / "run.json").write_text(json.dumps(manifest))
     bad = tmp_path / "edited.rpk"
-    _write_bundle(bad, [("all", "", sorted(p for p in staged.rglob("*") if p.is_file()), staged)], lite=True)
+    files = sorted(p for p in staged.rglob("*") if p.is_file() and p.name != "FROM_BUNDLE.json")  # unpack's mark
+    _write_bundle(bad, [("all", "", files, staged)], lite=True)
     for dest in (tmp_path / "new", tmp_path / "empty"):
         if dest.name == "empty":
             dest.mkdir()

@@ -24,7 +24,8 @@ def bisect(
     allow_damaged: Annotated[bool, typer.Option("--allow-damaged", help="Compare the steps a damaged trace can still "
                                                                         "read (the report says which).")] = False,
     allow_code: Annotated[bool, typer.Option("--allow-code", help="Run the training-loop code the run's manifest "
-                                             "names from a folder it names (never from inside a bundle).")] = False,
+                                             "names from a folder it names: your own "
+                                             "checkout, never a bundle's or the run's own folder.")] = False,
 ) -> None:
     """Name the first step, field and cause where two runs differ.
 

@@ -22,7 +22,8 @@ def pack(
     data: Annotated[Optional[str], typer.Option("--data", help="Where the run's token file is now.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print what was written as JSON.")] = False,
     allow_code: Annotated[bool, typer.Option("--allow-code", help="Run the training-loop code the run's manifest "
-                                             "names from a folder it names (never from inside a bundle).")] = False,
+                                             "names from a folder it names: your own "
+                                             "checkout, never a bundle's or the run's own folder.")] = False,
 ) -> None:
     """Pack steps A..B of a run into one file: manifest, trace, checkpoint, batch data and REPORT.md."""
     from replay import bundle

@@ -29,7 +29,8 @@ def run(
     allow_damaged: Annotated[bool, typer.Option("--allow-damaged", help="Replay steps a damaged trace can still read "
                                                                         "(the report says the trace is damaged).")] = False,
     allow_code: Annotated[bool, typer.Option("--allow-code", help="Run the training-loop code the run's manifest "
-                                             "names from a folder it names (never from inside a bundle).")] = False,
+                                             "names from a folder it names: your own "
+                                             "checkout, never a bundle's or the run's own folder.")] = False,
 ) -> None:
     """Replay steps A..B of a run and compare every recorded field with the trace."""
     from replay.bundle import default_steps, describe_damage, named_as_bundle, open_run, run_damage

@@ -2,8 +2,10 @@
 
 Each command module has `register(app)`, which adds its command to the app; it stays a thin
 wrapper that parses options, calls library code and prints through `replay.cli.console`.
-Heavy imports (JAX, the trainer) go inside the command function, so `replay show` and
-`replay --help` start fast.
+Heavy imports (JAX) go inside the command function, so `replay show` and `replay --help` start
+fast. Installed plugins (replay/plugins.py; the trainer's `train`, `plan`, `demo`) add their
+commands when a command name is not one of replay's own or the commands are listed, so
+`replay show` imports no plugin.
 
 Errors are turned into exit codes in one place, `ReplayGroup`, so the console script and
 in-process tests (typer's CliRunner) behave the same:
@@ -26,6 +28,7 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperGroup
 
+from replay import plugins
 from replay.cli import console
 from replay.errors import EXIT_BAD_INPUT, exit_code_of, message, user_error_code
 
@@ -51,30 +54,53 @@ def _raise_usage_exit(exc: Exception, command_path: str):
     raise typer.Exit(EXIT_BAD_INPUT) from None
 
 
-_NO_STEPS = ("show", "audit", "plan", "unpack")  # commands that never run a train step
+_NO_STEPS = ("show", "audit", "unpack")  # commands that never run a train step
 
 
-def _prepare_mesh_invariant(args: list[str]) -> None:
-    """A mesh-invariant run (trainer/invariant.py) needs XLA:CPU settings in place before anything
-    starts JAX, and commands start it early (orbax opening a checkpoint directory): so when any
-    argument is such a run, apply them before the command runs (one-line error if too late)."""
+def _prepare_process(args: list[str]) -> None:
+    """A run may need the process prepared before anything starts JAX (a mesh-invariant trainer
+    run: XLA:CPU settings), and commands start it early (orbax opening a checkpoint directory): so
+    the manifest of each run an argument names goes to the plugins' `prepare_process` before the
+    command runs (one-line error if too late)."""
     if not args or args[0] in _NO_STEPS:
         return
     for arg in args[1:]:
-        manifest = Path(arg.split("=", 1)[-1]) / "run.json"
         try:
-            mesh = json.loads(manifest.read_text()).get("config", {}).get("mesh", {})
-        except (OSError, ValueError, AttributeError):
+            manifest = json.loads((Path(arg.split("=", 1)[-1]) / "run.json").read_text())
+        except (OSError, ValueError):
             continue
-        if isinstance(mesh, dict) and mesh.get("mesh_invariant"):
-            from trainer import invariant
-
-            invariant.prepare_process()
-            return
+        if isinstance(manifest, dict):
+            plugins.prepare_process(manifest, warn=console.warn)
 
 
 class ReplayGroup(TyperGroup):
-    """The root command group: converts exceptions into one line and an exit code."""
+    """The root command group: converts exceptions into one line and an exit code, and adds the
+    plugins' commands on first need."""
+
+    _plugins_added = False
+
+    def _add_plugin_commands(self) -> None:
+        if self._plugins_added:
+            return
+        self._plugins_added = True
+        extra = typer.Typer(rich_markup_mode=None, add_completion=False)
+        plugins.register_commands(extra, warn=console.warn)
+        if not extra.registered_commands:
+            return
+        for name, command in typer.main.get_group(extra).commands.items():
+            if name in self.commands:  # replay's own command keeps its name
+                console.warn(f"a plugin's command `{name}` is ignored: replay has its own `{name}`")
+                continue
+            self.add_command(command, name)
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        if cmd_name not in self.commands:
+            self._add_plugin_commands()
+        return super().get_command(ctx, cmd_name)
+
+    def list_commands(self, ctx: Any) -> list[str]:
+        self._add_plugin_commands()
+        return super().list_commands(ctx)
 
     def make_context(self, info_name: Any, args: Any, parent: Any = None, **extra: Any) -> Any:
         try:  # the root's own options: `replay --bogus`
@@ -86,9 +112,10 @@ class ReplayGroup(TyperGroup):
 
     def invoke(self, ctx: Any) -> Any:
         args = [*getattr(ctx, "_protected_args", ()), *ctx.args]
-        command_path = ctx.command_path + (f" {args[0]}" if args and args[0] in self.commands else "")
+        known = bool(args) and self.get_command(ctx, args[0]) is not None
+        command_path = ctx.command_path + (f" {args[0]}" if known else "")
         try:
-            _prepare_mesh_invariant(args)
+            _prepare_process(args)
             return super().invoke(ctx)
         except _CONTROL_FLOW:
             raise
@@ -140,9 +167,10 @@ def _root(
 
 
 def _register_commands() -> None:
-    from replay.cli import audit, bisect, compare, demo, pack, plan, run, show, spike, train, unpack, verify
+    """replay's own commands; the plugins' join them in `ReplayGroup` when first needed."""
+    from replay.cli import audit, bisect, compare, pack, run, show, spike, unpack, verify
 
-    for module in (show, train, run, bisect, compare, audit, spike, pack, unpack, plan, demo, verify):
+    for module in (show, run, bisect, compare, audit, spike, pack, unpack, verify):
         module.register(app)
 
 

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
+from replay import plugins
 from replay.contract import config_of
 from replay.cli import console
 
@@ -18,11 +19,9 @@ DAMAGED_REMEDY = "restore the run's files from a copy, or record it again"
 
 
 def prepare_process(target) -> None:
-    """Mesh-invariant runs need their XLA:CPU settings in place before anything starts JAX."""
-    if config_of(target.manifest).get("mesh", {}).get("mesh_invariant"):
-        from trainer import invariant
-
-        invariant.prepare_process()
+    """A run may need the process prepared before anything starts JAX (a mesh-invariant trainer
+    run: XLA:CPU settings); its plugin does that (replay/plugins.py)."""
+    plugins.prepare_process(target.manifest, warn=console.warn)
 
 
 def load_replayable(target, path: Path, data: str | None, allow_data_change: bool,

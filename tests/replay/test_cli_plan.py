@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from replay.cli import plan as plan_cli
+from trainer.cli import plan as plan_cli
 from replay.cli.app import app
 from trainer.config import get_preset
 from trainer.model import flops_per_token, param_count

@@ -1,5 +1,5 @@
 """`replay demo`, the README's main job, in a fresh process: it finds the real host-count bug
-(run B resumed on 2 processes with the contiguous-per-host sampler, replay/demo.py). It runs
+(run B resumed on 2 processes with the contiguous-per-host sampler, trainer/demo.py). It runs
 the fewest steps the command takes (32: the resume at 16), so the test costs the compiles and
 three processes' start, not minutes of training."""
 

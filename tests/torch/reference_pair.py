@@ -9,7 +9,7 @@ all need a reference, the
 clean JAX port and JAX ports with one bug each, from the same weights on the same data; each
 used to train its own (about 10 CPU seconds a run, compiles mostly). Here they are the runs of
 `replay demo --reference torch --steps 8` (the reference, the clean port, the RoPE-bug port: the
-CLI's own config, replay.demo_reference.demo_config, whose JAX runs record distance sketches, so
+CLI's own config, trainer.demo_reference.demo_config, whose JAX runs record distance sketches, so
 bisect reads both traces) and, for the other bugs, that config with the bug switched on
 (trainer/port_bugs.py); with `sketches=False` the same JAX runs without sketches, the trainer's
 default, which bisect replays. The folder is the session's (tests/conftest.py,
@@ -84,7 +84,7 @@ def shared(name: str, make: Callable[[Path], None]) -> Path:
 
 
 def demo_config() -> Config:
-    from replay.demo_reference import demo_config as cli_config
+    from trainer.demo_reference import demo_config as cli_config
 
     return cli_config(DEMO_STEPS)
 
@@ -101,7 +101,7 @@ def demo() -> dict:
         (out / "cli.json").write_text(json.dumps({"exit_code": r.exit_code, "output": r.output, "stdout": r.stdout}))
 
     out = shared("reference-demo", make)
-    from replay.demo_reference import RUNS
+    from trainer.demo_reference import RUNS
 
     return {**json.loads((out / "cli.json").read_text()),
             **dict(zip(("reference", "jax", "rope"), (out / "demo" / name for name in RUNS)))}

@@ -29,7 +29,7 @@ def test_train_reference_reports_every_step_with_its_recorded_loss(tmp_path):
 
 def test_the_reference_demo_moves_its_progress_while_the_reference_trains(tmp_path, monkeypatch):
     import trainer.reference_train
-    from replay import demo_reference
+    from trainer import demo_reference
 
     class Stop(Exception):
         pass

@@ -1,4 +1,4 @@
-"""`replay demo`: the main job of the README quick start (see replay/demo.py)."""
+"""`replay demo`: the main job of the README quick start (see trainer/demo.py)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def demo(
         return _reference_demo(out, steps, force, json_out, reference, bug)
     if bug is not None:
         console.fail(f"--bug {bug}: a port bug is planted only in the reference demo; add --reference torch")
-    from replay.demo import DEFAULT_STEPS, run_demo
+    from trainer.demo import DEFAULT_STEPS, run_demo
 
     steps = DEFAULT_STEPS if steps is None else steps
     if steps < 16:
@@ -77,7 +77,7 @@ def demo(
 
 def _reference_demo(out: Path, steps: int | None, force: bool, json_out: bool, reference: str,
                     bug: str | None) -> None:
-    from replay.demo_reference import DEFAULT_BUG, DEFAULT_STEPS, RUNS, run_reference_demo
+    from trainer.demo_reference import DEFAULT_BUG, DEFAULT_STEPS, RUNS, run_reference_demo
     from trainer.port_bugs import PORT_BUGS
 
     if reference != "torch":

@@ -1,0 +1,28 @@
+"""The trainer as a replay plugin (entry point `replay.plugins` in pyproject.toml; replay/plugins.py).
+
+Its commands (`replay train`, `replay plan`, `replay demo`: trainer/cli/) join the one `replay` CLI,
+and a run it recorded in mesh-invariant mode gets its process prepared before JAX starts. replay
+never imports the trainer; it finds this module through the entry point. Light at import (no
+JAX): `replay --help` loads it.
+"""
+
+from __future__ import annotations
+
+
+def register(app) -> None:
+    """Add the trainer's commands to the `replay` typer app."""
+    from trainer.cli import demo, plan, train
+
+    for module in (train, plan, demo):
+        module.register(app)
+
+
+def prepare_process(manifest: dict) -> None:
+    """A mesh-invariant run (trainer/invariant.py) needs XLA:CPU settings in place before anything
+    starts JAX; a command about to replay it calls this first (ConfigError, one line, if too late)."""
+    config = manifest.get("config")
+    mesh = config.get("mesh") if isinstance(config, dict) else None
+    if isinstance(mesh, dict) and mesh.get("mesh_invariant"):
+        from trainer import invariant
+
+        invariant.prepare_process()

@@ -120,47 +120,12 @@ def unpacked_from(path: str | os.PathLike) -> Path | None:
     return None
 
 
-def bundle_code_problem(manifest: dict) -> str | None:
-    """What a bundle's manifest names of code (None: nothing but replay's own factories).
-
-    A bundle replays with the factory replay knows for its kind of run (the trainer's, or
-    replay.init's exported program), never with code its manifest chooses: any other
-    "replayable", a folder of code ("replayable_path", a relative "entrypoint_path": inside the
-    bundle), or an "entrypoint" where replay.init's factory is not the one named (only replay.init
-    runs have one, and theirs is shown, never imported, for a bundle) is refused. `replay pack`
-    writes none of these, so a bundle holding one was written by something else."""
-    named = manifest.get("replayable")
-    if named is not None and named not in OWN_FACTORIES:
-        return f"its manifest names code to replay it with ('replayable': {_brief(named)})"
-    if "replayable_path" in manifest:
-        return f"its manifest names a folder of code ('replayable_path': {_brief(manifest['replayable_path'])})"
-    where = manifest.get("entrypoint_path")
-    if where is not None and not (isinstance(where, str) and Path(where).is_absolute()):
-        return f"its manifest names a folder of code inside it ('entrypoint_path': {_brief(where)})"
-    entry = manifest.get("entrypoint")
-    if entry is not None and (named != API_FACTORY or not _is_spec(entry)):
-        return f"its manifest names code to replay it with ('entrypoint': {_brief(entry)})"
-    return None
-
-
-def bundle_refusal(run) -> CodeNotAllowed | None:
-    """The one-line refusal of a bundle whose manifest names code (bundle_code_problem), else None."""
-    problem = bundle_code_problem(run.manifest)
-    if problem is None:
-        return None
-    return CodeNotAllowed(f"{_shown(run)}: {problem}; {BUNDLE_CODE_TAIL}")
-
-
-BUNDLE_CODE_TAIL = ("a bundle never chooses the code that replays it (replay pack writes none), and code it names is "
-                    f"never run, with or without {ALLOW_FLAG}: ask for a bundle written by `replay pack`")
-
-
 def _brief(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _is_spec(spec: Any) -> bool:
+def is_spec(spec: Any) -> bool:
     module_name, sep, attr = str(spec).partition(":")
     return (isinstance(spec, str) and bool(sep) and bool(attr)
             and all(p.isidentifier() for p in module_name.split(".") + attr.split(".")))
@@ -173,7 +138,7 @@ def import_entrypoint(run, spec: str, *, allow_code: bool, search_path: str | No
     policy refuses, EntrypointNotFound when the module or function is not there, and
     UserCodeError when importing the module raises."""
     module_name, sep, attr = str(spec).partition(":")
-    if not _is_spec(spec):
+    if not is_spec(spec):
         raise EntrypointNotFound(f"{_shown(run)}: its manifest names the replay entry point {_brief(spec)}, "
                                  "which is not of the form module:function")
     own = spec in OWN_FACTORIES

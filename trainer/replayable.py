@@ -11,7 +11,7 @@ the run or a bundle: see replay/code.py); `replay run` calls `function(run, data
 allow_data_change=..., allow_code=...)` (allow_code only if the factory takes it) and uses what
 it returns, every call into it made through replay.code.call_user. A bundle never chooses its
 factory: it replays with the trainer's or replay.init's, and one whose manifest names any other
-code is refused (replay.code.bundle_code_problem).
+code is refused (replay/bundle/trust.py).
 """
 
 from __future__ import annotations
@@ -52,15 +52,16 @@ def load(run: Run, *, allow_code: bool | None = None, **options: Any) -> Replaya
     but the trainer's is called with `allow_code=` too when it takes it (it may resolve more
     code of its own); exceptions raised inside a user's factory and its replayable's methods
     are the user's (replay.code.UserCodeError, exit 2), not replay's."""
-    from replay.code import OWN_FACTORIES, bundle_refusal, call_user, code_allowed, import_entrypoint, is_bundle_run
+    from replay.bundle.trust import manifest_problem
+    from replay.code import OWN_FACTORIES, CodeNotAllowed, call_user, code_allowed, import_entrypoint, is_bundle_run
     from replay.replayer import ReplayUnavailable
 
     if allow_code is None:  # not passed down: the command's --allow-code (replay.code.allowing)
         allow_code = code_allowed()
     if is_bundle_run(run):  # its manifest does not choose: the trainer's factory, or replay.init's
-        refused = bundle_refusal(run)
+        refused = manifest_problem(run.manifest)  # (open_run refused it already; a Run opened otherwise is judged here)
         if refused is not None:
-            raise refused
+            raise CodeNotAllowed(f"{_shown(run)}: {refused}")
         loop = (run.manifest.get("bundle") or {}).get("source_replayable")
         if loop is not None:
             raise ReplayUnavailable(f"{_shown(run)}: is a bundle of a run of its own loop ({loop}), which a bundle "

@@ -4,6 +4,8 @@ The public module: the rest of replay imports bundles from here. The code lives 
 
     replay/bundle/format.py   the bundle file format (specified in its docstring): header,
                               checksums, read/verify/unpack, and open_run (a run or a bundle)
+    replay/bundle/trust.py    what a bundle may hold beyond its checksums: its layout, no code,
+                              a manifest that names no code, and unpack's mark on its folder
     replay/bundle/pack.py     packing: the steps, the checkpoint, trace and examples, the file
     replay/bundle/finding.py  the finding of --from-bisect/--spike
     replay/bundle/report.py   the REPORT.md writer

@@ -44,12 +44,9 @@ Tar members carry zeroed times and owners and are written in a fixed order. Read
 in order: the magic ("not a bundle"), the prefix crc (a damaged header), the version (newer:
 upgrade), the version-1 header crc, the file size against the payload size (truncated, or
 trailing bytes), the payload's sha256 (any changed byte); then, unpacking, the zstd frame
-checksum and that every member is a plain file or folder inside the bundle, under one of the
-top-level names above (MEMBERS), and no file of code (CODE_SUFFIXES: a module, a pickle). The
-checksums prove only that the bytes are those packed, not who packed them, so nothing in a
-bundle is trusted to name code: a manifest naming any (replay.code.bundle_code_problem) is
-refused. `unpack` writes replay.code.MARKER into every folder it fills: the folder stays a
-bundle's for every command (replay.code.is_bundle_run), whatever its manifest says. The unpacked
+checksum and that every member is a plain file or folder inside the bundle; then what the
+bytes hold, which a checksum cannot vouch for (replay/bundle/trust.py: the layout above and no
+code, a manifest that names no code, unpack's mark on the folder it fills). The unpacked
 folder is opened with traces.Run, so the manifest's checksum, the trace's checksums and the
 replay's verification are those of any run; a trace that is damaged inside a bundle whose
 sha256 holds is refused by `unpack` (commands that open bundles judge it with their own
@@ -64,7 +61,6 @@ from __future__ import annotations
 import atexit
 import hashlib
 import io
-import json
 import os
 import shutil
 import struct
@@ -80,6 +76,7 @@ import zstandard
 import traces
 from traces import NewerFormatError, NotARunError, Run, RunNotFoundError, TraceCorruptError
 from traces.run import MANIFEST
+from replay.bundle import trust
 
 FORMAT_VERSION = 1
 MAGIC = b"RPLYPACK"
@@ -93,11 +90,6 @@ REPORT = "REPORT.md"
 EXAMPLES = "data/examples.npz"
 ZSTD_LEVEL = 9
 _CHUNK = 1 << 20
-# Every top-level name a bundle may hold (the layout above; program/ and examples/ are replay.init's
-# exported program and example store), and suffixes of files that hold code: neither kind is unpacked.
-MEMBERS = frozenset({MANIFEST, "COMPLETE", REPORT, "trace", "data", "checkpoints", "program", "examples"})
-CODE_SUFFIXES = (".py", ".pyc", ".pyo", ".pyd", ".pyw", ".pth", ".so", ".dylib", ".dll", ".pkl", ".pickle", ".egg",
-                 ".whl")
 
 
 class NotABundleError(NotARunError):
@@ -222,31 +214,10 @@ def _member_path(dest: Path, name: str, src: Path) -> Path:
     parts = PurePosixPath(name).parts
     if not parts or PurePosixPath(name).is_absolute() or any(p in ("..", "") for p in parts):
         raise BundleCorruptError(f"{src}: damaged bundle: member {name!r} points outside the bundle", str(src))
-    if parts[0] not in MEMBERS or name.lower().endswith(CODE_SUFFIXES):
-        raise BundleCorruptError(f"{src}: refused: member {_brief(name)} is not part of a bundle (replay pack writes "
-                                 f"only {', '.join(sorted(MEMBERS))}, and no code); nothing was unpacked from it",
-                                 str(src))
+    problem = trust.member_problem(name)
+    if problem:
+        raise BundleCorruptError(f"{src}: refused: {problem}", str(src))
     return dest.joinpath(*parts)
-
-
-def _brief(name: str) -> str:
-    text = repr(name)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _code_refusal(run: Run, shown) -> BundleCorruptError | None:
-    """A bundle whose manifest names code (replay.code.bundle_code_problem), or does not say it is a
-    bundle: refused, naming `shown`."""
-    from replay.code import BUNDLE_CODE_TAIL, bundle_code_problem
-
-    if not isinstance(run.manifest.get("bundle"), dict):  # replay pack always writes it; unpack's mark says it was one
-        return BundleCorruptError(f"{shown}: refused: its manifest does not describe a bundle (no \"bundle\" entry), "
-                                  "so it was not written by `replay pack`, or was edited after `replay unpack` (whose "
-                                  f"mark it still holds); {BUNDLE_CODE_TAIL}", str(shown))
-    problem = bundle_code_problem(run.manifest)
-    if problem is None:
-        return None
-    return BundleCorruptError(f"{shown}: refused: {problem}; {BUNDLE_CODE_TAIL}", str(shown))
 
 
 def unpack(path: str | os.PathLike, dest: str | os.PathLike, allow_damaged: bool = False) -> Header:
@@ -263,13 +234,13 @@ def unpack(path: str | os.PathLike, dest: str | os.PathLike, allow_damaged: bool
     header = verify(path)
     stage = Path(tempfile.mkdtemp(prefix=f".{dest.name}.unpack-", dir=dest.parent))
     try:
-        _mark(stage, path, header)  # first: the folder is a bundle's from its first byte on
+        trust.mark(stage, path, header.sha256)  # first: the folder is a bundle's from its first byte on
         _extract(path, header, stage)
         run = Run.open(stage)
         run.bundle = path
-        refused = _code_refusal(run, path) or _layout_refusal(stage, run.manifest, path)
+        refused = trust.manifest_problem(run.manifest) or trust.layout_problem(stage, run.manifest)
         if refused is not None:
-            raise refused
+            raise BundleCorruptError(f"{path}: refused: {refused}", str(path))
         damage = run_damage(run)
         if damage and not allow_damaged:
             raise BundleCorruptError(f"{path}: damaged bundle: its checksum matches, but the trace it holds is "
@@ -287,32 +258,6 @@ def unpack(path: str | os.PathLike, dest: str | os.PathLike, allow_damaged: bool
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     return header
-
-
-def _layout_refusal(stage: Path, manifest: dict, path: Path) -> BundleCorruptError | None:
-    """A file under data/, program/ or examples/ that the manifest does not name (the batch rows,
-    the exported program, the example store): nothing replay reads, so only a crafted bundle has one."""
-    named = set()
-    for entry, key in ((manifest.get("bundle"), "examples"), (manifest.get("exported"), "file"),
-                       (manifest.get("example_store"), "file")):
-        if isinstance(entry, dict) and isinstance(entry.get(key), str):
-            named.add(entry[key])
-    for top in ("data", "program", "examples"):
-        for p in sorted((stage / top).rglob("*")) if (stage / top).is_dir() else []:
-            rel = p.relative_to(stage).as_posix()
-            if p.is_file() and rel not in named:
-                return BundleCorruptError(f"{path}: refused: member {_brief(rel)} is not part of a bundle (its "
-                                          "manifest names no such file); nothing was unpacked from it", str(path))
-    return None
-
-
-def _mark(folder: Path, path: Path, header: Header) -> None:
-    from replay.code import MARKER
-
-    note = {"unpacked_from": str(Path(path).absolute()), "sha256": header.sha256.hex(),
-            "why": "written by replay unpack: this folder came from a bundle, so replay runs no code from it"}
-    with open(folder / MARKER, "x") as f:
-        json.dump(note, f, indent=1)
 
 
 def _extract(path: Path, header: Header, dest: Path) -> None:
@@ -422,9 +367,9 @@ def open_run(path: str | os.PathLike, for_replay: bool = False) -> Run:
         run.bundle = None
         from replay.code import is_bundle_run
 
-        refused = _code_refusal(run, p) if is_bundle_run(run) else None  # a folder `replay unpack` wrote
+        refused = trust.manifest_problem(run.manifest) if is_bundle_run(run) else None  # a folder unpack wrote
         if refused is not None:
-            raise refused
+            raise BundleCorruptError(f"{p}: refused: {refused}", str(p))
     else:
         tmp = tempfile.mkdtemp(prefix="replay-bundle-")
         _TEMP_DIRS.append(tmp)

@@ -165,7 +165,7 @@ def pack(run_path: str | os.PathLike, out: str | os.PathLike, steps: tuple[int, 
 
 def _without_code(manifest: dict, info: dict) -> dict:
     """The run's manifest as a bundle carries it: naming no code but replay's own factory (a bundle
-    never chooses code, replay.code.bundle_code_problem): no folder of code, and a loop's own
+    never chooses code, replay/bundle/trust.py): no folder of code, and a loop's own
     factory (a legacy "replayable", only ever in a --lite bundle) kept in `info` as a fact, unused."""
     from replay.code import OWN_FACTORIES
 

@@ -118,15 +118,19 @@ def test_code_inside_the_run_folder_never_runs_even_with_allow_code(tmp_path, co
 
 
 def test_code_inside_a_folder_a_bundle_was_unpacked_to_never_runs(tmp_path):
-    """A run nested inside an unpacked bundle's folder names code elsewhere in that folder (not
-    inside the run's own folder): the marker `replay unpack` wrote there refuses it."""
+    """A run names code in a folder `replay unpack` wrote (its mark there), outside the run's own
+    folder: refused. A run inside such a folder is a bundle's, and says it is not: refused too."""
     marker = tmp_path / "imported.txt"
     path = _run_carrying(tmp_path, marker, bundle=False, search_path="../shipped", code_in="../shipped")
-    (tmp_path / code.MARKER).write_text("{}")  # tmp_path: the folder a bundle was unpacked to
+    (tmp_path / "shipped" / code.MARKER).write_text("{}")
     for flags in ([], ["--allow-code"]):
-        result = invoke("run", str(path), "--steps", "0", *flags)
-        assert_error_line(result, 2, "evil", "never run")
-    assert not marker.exists() and code.is_bundle_run(Run.open(path))
+        assert_error_line(invoke("run", str(path), "--steps", "0", *flags), 2, "evil", "a bundle was unpacked to")
+    assert not marker.exists() and not code.is_bundle_run(Run.open(path))
+    (tmp_path / code.MARKER).write_text("{}")  # now the run is inside a bundle's folder too
+    assert code.is_bundle_run(Run.open(path))
+    for flags in ([], ["--allow-code"]):
+        assert_error_line(invoke("run", str(path), "--steps", "0", *flags), 2, "not describe a bundle", "never run")
+    assert not marker.exists()
 
 
 @pytest.mark.parametrize("spec", ["sys:exit", "builtins:print", "os:system", "antigravity:x", "this:x"])

@@ -408,8 +408,8 @@ def test_full_bundle_report_numbers_match_the_trace(packed, tmp_path):
     text, run = read_report(out, tmp_path)
     check_report(text, records, schema, 10, 20, "bug.rpk", lite=False)
     assert "| faults injected | none |" in text and "checkpoint at step 10" in text
-    assert sorted(p.name for p in run.path.iterdir()) == ["COMPLETE", "REPORT.md", "checkpoints", "data", "run.json",
-                                                         "trace"]
+    assert sorted(p.name for p in run.path.iterdir()) == ["COMPLETE", "FROM_BUNDLE.json", "REPORT.md", "checkpoints",
+                                                         "data", "run.json", "trace"]
     assert run.manifest["bundle"]["example_count"] == 11 * 16
     data = run.path / "data" / "examples.npz"
     from trainer.data import open_example_file

@@ -17,6 +17,7 @@ def unpack(
 ) -> None:
     """Verify a bundle and write its files to DIR: a run folder you can show, run or bisect."""
     from replay import bundle
+    from replay.code import MARKER
     from traces import Run
 
     header = bundle.unpack(file, dest)
@@ -36,7 +37,8 @@ def unpack(
     a, b = info.get("steps", ["A", "B"])
     console.print_text(f"unpacked {file} (bundle format_version {header.format_version}, checksum ok) to {dest}: "
                        f"read {dest / bundle.REPORT}; it is a run: "
-                       + (f"replay show {dest}" if header.lite else f"replay run {dest} --steps {a}:{b}"))
+                       + (f"replay show {dest}" if header.lite else f"replay run {dest} --steps {a}:{b}")
+                       + f" (it stays a bundle's: {MARKER} marks it, and replay runs no code from it)")
 
 
 def register(app: typer.Typer) -> None:

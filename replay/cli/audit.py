@@ -45,11 +45,10 @@ def audit(
                                                          "as the hash tables the verdict rests on).")] = False,
 ) -> None:
     """Audit a run's data order from its per-example hashes: which examples came back early, and where."""
-    import traces
     from replay import audit as lib
-    from replay.bundle import damage_error
+    from replay.bundle import damage_error, open_run
 
-    opened = traces.Run.open(run)
+    opened = open_run(run)  # a run folder, a bundle file, or a folder a bundle was unpacked to (checked as one)
     damaged = damage_error(opened, f"{run}: its trace", "restore the run's files from a copy (audit never passes a "
                            "damaged run)")
     if damaged:

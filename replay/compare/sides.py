@@ -163,9 +163,9 @@ def _chunks(rows: np.ndarray, batch: int):
 def open_side(path: str | Path) -> JaxSide | TorchSide:
     """The run at `path` as one side of a comparison; a damaged run is refused (one line, exit 2)
     even though only its checkpoints are evaluated: its manifest and trace are what name them."""
-    from replay.bundle import damage_error
+    from replay.bundle import damage_error, open_run
 
-    run = Run.open(path)
+    run = open_run(path)  # a folder a bundle was unpacked to is checked as one
     damaged = damage_error(run, f"{path}: its trace", "compare its checkpoints once the run's files are restored "
                            "from a copy")
     if damaged:

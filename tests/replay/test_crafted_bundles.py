@@ -342,8 +342,8 @@ def _unpacked_and_changed(base, work: Path, keep_mark: bool) -> Path:
 
 @pytest.mark.parametrize("keep_mark", [True, False], ids=["marked", "mark-removed"])
 def test_an_unpacked_bundle_never_runs_code_placed_in_it(base, watch, keep_mark):
-    """Marked: every command that opens runs as replay does refuses the folder (it is a bundle's,
-    and no longer says so; `audit` reads the trace alone, which is the bundle's own). Mark removed:
+    """Marked: every command refuses the folder (it is a bundle's, and its manifest now names code).
+    Mark removed:
     a run folder, whose own code still never runs (old code imported it with --allow-code);
     commands that need no code read it as the run it now is."""
     dest = _unpacked_and_changed(base, watch["work"], keep_mark)
@@ -352,7 +352,7 @@ def test_an_unpacked_bundle_never_runs_code_placed_in_it(base, watch, keep_mark)
         if args[0] == "unpack":
             continue  # takes a bundle file, not a folder
         result = invoke(*args)
-        if keep_mark and args[0] != "audit":
+        if keep_mark:
             assert_refused(result, dest)
         elif args[0] in replaying or "--step" in args:  # bisect's trace scan first says what it compared
             assert_one_line_error(result, str(dest))

@@ -314,6 +314,20 @@ def damage_error(run: Run, what: str, remedy: str, crash_tail: bool = True) -> D
     return DamagedRunError(f"{what} is damaged: {describe_damage(run, damage)}; {readable}; {remedy}", shown_path(run))
 
 
+def _refuse_damaged_entries(run: Run, shown: Path) -> None:
+    """A re-checksummed run.json whose "exported" or "example_store" entry is not as replay wrote it is
+    refused by every command that opens the run, not only by those that replay from it: a bisect whose
+    traces agree would otherwise call the runs identical over a manifest no replay could use."""
+    from replay.record import export as exportlib
+    from replay.record.exported_entry import entry_damage
+
+    damage = entry_damage(run.manifest) if exportlib.KEY in run.manifest else None
+    if damage:
+        raise traces.ManifestCorruptError(
+            f"{shown}{':' if getattr(run, 'bundle', None) else '/'}{MANIFEST}: its \"{damage[0]}\" entry is damaged "
+            f"({damage[1]}): run.json was changed after recording; restore it from a copy of the run", str(shown))
+
+
 def shown_path(run: Run) -> str:
     """What to call `run` in a message: the bundle file for a bundle, else the run folder."""
     return str(getattr(run, "bundle", None) or run.path)
@@ -381,6 +395,7 @@ def open_run(path: str | os.PathLike, for_replay: bool = False) -> Run:
             raise
         run = Run.open(dest)
         run.bundle = p
+    _refuse_damaged_entries(run, p)
     info = run.manifest.get("bundle")
     if for_replay and isinstance(info, dict) and info.get("lite"):
         raise PackError(f"{p}: is a --lite bundle (trace and report only): it can be shown and compared "

@@ -95,3 +95,15 @@ def test_verify_refuses_a_replay_init_run_before_compiling(run):
     line = assert_one_line_error(invoke("verify", str(run), "--steps", "1:3"), str(run), "replay.init",
                                  "mesh-invariant")
     assert "not yet available" in line and "internal error" not in line
+
+
+@pytest.mark.parametrize("name, exported, store, words", DAMAGES[:3] + DAMAGES[-2:], ids=[d[0] for d in DAMAGES[:3] + DAMAGES[-2:]])
+def test_a_damaged_exported_entry_is_refused_by_commands_that_replay_nothing(run, tmp_path, name, exported, store, words):
+    """The traces of a run and its damaged copy agree, so bisect used to call them identical (exit 0)
+    over a manifest no replay could use; show and audit read it as intact."""
+    damaged = _damaged(run, tmp_path, exported, store)
+    entry = "exported" if exported is not None else "example_store"
+    for args in (("bisect", str(run), str(damaged)), ("bisect", str(damaged), str(run)), ("show", str(damaged)),
+                 ("audit", str(damaged))):
+        assert_one_line_error(invoke(*args), str(damaged / "run.json"), f'"{entry}" entry is damaged', words)
+    assert invoke("show", str(run)).exit_code == 0  # the intact run is read

@@ -23,6 +23,8 @@ import jax
 import numpy as np
 
 from traces import Run, Schema
+from trainer.replay_data import TrainerDataProtocol
+from trainer.replay_model import TrainerModelProtocol
 
 
 class Replayable(Protocol):
@@ -126,7 +128,7 @@ def _absolute(run: Run) -> Run:
     return view
 
 
-class TrainerReplay:
+class TrainerReplay(TrainerDataProtocol, TrainerModelProtocol):
     """Replays a run of trainer/ on this machine's devices, from its own checkpoints."""
 
     def __init__(self, run: Run, data: str | None = None, allow_data_change: bool = False,

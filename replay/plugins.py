@@ -5,7 +5,11 @@ A plugin is a module named by an entry point of the group `replay.plugins` (in i
 pyproject.toml: `[project.entry-points."replay.plugins"] NAME = "package.module"`). It may define
   * `register(app)`: add its commands to the typer app (the trainer: `train`, `plan`, `demo`);
   * `prepare_process(manifest: dict) -> None`: called before JAX starts for a run a command is
-    about to replay (the trainer's mesh-invariant runs need XLA:CPU settings in place first).
+    about to replay (the trainer's mesh-invariant runs need XLA:CPU settings in place first);
+  * `torch_reference(run) -> reference | None`: a PyTorch model of the run's model, for
+    `replay compare --eval` (a replay.torch run's checkpoints are evaluated with it, and the
+    float32 noise floor of either side is measured with it); None for a run the plugin does not
+    know. The contract of `reference` is replay.compare.sides.TorchReference.
 
 This is how the trainer's commands reach the one `replay` CLI while the dependencies point one
 way (traces <- replay <- trainer). Entry points are read once per process and each plugin is
@@ -78,6 +82,19 @@ def register_commands(app, warn: Warn = _stderr_warning) -> None:
             register(app)
         except Exception as exc:
             _failed(ep, exc, warn)
+
+
+def first_answer(hook: str, *args: Any, warn: Warn = _stderr_warning) -> Any:
+    """The first answer other than None of the plugins' `hook(*args)`, in entry-point name order;
+    None when no plugin defines `hook` or every one answers None. Errors propagate: a plugin that
+    knows the run and finds it unusable says why (one line), as prepare_process does."""
+    for _, module in _plugins(warn):
+        fn = getattr(module, hook, None)
+        if fn is not None:
+            answer = fn(*args)
+            if answer is not None:
+                return answer
+    return None
 
 
 def prepare_process(manifest: dict, warn: Warn = _stderr_warning) -> None:

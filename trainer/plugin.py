@@ -1,7 +1,8 @@
 """The trainer as a replay plugin (entry point `replay.plugins` in pyproject.toml; replay/plugins.py).
 
 Its commands (`replay train`, `replay plan`, `replay demo`: trainer/cli/) join the one `replay` CLI,
-and a run it recorded in mesh-invariant mode gets its process prepared before JAX starts. replay
+a run it recorded in mesh-invariant mode gets its process prepared before JAX starts, and
+`replay compare --eval` gets its PyTorch reference model (`torch_reference`). replay
 never imports the trainer; it finds this module through the entry point. Light at import (no
 JAX): `replay --help` loads it.
 """
@@ -15,6 +16,15 @@ def register(app) -> None:
 
     for module in (train, plan, demo):
         module.register(app)
+
+
+def torch_reference(run):
+    """The trainer's PyTorch reference (Hugging Face OLMo) of a trainer run or of a replay.torch
+    run of that reference, for `replay compare --eval`; None for other runs
+    (trainer/replay_reference.py; contract: replay.compare.sides.TorchReference)."""
+    from trainer.replay_reference import for_run
+
+    return for_run(run)
 
 
 def prepare_process(manifest: dict) -> None:

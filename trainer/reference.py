@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from replay.record.names import get_path as _get
 from trainer.config import Config, ConfigError, ModelConfig
 
 SLIDING_WINDOW = 4096  # OLMo 3's
@@ -146,12 +147,6 @@ def tensor_names(cfg: Config | ModelConfig) -> Any:
 
 
 # ------------------------------------------------------------------------------ conversion
-
-def _get(tree: Mapping[str, Any], dotted: str) -> Any:
-    for part in dotted.split("."):
-        tree = tree[part]
-    return tree
-
 
 def _set(tree: dict, dotted: str, value: Any) -> None:
     *parents, leaf = dotted.split(".")

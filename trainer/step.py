@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from trainer import chunked_loss, layers, model, rng, sdc, sketches
 from trainer.config import Config
 from replay.record.fingerprint import fingerprint_lanes, fingerprints_and_sums_of_squares
+from replay.record.names import get_path  # noqa: F401 - trainer.step.get_path: the recorded names' lookup
 from trainer import invariant, optim
 from trainer.optim import applied_lr
 
@@ -54,12 +55,6 @@ def init_state(cfg: Config) -> TrainState:
         opt_state=optim.make_optimizer(cfg.optimizer).init(params),
         key=jax.random.key_data(rng.dropout_key(cfg.seed)),
     )
-
-
-def get_path(tree: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        tree = tree[part]
-    return tree
 
 
 def tensor_schema(cfg: Config) -> tuple[tuple[str, str], ...]:

@@ -374,6 +374,7 @@ def _replay(report: BisectReport, run_a: Run, run_b: Run) -> None:
     """Steps 4 and 5: confirm the divergent step by replay (or find it), then recompute it."""
     from replay.bisect.refine import (ReplayUnavailable, Replayer, first_state_difference, refine_loop_step, refine_step,
                                search_first_divergence)
+    from replay.recompute import recomputes
 
     if not _needs_replay(report, run_a, run_b):
         return  # the trace names an input of the step (data, rng), or vouches for identical runs
@@ -411,8 +412,8 @@ def _replay(report: BisectReport, run_a: Run, run_b: Run) -> None:
                     return
                 report.method, report.found_step = "binary search by replay", search.first_step
                 step, states, focus = search.first_step, search.states, None
-        if ra.built is None or rb.built is None:
-            # Any other loop: its own step re-run on both states, its taps recomputed with its code.
+        if not (recomputes(ra) and recomputes(rb)):
+            # A loop without recompute_step: its own step re-run on both states, its taps recomputed with its code.
             report.refinement = refine_loop_step(ra, rb, step, states, focus)
         else:
             report.refinement = refine_step(ra, rb, step, states, focus)

@@ -5,10 +5,11 @@ Two sources, the first that applies:
 - traces: both runs recorded distance sketches of one width (trace format_version 2): each
   tensor's distance is estimated from the two records alone (traces/sketch.py), no replay.
 - replay: the JAX run has no sketches (recorded before format 2, or by a recorder that does
-  not write them: the trainer writes them with trace.sketches=true, trainer/sketches.py): it is replayed here from its checkpoints through the steps examined, its
-  tensors at those steps recomputed (replay/recompute.py) and sketched on the host, and
-  compared with the torch run's recorded sketches. Costs a replay of every step up to the last
-  one examined.
+  not write them: the trainer writes them with trace.sketches=true): it is replayed here from
+  its checkpoints through the steps examined, its tensors at those steps recomputed (its
+  replayable's `recompute_step`, replay/recompute.py) and sketched on the host, and compared
+  with the torch run's recorded sketches. Costs a replay of every step up to the last one
+  examined.
 
 Scalar metrics (loss, z_loss, grad_norm, lr, param_norm) come from both traces: |a - b| / max(|a|, |b|).
 A tensor whose fingerprints are equal in both runs is at distance 0, whatever the sketches say.
@@ -74,25 +75,10 @@ def from_traces(torch_run: Run, jax_run: Run, steps: Iterable[int], names: list[
         yield k, out
 
 
-def _jax_tensors(side: Any, cfg: Any, wanted: set[str]) -> dict[str, np.ndarray]:
-    """The JAX run's tensors at one step, recomputed: forward layers, gradients, parameters after."""
-    import jax
-
-    from trainer.step import get_path
-
-    out: dict[str, np.ndarray] = {}
-    layers = side.layers()
-    for n in wanted:
-        if n in layers:
-            out[n] = np.asarray(jax.device_get(layers[n]))
-    _, grads = side.loss_and_grads()
-    state, _, _ = side.after()
-    for n in wanted:
-        if n.startswith("grad/"):
-            out[n] = np.asarray(jax.device_get(get_path(grads, n.removeprefix("grad/"))))
-        elif n.startswith("param/"):
-            out[n] = np.asarray(jax.device_get(get_path(state.params, n.removeprefix("param/"))))
-    return out
+def _jax_tensors(side: Any, wanted: set[str]) -> dict[str, np.ndarray]:
+    """The JAX run's recorded tensors at one step, recomputed (forward layers, gradients,
+    parameters after the update: whatever its loop records under those names)."""
+    return side.rc.tensors(wanted, side.after()[0])
 
 
 def _params_summary(side: Any, width: int) -> tuple[np.ndarray, float]:
@@ -100,12 +86,11 @@ def _params_summary(side: Any, width: int) -> tuple[np.ndarray, float]:
     over all of them (traces/FORMAT.md, "Distance sketches")."""
     import jax
 
-    from trainer import model
-    from trainer.step import get_path
+    from replay.record.names import get_path
 
     total, ss = np.zeros(width, np.float64), 0.0
-    for n in model.param_names(side.cfg.model):
-        s, norm = sketch(np.asarray(jax.device_get(get_path(side.params(), n))), width)
+    for n in side.rc.param_names:
+        s, norm = sketch(np.asarray(jax.device_get(get_path(side.rc.params(), n))), width)
         total += s
         ss += float(norm) ** 2
     return total.astype(np.float32), np.float32(np.sqrt(ss))
@@ -114,7 +99,7 @@ def _params_summary(side: Any, width: int) -> tuple[np.ndarray, float]:
 def from_replay(torch_run: Run, jax_run: Run, steps: Iterable[int], names: list[tuple[str, str]],
                 on_replay: Callable[[int], None] | None = None) -> Iterable[tuple[int, dict[str, float]]]:
     """(step, {name: distance}): the JAX run replayed through the steps (ascending), sketched here."""
-    from replay.recompute import _Side
+    from replay.recompute import CAPABILITY, _Side, recomputes
     from replay.replayer import Replayer, ReplayUnavailable
 
     st, sj = torch_run.schema, jax_run.schema
@@ -123,10 +108,10 @@ def from_replay(torch_run: Run, jax_run: Run, steps: Iterable[int], names: list[
     tensor_names = [n for n, _ in names if n in it]
     metric_names = [n for n, _ in names if n not in it]
     r = Replayer("JAX", jax_run)
-    if r.built is None:
-        raise ReplayUnavailable(f"{jax_run.path}: records no distance sketches and is not a trainer run, so its "
-                                "tensors cannot be recomputed here; record it with distance sketches (trace "
-                                "format 2; the trainer: --set trace.sketches=true)")
+    if not recomputes(r):
+        raise ReplayUnavailable(f"{jax_run.path}: records no distance sketches and its loop does not provide "
+                                f"{CAPABILITY}(state, step), so its tensors cannot be recomputed here; record it with "
+                                "distance sketches (trace format 2; the trainer: --set trace.sketches=true)")
     steps = sorted(set(steps))
     start, state = r.state_at(steps[0]) if steps else (0, None)
     at = steps[0] if steps else 0
@@ -136,7 +121,7 @@ def from_replay(torch_run: Run, jax_run: Run, steps: Iterable[int], names: list[
         rt, rj = torch_run.trace.read(k), jax_run.trace.read(k)
         out = _metric_distances(rt, rj, st, sj, metric_names)
         if rt.sketches is not None:
-            values = _jax_tensors(side, side.cfg, set(tensor_names))
+            values = _jax_tensors(side, set(tensor_names))
             if "state/params" in it:
                 values["state/params"] = _params_summary(side, width)
             for n in tensor_names:

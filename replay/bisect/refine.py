@@ -11,9 +11,10 @@ checkpoints (read-only; nothing in either run changes):
   starts from scratch: O(log N) probes. The divergent step is the first step whose *output*
   state differs: the step k with equal states entering it and differing states after it.
 * `refine_step` (bisect step 4): at the divergent step, recompute with full instrumentation
-  what that step's train_step computed for each run (its own params, batch, dropout key and,
-  for a `layer-bf16` fault, its faulty program) and compare element by element: inside a
-  forward layer the block's intermediates (`model.block_capture_names`) in execution order;
+  what that step computed for each run (its own params, batch, dropout key and, for the
+  trainer's `layer-bf16` fault, its faulty program: the replayable's `recompute_step`,
+  replay/recompute.py) and compare element by element: inside a forward layer the block's
+  intermediates (`intermediate_names(block)`) in execution order;
   for state, gradient and update fields the tensors leaf by leaf in the schema's causal order.
   It names the first intermediate (or leaf) that differs with its max abs, relative and ULP
   distance and the share of elements that differ. Without a trace field to refine (a trace
@@ -45,7 +46,8 @@ import jax
 import numpy as np
 
 from replay.tensor_distance import DeviceDiff, _brief, compare_tensors
-from replay.recompute import StepInputs, _LoopSide, _Side, step_inputs, tree_leaves
+from replay.recompute import StepRecomputation, _LoopSide, _Side, tree_leaves
+from replay.record.names import get_path
 from replay.replayer import (
     Replayer,
     ReplayUnavailable,
@@ -62,7 +64,7 @@ __all__ = [
     "ReplayUnavailable",
     "Replayer",
     "Search",
-    "StepInputs",
+    "StepRecomputation",
     "compare_tensors",
     "first_state_difference",
     "open_replayable",
@@ -70,19 +72,12 @@ __all__ = [
     "refine_step",
     "search_first_divergence",
     "state_fingerprints",
-    "step_inputs",
 ]
 
 TENSOR_KINDS = ("state", "forward", "backward", "update")
 
 
 # ------------------------------------------------------------------------ walking the intermediates
-
-def _get(tree: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        tree = tree[part]
-    return tree
-
 
 def _walk(items: list[tuple[str, Callable[[], Any], Callable[[], Any]]],
           diff: DeviceDiff) -> tuple[str | None, tuple[Any, Any] | None, list[dict]]:
@@ -120,30 +115,28 @@ def _opt_leaves(opt_state: Any) -> list[tuple[str, Any]]:
 
 def _tensor_groups(a: _Side, b: _Side) -> list[tuple[str, str, Callable[[], list]]]:
     """(kind, schema field, lazily built [(name, a(), b())]) in causal order."""
-    from trainer import model
+    names = list(a.rc.param_names)
+    layer_names = list(a.rc.layer_names)
 
-    names = list(model.param_names(a.cfg.model))
-    layer_names = list(model.layer_names(a.cfg.model))
-
-    def leaves(get_a: Callable, get_b: Callable, order: list[str], pick: Callable = _get) -> Callable[[], list]:
+    def leaves(get_a: Callable, get_b: Callable, order: list[str], pick: Callable = get_path) -> Callable[[], list]:
         return lambda: [(n, (lambda n=n: pick(get_a(), n)), (lambda n=n: pick(get_b(), n))) for n in order]
 
     def opt() -> list:
-        la, lb = _opt_leaves(a.inp.state.opt_state), _opt_leaves(b.inp.state.opt_state)
+        la, lb = _opt_leaves(a.rc.opt_state()), _opt_leaves(b.rc.opt_state())
         if [n for n, _ in la] != [n for n, _ in lb]:
             raise ReplayUnavailable("the runs' optimizer states have different structures")
         return [(n, (lambda x=x: x), (lambda y=y: y)) for (n, x), (_, y) in zip(la, lb)]
 
     def loss() -> list:
-        return [(n, (lambda n=n: a.loss_and_grads()[0][n]), (lambda n=n: b.loss_and_grads()[0][n]))
-                for n in ("loss", "z_loss", "example_loss")]
+        return [(n, (lambda n=n: a.rc.loss_and_grads()[0][n]), (lambda n=n: b.rc.loss_and_grads()[0][n]))
+                for n in a.rc.loss_names]
 
     return [
-        ("state", "state/params", leaves(a.params, b.params, names)),
+        ("state", "state/params", leaves(a.rc.params, b.rc.params, names)),
         ("state", "state/opt_state", opt),
-        ("forward", "layers", leaves(a.layers, b.layers, layer_names, pick=lambda d, n: d[n])),
+        ("forward", "layers", leaves(a.rc.layers, b.rc.layers, layer_names, pick=lambda d, n: d[n])),
         ("loss", "loss", loss),
-        ("backward", "grad", leaves(lambda: a.loss_and_grads()[1], lambda: b.loss_and_grads()[1],
+        ("backward", "grad", leaves(lambda: a.rc.loss_and_grads()[1], lambda: b.rc.loss_and_grads()[1],
                                     list(reversed(names)))),
         ("update", "param", leaves(lambda: a.after()[0].params, lambda: b.after()[0].params, names)),
     ]
@@ -182,14 +175,10 @@ def refine_step(ra: Replayer, rb: Replayer, step: int, states: tuple[Any, Any],
     update fields: the parameter or optimizer-state leaf), distances (max_abs, max_rel,
     max_ulp), share_differing, compared ([{name, equal, ...}] in causal/execution order),
     reproduces_trace ({A, B}: whether replaying the step gave the recorded record).
+    Both runs' replayables must provide `recompute_step` (replay/recompute.py); ReplayUnavailable if not.
     """
-    from trainer import model
-
-    if ra.built is None or rb.built is None:
-        raise ReplayUnavailable("layer refinement needs runs of trainer/ (another loop's replayable has no model "
-                                "to instrument)")
     a, b = _Side(ra, states[0], step), _Side(rb, states[1], step)
-    if model.param_names(a.cfg.model) != model.param_names(b.cfg.model):
+    if list(a.rc.param_names) != list(b.rc.param_names):
         raise ReplayUnavailable("the runs' models have different parameters; nothing to compare inside a layer")
     out: dict = {"step": step, "found_by": "trace" if focus else "replay", "cause": None, "layer": None,
                  "first_intermediate": None, "programs": {"A": _program_name(a), "B": _program_name(b)},
@@ -200,13 +189,14 @@ def refine_step(ra: Replayer, rb: Replayer, step: int, states: tuple[Any, Any],
                                 "the recomputation may not show what the run computed")
     if focus is None:
         # Inputs of the step first: the batch and the dropout key.
-        if not np.array_equal(a.inp.hashes, b.inp.hashes):
-            n = min(len(a.inp.hashes), len(b.inp.hashes))
-            pos = [int(i) for i in np.nonzero(a.inp.hashes[:n] != b.inp.hashes[:n])[0]]
-            pos += list(range(n, max(len(a.inp.hashes), len(b.inp.hashes))))
+        ha, hb = np.asarray(a.rc.hashes, np.uint64), np.asarray(b.rc.hashes, np.uint64)
+        if not np.array_equal(ha, hb):
+            n = min(len(ha), len(hb))
+            pos = [int(i) for i in np.nonzero(ha[:n] != hb[:n])[0]]
+            pos += list(range(n, max(len(ha), len(hb))))
             out.update(cause="data", layer="example_hashes", positions=pos, share_differing=len(pos) / max(1, n))
             return out
-        wa, wb = a.rng(), b.rng()
+        wa, wb = np.asarray(a.rc.rng()), np.asarray(b.rc.rng())
         if not np.array_equal(wa, wb):
             out.update(cause="rng", layer="rng", a=[int(x) for x in wa], b=[int(x) for x in wb])
             return out
@@ -238,11 +228,12 @@ def refine_step(ra: Replayer, rb: Replayer, step: int, states: tuple[Any, Any],
         out.update(cause=kind, layer=layer, first_intermediate=first, compared=rows)
         if kind == "forward":
             block = layer.split(".")[0]
-            if block in model.block_names(a.cfg.model):
+            if block in a.rc.block_names:
                 # Inside the block: every intermediate, in execution order.
-                fine = model.block_capture_names(a.cfg.model, block)
+                fine = a.rc.intermediate_names(block)
                 inner, inner_pair, inner_rows = _walk(
-                    [(n, (lambda n=n: a.block(block)[n]), (lambda n=n: b.block(block)[n])) for n in fine], diff)
+                    [(n, (lambda n=n: a.rc.intermediates(block)[n]), (lambda n=n: b.rc.intermediates(block)[n]))
+                     for n in fine], diff)
                 out.update(first_intermediate=inner, compared=inner_rows)
                 if inner is None:
                     out["notes"].append(f"the intermediates of {block} are equal in both runs, yet {layer} differs")
@@ -250,7 +241,7 @@ def refine_step(ra: Replayer, rb: Replayer, step: int, states: tuple[Any, Any],
                     detail = _exact(diff, inner, inner_pair, inner_rows)
             else:
                 out["first_intermediate"] = layer
-                detail = diff.exact(a.layers()[layer], b.layers()[layer])
+                detail = diff.exact(a.rc.layers()[layer], b.rc.layers()[layer])
         if detail is None:
             detail = _exact(diff, first, pair, rows)
         fetched.update(leaves=diff.fetched_leaves, bytes=diff.fetched_bytes)
@@ -280,10 +271,10 @@ def _reproduces(side: _Side) -> bool | None:
 
 
 def _program_name(side: _Side) -> str:
-    return "faulty (layer-bf16)" if side.inp.faulty_program else "the run's own"
+    return str(getattr(side.rc, "program", None) or "the run's own")
 
 
-# ------------------------------------------------------------------------ any other training loop
+# ------------------------------------------------------------------------ a loop without recompute_step
 
 def _loop_fields(s: _LoopSide) -> list[tuple[str, str, Callable[[], Any]]]:
     """(kind, name, value) of everything one step of a loop computes, in causal order: the state
@@ -317,7 +308,7 @@ def _loop_fields(s: _LoopSide) -> list[tuple[str, str, Callable[[], Any]]]:
 
 def refine_loop_step(ra: Replayer, rb: Replayer, step: int, states: tuple[Any, Any],
                      focus: tuple[str, str] | None = None) -> dict:
-    """`refine_step` for any training loop other than trainer/: recompute step `step` of both
+    """`refine_step` for a loop whose replayable gives no `recompute_step`: recompute step `step` of both
     runs from their states entering it and name the first field, in causal order, that differs
     (data, rng, state, forward, loss, backward, update), with its distances. The result has
     refine_step's keys; its `compared` rows also carry each field's kind."""

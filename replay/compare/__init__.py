@@ -20,7 +20,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from replay.compare.errors import CompareInputError
-from replay.compare.floor import GROWTH, rounding_error, tolerance
+from replay.compare.floor import GROWTH, tolerance
 from replay.compare.heldout import held_out_rows
 from replay.compare.sides import open_side
 
@@ -112,7 +112,7 @@ def compare_eval(path_a, path_b, *, steps: list[int] | None = None, examples: in
     out = EvalComparison(str(a.path), str(b.path), a.framework, b.framework, len(rows), skipped)
     for k in chosen:
         la, lb = a.eval(k, rows).astype("float64"), b.eval(k, rows).astype("float64")
-        ea, eb = rounding_error(a.hf_weights(k), a.cfg, rows), rounding_error(b.hf_weights(k), b.cfg, rows)
+        ea, eb = a.rounding_error(k, rows), b.rounding_error(k, rows)
         mean_a, mean_b = float(la.mean()), float(lb.mean())
         if not (math.isfinite(mean_a) and math.isfinite(mean_b)):
             tol = 0.0

@@ -1,9 +1,10 @@
 """The tolerance of an eval-loss difference: the float32 noise floor, measured on the pair itself.
 
 Two correct float32 implementations of one model differ only by rounding, so the floor is how
-far float32 arithmetic moves this model's eval loss at these weights: the reference (trainer.
-reference's OLMo) evaluates each run's checkpoint in float32 and in float64 on the same rows,
-and e_X = mean over rows of |loss32 - loss64| for run X. Each implementation's error is about
+far float32 arithmetic moves this model's eval loss at these weights: the run's PyTorch
+reference (a plugin's TorchReference, sides.py; the trainer's is its OLMo) evaluates each run's
+checkpoint in float32 and in float64 on the same rows, and e_X = mean over rows of
+|loss32 - loss64| for run X. Each implementation's error is about
 e_X (the reference's rounding stands for both frameworks'), so by the triangle inequality
 |L_A - L_B| <= e_A + e_B for two correct forwards on the same weights. Training rounds too, so
 two correct runs' weights part by rounding that grows over the steps; GROWTH covers it, with
@@ -32,19 +33,32 @@ import numpy as np
 GROWTH = 4.0
 
 
-def rounding_error(weights_hf: dict[str, np.ndarray], cfg: Any, rows: np.ndarray) -> float:
-    """e: mean over rows of |loss in float32 - loss in float64| of the reference at these weights."""
+def rounding_error(reference: Any, weights: dict[str, np.ndarray], rows: np.ndarray) -> float:
+    """e: mean over rows of |loss in float32 - loss in float64| of `reference` (a
+    replay.compare.sides.TorchReference) at these weights (by the reference's names)."""
     import torch
 
-    from replay.compare.sides import _eval_model_config, reference_losses
-    from trainer import reference
-
-    m = _eval_model_config(cfg)
-    model = reference.hf_model(m)
-    reference.load_into(model, weights_hf, m)
-    l32 = reference_losses(model, rows, cfg.data.global_batch_size).astype(np.float64)
-    l64 = reference_losses(model.to(torch.float64), rows, cfg.data.global_batch_size)
+    model = reference.model()
+    reference.load(model, weights)
+    l32 = reference_losses(model, rows, reference.batch_size).astype(np.float64)
+    l64 = reference_losses(model.to(torch.float64), rows, reference.batch_size)
     return float(np.mean(np.abs(l32 - l64)))
+
+
+def reference_losses(model: Any, rows: np.ndarray, batch: int) -> np.ndarray:
+    """[N] each row's mean next-token cross-entropy under the torch `model`, in the model's dtype
+    (float32 losses as float32; a float64 model's as float64)."""
+    import torch
+
+    out = []
+    model.eval()
+    with torch.no_grad():
+        for i in range(0, len(rows), batch):
+            t = torch.from_numpy(np.ascontiguousarray(rows[i:i + batch])).long()
+            logits = model(t[:, :-1]).logits
+            ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), t[:, 1:], reduction="none")
+            out.append(ce.mean(dim=1).numpy())
+    return np.concatenate(out)
 
 
 def tolerance(e_a: float, e_b: float, loss: float) -> float:

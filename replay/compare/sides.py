@@ -1,99 +1,101 @@
 """One run of a compared pair, evaluated with its own framework's code.
 
-A JAX trainer run is evaluated with the trainer (its checkpoint restored by orbax, verified
-against the fingerprint recorded at save, the loss by trainer.step.loss_fn); a replay.torch run
-of the trainer's reference with the reference (Hugging Face OLMo built by trainer.reference at
-the run's config, its safetensors checkpoint loaded by replay.torch.checkpoint, verified against
-the recorded xxh3). The eval loss is each example's mean next-token cross-entropy, in float32 as
-the framework computes it, without z-loss or dropout; the two runs are compared on the same rows.
+A JAX run is evaluated through its replayable (replay.replayer.open_replayable, any loop): its
+checkpoint restored onto the run's layout by the replayable's `restore` (the trainer's verifies
+it against the fingerprint recorded at save), each row's loss by the loop's optional
+`evaluate(state, batch)` capability. A replay.torch run is evaluated with a PyTorch model of it
+that an installed plugin gives (replay/plugins.py, the hook `torch_reference(run)` returning a
+TorchReference; the trainer's covers its own runs and those of its reference, Hugging Face OLMo:
+trainer/replay_reference.py), its safetensors checkpoint loaded by replay.torch.checkpoint,
+verified against the recorded xxh3. The float32 noise floor of either side (floor.py) is measured
+with that reference at the side's weights. The eval loss is each example's mean next-token
+cross-entropy, in float32 as the framework computes it, without z-loss or dropout; the two runs
+are compared on the same rows.
 
 Cost: one checkpoint restored and one forward pass over the held-out rows per evaluated step.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from replay.compare.errors import CompareInputError
+from replay.compare.floor import reference_losses, rounding_error
 from traces import Run
+
+EVALUATE = "evaluate"
+HOOK = "torch_reference"
+
+
+class TorchReference(Protocol):
+    """What a plugin's `torch_reference(run)` returns: a PyTorch model of the run's model."""
+
+    cfg: Any  # the run's config as the plugin reads it (compare reads cfg.model's sizes, cfg.data and cfg.seed)
+    batch_size: int  # rows per forward pass
+
+    def model(self) -> Any: ...  # a fresh torch.nn.Module, float32, eval mode: model(int64 [B, L]).logits -> [B, L, V]
+
+    def load(self, model: Any, weights: dict[str, np.ndarray]) -> None: ...  # weights by the reference's names
+
+    def weights(self, state: Any) -> dict[str, np.ndarray]: ...  # a JAX run's state (restore's) by those names
 
 
 def framework_of(run: Run) -> str:
     return "torch" if run.manifest.get("recorded_by") == "replay.torch" else "jax"
 
 
-def _trainer_config(run: Run) -> Any:
-    from trainer.config import ConfigError, from_dict
+def _reference(run: Run, why: str) -> TorchReference:
+    from replay import plugins
 
-    raw = run.manifest.get("config")
-    if framework_of(run) == "torch" and isinstance(raw, dict) and "trainer_config" in raw:
-        raw = raw["trainer_config"]  # trainer/reference_train.py's runs
-    try:
-        return from_dict(raw)
-    except (ConfigError, TypeError, KeyError, AttributeError) as e:
-        what = "a replay.torch run of trainer.reference" if framework_of(run) == "torch" else "a trainer run"
-        raise CompareInputError(f"{run.path}: its manifest config is not a trainer config this version reads ({e}), so "
-                                f"compare --eval cannot rebuild its model; it compares trainer runs and their reference "
-                                f"runs ({what} recorded with config=trainer.config.to_dict(cfg))") from None
+    ref = plugins.first_answer(HOOK, run)
+    if ref is None:
+        raise CompareInputError(f"{run.path}: compare --eval needs a PyTorch reference of the run's model {why}, and "
+                                f"no installed replay plugin gives one for this run (a `replay.plugins` entry point "
+                                f"with {HOOK}(run); the trainer's covers its runs and its reference's)")
+    return ref
 
 
 class JaxSide:
     framework = "jax"
 
     def __init__(self, run: Run):
+        from replay.replayer import open_replayable
+
         self.run, self.path = run, run.path
-        self.cfg = _trainer_config(run)
+        self.rep = None  # a run that saved no checkpoint has nothing to evaluate: steps() says so
+        if run.checkpoint_dir.is_dir():
+            self.rep = open_replayable(run)
+            if getattr(self.rep, EVALUATE, None) is None:
+                raise CompareInputError(f"{run.path}: replay compare --eval needs the run's loop to provide "
+                                        f"{EVALUATE}(state, batch) -> float32 per-example losses "
+                                        f"(replay.Loop({EVALUATE}=...)); its loop gives none")
+        self.reference = _reference(run, "to measure the float32 noise floor at its weights")
+        self.cfg = self.reference.cfg
         self._last: tuple[int, Any] | None = None
 
     def steps(self) -> list[int]:
-        from trainer.checkpoint import Checkpointer
+        return [] if self.rep is None else sorted(self.rep.checkpoint_steps())
 
-        if not self.run.checkpoint_dir.is_dir():
-            return []
-        return Checkpointer(self.run.checkpoint_dir, create=False).steps()
-
-    def params_at(self, step: int) -> Any:
-        """Checkpoint `step`'s parameters (the last one restored is kept: eval and the floor read it)."""
-        if self._last is not None and self._last[0] == step:
-            return self._last[1]
-        from trainer import mesh as meshlib
-        from trainer.checkpoint import Checkpointer, recorded_fingerprint
-        from trainer.config import MeshConfig
-
-        target = meshlib.sharded_abstract_state(self.cfg, meshlib.make_mesh(MeshConfig()))
-        ckpt = Checkpointer(self.run.checkpoint_dir, create=False)
-        try:
-            state = ckpt.restore(step, target, fingerprint=recorded_fingerprint(self.run.manifest, step))
-        finally:
-            ckpt.close()
-        self._last = (step, state.params)
-        return state.params
-
-    def losses(self, params: Any, rows: np.ndarray) -> np.ndarray:
-        """float32 [N]: each row's mean cross-entropy under `params` (trainer layout), batch by batch."""
-        import jax.numpy as jnp
-
-        cfg = dataclasses.replace(self.cfg, model=dataclasses.replace(self.cfg.model, dropout=0.0))
-        fn = _loss_program(cfg)
-        out = [np.asarray(fn(params, jnp.asarray(chunk[:, :-1]), jnp.asarray(chunk[:, 1:])))
-               for chunk in _chunks(rows, cfg.data.global_batch_size)]
-        return np.concatenate(out).astype(np.float32)
+    def state_at(self, step: int) -> Any:
+        """Checkpoint `step` restored onto the run's layout (the last one restored is kept: eval
+        and the floor read it)."""
+        if self._last is None or self._last[0] != step:
+            self._last = None  # the previous state's buffers go before the next restore
+            self._last = (step, self.rep.restore(step))
+        return self._last[1]
 
     def eval(self, step: int, rows: np.ndarray) -> np.ndarray:
-        return self.losses(self.params_at(step), rows)
+        return np.asarray(self.rep.evaluate(self.state_at(step), rows), np.float32)
 
     def hf_weights(self, step: int) -> dict[str, np.ndarray]:
         """The checkpoint's weights under the reference's names (for the float64 floor)."""
-        import jax
+        return self.reference.weights(self.state_at(step))
 
-        from trainer import reference
-
-        return reference.to_hf(jax.tree.map(np.asarray, self.params_at(step)), self.cfg)
+    def rounding_error(self, step: int, rows: np.ndarray) -> float:
+        return rounding_error(self.reference, self.hf_weights(step), rows)
 
 
 class TorchSide:
@@ -101,7 +103,8 @@ class TorchSide:
 
     def __init__(self, run: Run):
         self.run, self.path = run, run.path
-        self.cfg = _trainer_config(run)
+        self.reference = _reference(run, "to evaluate its checkpoints with")
+        self.cfg = self.reference.cfg
         self._model = None
 
     def steps(self) -> list[int]:
@@ -116,48 +119,14 @@ class TorchSide:
 
     def eval(self, step: int, rows: np.ndarray) -> np.ndarray:
         from replay.torch import checkpoint
-        from trainer import reference
 
         if self._model is None:
-            self._model = reference.hf_model(_eval_model_config(self.cfg))
+            self._model = self.reference.model()
         checkpoint.load(self.path, step, self._model)
-        return reference_losses(self._model, rows, self.cfg.data.global_batch_size)
+        return reference_losses(self._model, rows, self.reference.batch_size)
 
-
-@functools.lru_cache(maxsize=8)
-def _loss_program(cfg: Any) -> Any:
-    """The jitted per-row eval loss of the trainer for `cfg` (one per config: a pair's later
-    compares reuse its compiled programs)."""
-    import jax
-
-    from trainer.step import loss_fn
-
-    return jax.jit(lambda p, x, y: loss_fn(p, cfg, x, y, None, False)[1]["example_loss"])
-
-
-def _eval_model_config(cfg: Any) -> Any:
-    return dataclasses.replace(cfg.model, dropout=0.0)
-
-
-def reference_losses(model: Any, rows: np.ndarray, batch: int, dtype: Any = None) -> np.ndarray:
-    """[N] each row's mean next-token cross-entropy under the torch reference `model`, in the
-    model's dtype (float32 losses as float32; a float64 model's as float64)."""
-    import torch
-
-    out = []
-    model.eval()
-    with torch.no_grad():
-        for chunk in _chunks(rows, batch):
-            t = torch.from_numpy(np.ascontiguousarray(chunk)).long()
-            logits = model(t[:, :-1]).logits
-            ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), t[:, 1:], reduction="none")
-            out.append(ce.mean(dim=1).numpy())
-    return np.concatenate(out)
-
-
-def _chunks(rows: np.ndarray, batch: int):
-    for i in range(0, len(rows), batch):
-        yield rows[i:i + batch]
+    def rounding_error(self, step: int, rows: np.ndarray) -> float:
+        return rounding_error(self.reference, self.hf_weights(step), rows)
 
 
 def open_side(path: str | Path) -> JaxSide | TorchSide:

@@ -81,7 +81,7 @@ def _tensors_by_step(run_path, steps: int, names: list[str]) -> list[dict[str, n
     out = []
     for k in range(steps):
         side = _Side(r, state, k)
-        out.append(_jax_tensors(side, side.cfg, set(names)))
+        out.append(_jax_tensors(side, set(names)))
         state = side.after()[0]
     return out
 

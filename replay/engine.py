@@ -98,10 +98,13 @@ def parse_steps(text: str) -> tuple[int, int]:
 
 
 def checkpoint_steps(run: Run) -> list[int]:
-    """The steps with a checkpoint in a trainer run's folder, read-only ([] when it has none)."""
-    from trainer.checkpoint import Checkpointer
+    """The steps with an orbax checkpoint in the run's checkpoint folder, read from the folder
+    alone (no loop code, nothing compiled), read-only ([] when it has none)."""
+    from replay.record import checkpoints as ckpts
 
-    return Checkpointer(run.checkpoint_dir, create=False).steps() if run.checkpoint_dir.is_dir() else []
+    if not run.checkpoint_dir.is_dir():
+        return []
+    return ckpts.steps(ckpts.open_manager(run.checkpoint_dir, read_only=True))
 
 
 def latest_checkpoint(checkpoints: list[int], step: int) -> int | None:

@@ -44,11 +44,8 @@ EXIT_CODES = MappingProxyType({
     # a missing, unusable or damaged checkpoint (any loop's)
     "replay.record.orbax_io.CheckpointError": EXIT_BAD_INPUT,
     "replay.record.orbax_io.CheckpointDamagedError": EXIT_BAD_INPUT,
-    # the trainer's inputs: config, data, mesh, planted faults
-    "trainer.config.ConfigError": EXIT_BAD_INPUT,
-    "trainer.data.DataError": EXIT_BAD_INPUT,
-    "trainer.mesh.MeshError": EXIT_BAD_INPUT,
-    "trainer.faults.FaultError": EXIT_BAD_INPUT,
+    # a loop's own bad input (the trainer's config, data, mesh and planted faults subclass it)
+    "replay.errors.InputError": EXIT_BAD_INPUT,
     # replaying: what cannot be replayed here, or a bad range
     "replay.engine.ReplayInputError": EXIT_BAD_INPUT,
     "replay.replayer.ReplayUnavailable": EXIT_BAD_INPUT,
@@ -70,6 +67,14 @@ EXIT_CODES = MappingProxyType({
 })
 
 INTERNAL_ERROR_CHARS = 400  # of the exception's text on the internal-error line; --debug shows it all
+
+
+class InputError(Exception):
+    """Bad input a loop explains itself (its config, data source, mesh or planted faults): exit 2.
+
+    A loop's error classes subclass it (with their own bases too: the trainer's are ValueErrors),
+    so replay classifies them, and refuses to replay a run whose loop raises one while opening
+    it, without importing the loop (replay.replayer: "cannot be replayed here")."""
 
 
 class UserError(Exception):

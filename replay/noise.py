@@ -85,16 +85,14 @@ def relative(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def floor_by_replay(run: Run, start: int, stop: int, replayable=None) -> tuple[dict[int, np.ndarray], int]:
     """Relative distances, per step in [checkpoint, stop), between A's trace and a replay of A
-    whose parameters were nudged by one ULP at the checkpoint at or before `start`."""
-    from trainer.replayable import TrainerReplay
+    whose parameters were nudged by one ULP at the checkpoint at or before `start`. `replayable`:
+    A's (default: the one its manifest names, replay.replayer.open_replayable)."""
+    from replay.replayer import open_replayable
 
-    rep = replayable or TrainerReplay(run)
+    rep = replayable or open_replayable(run)
     fields = _fields(run)
     ckpt = max(c for c in rep.checkpoint_steps() if c <= start)
-    state = rep.restore(ckpt)
-    nudged = jax.tree.map(lambda x: jnp.nextafter(x, jnp.full_like(x, jnp.inf)) if jnp.issubdtype(x.dtype, jnp.floating)
-                          else x, state.params)
-    state = state._replace(params=nudged)
+    state = _nudged(rep.restore(ckpt))
     floors: dict[int, np.ndarray] = {}
     envelope = np.zeros(len(fields))
     for step in range(ckpt, stop):
@@ -106,6 +104,20 @@ def floor_by_replay(run: Run, start: int, stop: int, replayable=None) -> tuple[d
         envelope = np.fmax(envelope, relative(_values(run, step, fields), replayed))
         floors[step] = envelope.copy()
     return floors, 1
+
+
+def _nudged(state):
+    """`state` with every floating-point parameter one ULP up: its `params` when it is a state
+    with named parameters (a NamedTuple with .params, as the trainer's and optax-style loops keep
+    it), else every floating-point array leaf of the state (the loop names no parameters)."""
+    def up(x):
+        if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating):
+            return jnp.nextafter(x, jnp.full_like(x, jnp.inf))
+        return x
+
+    if hasattr(state, "params") and hasattr(state, "_replace"):
+        return state._replace(params=jax.tree.map(up, state.params))
+    return jax.tree.map(up, state)
 
 
 def judge(run_a: Run, run_b: Run, start: int, stop: int, factor: float = DEFAULT_FACTOR,

@@ -30,13 +30,13 @@ class ReplayUnavailable(Exception):
 
 def _input_errors() -> tuple[type[BaseException], ...]:
     """Why a run cannot be opened for replay here, as opposed to a bug: its config, data, mesh,
-    files or code (the entry point its manifest names) are missing or do not fit this machine."""
+    files or code (the entry point its manifest names) are missing or do not fit this machine.
+    A loop's own errors of that kind subclass replay.errors.InputError (the trainer's config,
+    data, mesh and fault errors do)."""
+    from replay.errors import InputError
     from traces import TraceError
-    from trainer.config import ConfigError
-    from trainer.data import DataError
-    from trainer.mesh import MeshError
 
-    return TraceError, ConfigError, DataError, MeshError, OSError, ImportError
+    return TraceError, InputError, OSError, ImportError
 
 
 def _checkpoint_error() -> type[BaseException]:
@@ -52,14 +52,14 @@ _CACHE_SIZE = 6
 
 
 def open_replayable(run: Run) -> Any:
-    """The run's replayable (trainer.replayable.load), reused while the run is unchanged: a
+    """The run's replayable (replay.protocol.load), reused while the run is unchanged: a
     process that bisects several pairs against one run compiles its step once."""
     manifest = json.dumps(run.manifest, sort_keys=True, default=str).encode()
     key = (str(Path(run.path).resolve()), hashlib.sha256(manifest).hexdigest())
     if key in _CACHE:
         _CACHE.move_to_end(key)
         return _CACHE[key]
-    from trainer.replayable import load
+    from replay.protocol import load
 
     try:
         rep = load(run)
@@ -118,8 +118,13 @@ class Replayer:
 
     @property
     def built(self) -> Any:
-        """trainer.loop.Built for runs of trainer/, None for other training loops."""
+        """The replayable's `built` (the trainer's compiled loop), None for other loops. Being
+        retired: ask the replayable for a capability (replay/protocol.py) instead."""
         return getattr(self.rep, "built", None)
+
+    def _initial_state(self) -> Any:
+        """The replayable's `initial_state` capability (replay/protocol.py), None without one."""
+        return getattr(self.rep, "initial_state", None)
 
     def checkpoints(self) -> list[int]:
         if self._ckpts is None:
@@ -131,7 +136,8 @@ class Replayer:
                 raise
             except (CheckpointError, OSError) as e:  # none there, or a folder that cannot be listed
                 raise ReplayUnavailable(f"{_shown(self.run)}: its checkpoints cannot be read ({_one_line(e)})") from e
-            self._ckpts = sorted(steps) + ([0] if self.built is not None and 0 not in steps else [])
+            initial = self._initial_state() is not None and 0 not in steps  # step 0 rebuilt, not restored
+            self._ckpts = sorted(steps) + ([0] if initial else [])
             self._ckpts.sort()
         return self._ckpts
 
@@ -142,10 +148,9 @@ class Replayer:
         # names it, exit 2), never "cannot be replayed here": it propagates as itself.
         if k in self.rep.checkpoint_steps():
             return self.rep.restore(k)
-        if k == 0 and self.built is not None:
-            from trainer import mesh as meshlib
-
-            return meshlib.init_sharded_state(self.built.cfg, self.built.mesh)
+        initial = self._initial_state() if k == 0 else None
+        if initial is not None:
+            return initial()
         raise ReplayUnavailable(f"{_shown(self.run)} has no checkpoint {k}")
 
     def advance(self, state: Any, start: int, stop: int, keep_input: bool = True) -> Any:

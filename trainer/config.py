@@ -15,8 +15,10 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from replay.errors import InputError
 
-class ConfigError(ValueError):
+
+class ConfigError(ValueError, InputError):
     """A bad preset name, override or value; the message is one line meant for users."""
 
 

@@ -35,6 +35,7 @@ from typing import NamedTuple
 import numpy as np
 import xxhash
 
+from replay.errors import InputError
 from replay.record.hashing import batch_hash  # noqa: F401 (the one definition; trainer.data.batch_hash)
 from trainer import order, tokenizer
 
@@ -50,7 +51,7 @@ _FINGERPRINT_TAG = b"replay.data.tokens.v1\0"
 _SCAN_CHUNK = 1 << 24
 
 
-class DataError(ValueError):
+class DataError(ValueError, InputError):
     """A user-facing problem with the data: the message says what to do."""
 
 

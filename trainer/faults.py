@@ -53,6 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from replay.errors import InputError
 from trainer import data, model
 from trainer.config import Config
 
@@ -65,7 +66,7 @@ WD_FAULT_EXTRA = 0.5  # weight-decay: decay added to the config's (AdamW decoupl
 BAD_TOKEN = 0  # bad-batch: the token a degenerate example repeats (a NUL byte with the byte tokenizer)
 
 
-class FaultError(ValueError):
+class FaultError(ValueError, InputError):
     """A malformed --inject; one line for users."""
 
 

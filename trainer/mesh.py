@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from replay.errors import InputError
 from trainer import step
 from trainer.config import Config, MeshConfig
 
@@ -31,7 +32,7 @@ AXES = ("data", "fsdp")
 BATCH_AXES = ("data", "fsdp")  # the batch axis is split over both mesh axes
 
 
-class MeshError(ValueError):
+class MeshError(ValueError, InputError):
     """The mesh does not fit the devices or the batch; the message is one line for users."""
 
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import numpy as np
 
+from trainer import rng, sdc
 from trainer.recompute import TrainerRecomputation, eval_losses
 
 
@@ -34,3 +36,39 @@ class TrainerModelProtocol:
         z-loss or dropout. `batch`: int32 token rows [n, L+1] (inputs row[:-1], targets row[1:]),
         any n, evaluated data.global_batch_size rows at a time."""
         return eval_losses(self.cfg, state.params, batch)
+
+    # ---------------------------------------------------------------- replay verify (silent data corruption)
+    # (replay/verify/__init__.py; the recorded names are replay/verify/names.py's)
+
+    def replica_layout(self) -> tuple[int, int] | None:
+        """(devices, microbatches) of the step as replayed here; None unless mesh-invariant, the
+        only mode that computes each microbatch's gradient apart, on one device."""
+        built = self.built
+        if not built.cfg.mesh.mesh_invariant:
+            return None
+        return int(built.mesh.devices.size), built.cfg.mesh.n_microbatches
+
+    def layer_groups(self) -> list[str]:
+        """The layers one replica fingerprint covers (the model's top-level modules), in execution order."""
+        return [g for g, _ in sdc.layer_groups(self.built.cfg)]
+
+    def replica_fingerprints(self, state: Any, step: int, rotate: int) -> np.ndarray:
+        """uint64[microbatches, layers]: every microbatch's per-layer gradient fingerprint at `step`
+        from `state` (entering it), device d doing the work of device (d + rotate) % n
+        (trainer/sdc.py `replica_lanes`: no reduction, no update). The run's faults are applied as
+        its step applies them (the state before, the batch fed, a faulty config's program); of the
+        SDC faults only a persistent one (a bad chip) acts again. One program per distinct config,
+        compiled on first use and kept."""
+        built = self.built
+        plan = built.faults
+        seen = state if not plan else plan.before(state, step, built._init_opt_state)
+        arrays, _ = built.device_batch(plan.batch_step(step) if plan else step, fed_at=step)
+        step_cfg = (plan.model_cfg(step) if plan else None) or built.cfg
+        programs = self.__dict__.setdefault("_replica_programs", {})
+        fn = programs.get(step_cfg)  # the clean config's program, and a faulty config's
+        if fn is None:
+            fn = programs[step_cfg] = jax.jit(lambda p, key, s, r, b: sdc.replica_lanes(
+                p, step_cfg, b, jax.random.wrap_key_data(key, impl="threefry2x32"), s, r, built.mesh))
+        key = jax.random.key_data(rng.step_key(jax.random.wrap_key_data(seen.key, impl="threefry2x32"), seen.step))
+        lanes = np.asarray(fn(seen.params, key, step, rotate, arrays), np.uint32)
+        return (lanes[..., 0].astype(np.uint64) << np.uint64(32)) | lanes[..., 1].astype(np.uint64)

@@ -1,131 +1,25 @@
-"""The replay protocol: what `replay run` needs from a training loop, and the trainer's implementation.
+"""The trainer's implementation of the loop protocol (replay/protocol.py): `TrainerReplay`.
 
-A loop is replayable when it can (1) restore its state as it was before step k from a
-checkpoint, and (2) run step k again, returning the same metrics dict it recorded and the
-global per-example hashes of the batch it fed. The engine compares the result with the trace.
-
-Runs of `trainer/` are replayed by `TrainerReplay`. Another loop names its own factory in
-the run manifest ("replayable": "module:function", marked @replay.entrypoint; the legacy
-"replayable_path" names a folder to import it from, used only with --allow-code, never inside
-the run or a bundle: see replay/code.py); `replay run` calls `function(run, data=...,
-allow_data_change=..., allow_code=...)` (allow_code only if the factory takes it) and uses what
-it returns, every call into it made through replay.code.call_user. A bundle never chooses its
-factory: it replays with the trainer's or replay.init's, and one whose manifest names any other
-code is refused (replay/bundle/trust.py).
+`replay run` reaches runs of trainer/ as it reaches any loop: through the factory their manifest
+names, `from_run` here (runs recorded before manifests named one get it as replay.protocol's
+LEGACY_DEFAULT_FACTORY). The protocol itself, and `load`, live in replay/protocol.py; `load`,
+`Replayable` and TRAINER_FACTORY are re-exported here for older callers. The capabilities replay's
+commands ask of a trainer run are methods of the mixins TrainerDataProtocol and TrainerModelProtocol.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import numpy as np
 
-from traces import Run, Schema
+from replay.protocol import LEGACY_DEFAULT_FACTORY, Replayable, load  # noqa: F401  (re-exported)
+from traces import Run
 from trainer.replay_data import TrainerDataProtocol
 from trainer.replay_model import TrainerModelProtocol
 
-
-class Replayable(Protocol):
-    schema: Schema  # the run's trace schema (records it produces must fit it)
-
-    def environment(self) -> dict: ...  # this machine, in the manifest's "environment" format
-
-    def program_hash(self) -> str | None: ...  # hash of the step program as lowered here
-
-    def checkpoint_steps(self) -> list[int]: ...  # steps k with a saved state before step k
-
-    def restore(self, step: int) -> Any: ...  # the state before `step` (a checkpointed step)
-
-    def step(self, state: Any, step: int) -> tuple[Any, dict, np.ndarray]: ...  # (state, metrics, example hashes)
-
-
-TRAINER_FACTORY = "trainer.replayable:from_run"
-
-
-def load(run: Run, *, allow_code: bool | None = None, **options: Any) -> Replayable:
-    """The replayable that the run's manifest names (the trainer's by default).
-
-    The manifest's "replayable" entry ("module:function", and the legacy "replayable_path"
-    folder) is resolved by replay.code.import_entrypoint: replay's and the trainer's own
-    factories import normally, an installed module by name, a folder the manifest names only
-    with `allow_code` (None: the command's --allow-code) and never from a bundle. Any factory
-    but the trainer's is called with `allow_code=` too when it takes it (it may resolve more
-    code of its own); exceptions raised inside a user's factory and its replayable's methods
-    are the user's (replay.code.UserCodeError, exit 2), not replay's."""
-    from replay.bundle.trust import manifest_problem
-    from replay.code import OWN_FACTORIES, CodeNotAllowed, call_user, code_allowed, import_entrypoint, is_bundle_run
-    from replay.replayer import ReplayUnavailable
-
-    if allow_code is None:  # not passed down: the command's --allow-code (replay.code.allowing)
-        allow_code = code_allowed()
-    if is_bundle_run(run):  # its manifest does not choose: the trainer's factory, or replay.init's
-        refused = manifest_problem(run.manifest)  # (open_run refused it already; a Run opened otherwise is judged here)
-        if refused is not None:
-            raise CodeNotAllowed(f"{_shown(run)}: {refused}")
-        loop = (run.manifest.get("bundle") or {}).get("source_replayable")
-        if loop is not None:
-            raise ReplayUnavailable(f"{_shown(run)}: is a bundle of a run of its own loop ({loop}), which a bundle "
-                                    "cannot replay; replay the run it was packed from")
-    if run.manifest.get("recorded_by") == "replay.torch" and "replayable" not in run.manifest:
-        raise ReplayUnavailable(f"{run.path}: recorded by a PyTorch loop (replay.torch), which has no JAX program to "
-                                "replay; compare its trace without replaying (replay bisect --no-refine)")
-    target = run.manifest.get("replayable", TRAINER_FACTORY)
-    factory = import_entrypoint(run, target, allow_code=allow_code, search_path=run.manifest.get("replayable_path"))
-    if factory is from_run:
-        return factory(run, **options)
-    if _takes(factory, "allow_code"):  # older factories (the legacy protocol) do not take it
-        options["allow_code"] = allow_code
-    if target in OWN_FACTORIES:  # replay's own: its errors are replay's
-        return factory(_absolute(run), **options)
-    return UserReplayable(call_user(factory, _absolute(run), **options))
-
-
-_PROTOCOL = ("environment", "program_hash", "checkpoint_steps", "restore", "step")
-
-
-class UserReplayable:
-    """A user's replayable, with every protocol call made through replay.code.call_user: an
-    exception in the user's restore or step is reported as theirs (exit 2), naming it."""
-
-    def __init__(self, inner: Any):
-        self.inner = inner
-
-    def __getattr__(self, name: str) -> Any:
-        value = getattr(self.inner, name)
-        if name in _PROTOCOL and callable(value):
-            from replay.code import call_user
-
-            return lambda *a, **kw: call_user(value, *a, **kw)
-        return value
-
-
-def _shown(run: Run) -> str:
-    return str(getattr(run, "bundle", None) or run.path)
-
-
-def _takes(fn: Any, keyword: str) -> bool:
-    import inspect
-
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.name == keyword or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-
-
-def _absolute(run: Run) -> Run:
-    """The run as a user's factory should see it: with an absolute path, so code that hands it to
-    libraries needing one (orbax's CheckpointManager) works whatever the working directory."""
-    path = Path(run.path)
-    if path.is_absolute():
-        return run
-    import copy
-
-    view = copy.copy(run)
-    view.path = path.resolve()
-    return view
+TRAINER_FACTORY = LEGACY_DEFAULT_FACTORY
 
 
 class TrainerReplay(TrainerDataProtocol, TrainerModelProtocol):
@@ -201,6 +95,12 @@ class TrainerReplay(TrainerDataProtocol, TrainerModelProtocol):
 
     def step(self, state: Any, step: int) -> tuple[Any, dict, np.ndarray]:
         return self.built.run_step(state, step)
+
+    def initial_state(self) -> Any:
+        """The state entering step 0, as `replay train` builds it from the config's seed."""
+        from trainer import mesh as meshlib
+
+        return meshlib.init_sharded_state(self.built.cfg, self.built.mesh)
 
 
 def from_run(run: Run, **options: Any) -> TrainerReplay:

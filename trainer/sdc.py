@@ -43,6 +43,7 @@ from jax import lax
 
 from jax.sharding import Mesh, PartitionSpec as P
 
+from replay.verify.names import mask_microbatches, replica_name  # noqa: F401  (the recorded names; read from here too)
 from traces.schema import CHECK_TENSOR
 from trainer.config import Config
 from trainer.microbatches import BATCH_AXES, Layout, microbatch
@@ -78,10 +79,6 @@ def layer_groups(cfg: Config) -> tuple[tuple[str, tuple[str, ...]], ...]:
     for name in model.param_names(cfg.model):
         groups.setdefault(name.split(".")[0], []).append(name)
     return tuple((g, tuple(names)) for g, names in groups.items())
-
-
-def replica_name(mb: int, layer: str, n_microbatches: int) -> str:
-    return f"replica/mb{mb:0{max(2, len(str(n_microbatches - 1)))}d}/{layer}"
 
 
 def check_words(n_microbatches: int) -> int:
@@ -294,11 +291,6 @@ def no_check(n_microbatches: int) -> tuple[jax.Array, jax.Array]:
     """The "check/rerun" summaries of a step that is not re-run: an empty mask, RMS 0."""
     words = check_words(n_microbatches)
     return jnp.zeros((words, 2), jnp.uint32), jnp.zeros((words,), jnp.float32)
-
-
-def mask_microbatches(fingerprints: list[int]) -> list[int]:
-    """Host side: the microbatches set in "check/rerun" values (one 64-bit int per word)."""
-    return [64 * w + b for w, value in enumerate(fingerprints) for b in range(64) if int(value) >> b & 1]
 
 
 # ------------------------------------------------------------------------ re-executions

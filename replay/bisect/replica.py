@@ -32,17 +32,19 @@ def hardware_fault(run_a, run_b, step: int | None) -> dict | None:
     n = int(run_a.manifest.get("mesh", {}).get("devices", 0))
     if m != int(mesh_b.get("n_microbatches", -1)) or n != int(run_b.manifest.get("mesh", {}).get("devices", -1)) or n < 1:
         return None  # another layout: the replicas were computed by other devices
-    # Imported only for a mesh-invariant pair: trainer.sdc imports JAX, which a plain bisect never needs
-    from trainer.config import from_dict
-    from trainer.sdc import layer_groups, owner, replica_name
+    # Imported only for a mesh-invariant pair: replay.verify imports JAX, which a plain bisect never needs
+    from replay.verify.classify import owner
+    from replay.verify.names import replica_layers, replica_name
 
-    layers = [g for g, _ in layer_groups(from_dict(run_a.manifest["config"]))]
-    rec_a, rec_b = run_a.trace.read(step), run_b.trace.read(step)
     names_a, names_b = run_a.schema.tensor_names, run_b.schema.tensor_names
-    first = replica_name(0, layers[0], m)
-    if rec_a.fingerprints is None or rec_b.fingerprints is None or first not in names_a or first not in names_b:
-        return None
+    layers = replica_layers(names_a, m)  # read from the recorded names: no model needed to decode them
     ia, ib = {x: i for i, x in enumerate(names_a)}, {x: i for i, x in enumerate(names_b)}
+    if not layers or any(replica_name(mb, g, m) not in ia or replica_name(mb, g, m) not in ib
+                         for mb in range(m) for g in layers):
+        return None  # not both recording every microbatch's replicas of the same layers
+    rec_a, rec_b = run_a.trace.read(step), run_b.trace.read(step)
+    if rec_a.fingerprints is None or rec_b.fingerprints is None:
+        return None
     differing: dict[int, list[str]] = {}
     for mb in range(m):
         for g in layers:

@@ -74,10 +74,10 @@ def _spike_finding(run: Run, run_path, step: int, data: str | None, status) -> d
     except spikelib.SpikeInputError as e:
         out["notes"].append(f"detection did not run: {e}")
     from replay import contract as contractlib
-    from trainer import replayable as replayables
+    from replay.protocol import load
 
     status(f"replaying the window of step {step} to analyse it (replay spike {run_path} --step {step} --window {window})")
-    rep = replayables.load(run, data=data)
+    rep = load(run, data=data)
     env = contractlib.recorded_environment(run.manifest)
     contract = contractlib.evaluate(env, rep.environment(), run.manifest.get("program_hash"), rep.program_hash(),
                                     bool(config_of(run.manifest).get("mesh", {}).get("mesh_invariant")),

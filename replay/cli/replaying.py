@@ -35,19 +35,19 @@ def load_replayable(target, path: Path, data: str | None, allow_data_change: boo
     from replay import contract as contractlib
     from replay.bundle import damage_error
     from replay.engine import checkpoint_steps
-    from trainer import replayable as replayables
+    from replay.protocol import LEGACY_DEFAULT_FACTORY, load
 
     damaged = damage_error(target, str(path), damaged_remedy) if damaged_remedy is not None else None
     if damaged:
         raise damaged
     if target.status == "running":
         console.warn(f"{path} is still being written; using the steps recorded so far")
-    trainer_run = "replayable" not in target.manifest
-    if trainer_run:
+    legacy = target.manifest.get("replayable", LEGACY_DEFAULT_FACTORY) == LEGACY_DEFAULT_FACTORY  # a trainer run
+    if legacy:
         check(checkpoint_steps(target))
-    compiling = (lambda: console.status(f"compiling the train step of {path} ...")) if trainer_run else None
-    replayable = replayables.load(target, allow_code=allow_code, data=data, allow_data_change=allow_data_change,
-                                  on_compile=compiling)
+    compiling = (lambda: console.status(f"compiling the train step of {path} ...")) if legacy else None
+    replayable = load(target, allow_code=allow_code, data=data, allow_data_change=allow_data_change,
+                      on_compile=compiling)
     check(replayable.checkpoint_steps())  # a user loop's own checkpoints
     mesh_invariant = bool(config_of(target.manifest).get("mesh", {}).get("mesh_invariant"))
     contract = contractlib.evaluate(contractlib.recorded_environment(target.manifest), replayable.environment(),

@@ -5,7 +5,8 @@ In mesh-invariant mode each microbatch gradient has the same bits whichever devi
 A..B this restores the state entering it (the newest checkpoint at or before A, then the run's own
 steps replayed, faults included, as `replay run` does), and computes every microbatch's per-layer
 gradient fingerprints three times, with the work rotated by 0, K and 2K devices along the data
-axis (trainer/sdc.py `replica_lanes`: no reduction, no update). With the trace's own per-replica
+axis: the run's replayable's `replica_fingerprints` capability (replay/protocol.py; the trainer's
+runs it through trainer/sdc.py `replica_lanes`: no reduction, no update). With the trace's own per-replica
 fingerprints (check.replicas=true) that is four values from three distinct devices per microbatch;
 replay/verify/classify.py votes and names the device that computed wrongly and the class.
 
@@ -23,8 +24,9 @@ import numpy as np
 
 from replay.engine import ReplayInputError
 from replay.verify.classify import Finding, classify, step_events
+from replay.verify.names import REPLICA_PREFIX, replica_name  # noqa: F401  (REPLICA_PREFIX: read from here too)
 
-REPLICA_PREFIX = "replica/"
+CAPABILITY = "replica_fingerprints"  # what verify asks of a run's replayable (replay/protocol.py)
 
 
 class VerifyInputError(ReplayInputError):
@@ -60,8 +62,6 @@ class VerifyReport:
 
 def trace_replicas(schema, record, m: int, layers: list[str]) -> np.ndarray | None:
     """uint64[M, G] of the record's "replica/mbNN/LAYER" fingerprints, None when not recorded."""
-    from trainer.sdc import replica_name
-
     names = schema.tensor_names
     if record.fingerprints is None or replica_name(0, layers[0], m) not in names:
         return None
@@ -76,11 +76,11 @@ def refusal(run) -> str | None:
     recorded with replay.init (or the legacy protocol, or replay.torch) has no such step yet."""
     from replay.bundle.format import shown_path
     from replay.contract import config_of
-    from trainer.replayable import TRAINER_FACTORY
+    from replay.protocol import LEGACY_DEFAULT_FACTORY
 
     manifest, shown = run.manifest, shown_path(run)
-    factory = manifest.get("replayable", TRAINER_FACTORY)
-    if factory != TRAINER_FACTORY or manifest.get("recorded_by") == "replay.torch":
+    factory = manifest.get("replayable", LEGACY_DEFAULT_FACTORY)
+    if factory != LEGACY_DEFAULT_FACTORY or manifest.get("recorded_by") == "replay.torch":
         from replay.record.manifest import FACTORY
 
         who = ("recorded with replay.init" if factory == FACTORY else "recorded by replay.torch"
@@ -104,51 +104,37 @@ def too_few_devices(devices: int) -> str | None:
 
 def verify(run, replayable, first: int, last: int, rotate: int = 1,
            on_step: Callable[[int], None] | None = None) -> VerifyReport:
-    """Verify steps first..last of a trainer run (`replayable`: trainer.replayable.TrainerReplay)."""
-    import jax
-
+    """Verify steps first..last of `run`, re-executed through `replayable`'s capabilities
+    replica_layout, layer_groups and replica_fingerprints (replay/protocol.py)."""
     from replay.bundle.format import shown_path
     from replay.engine import check_range
-    from trainer import rng, sdc
 
     why = refusal(run)
-    built = getattr(replayable, "built", None)  # the trainer's step (TrainerReplay); no other replayable has one
-    if why is None and built is None:
-        why = f"{shown_path(run)}: replay verify needs the trainer's replayable; this run loaded another"
-    if why is None and not built.cfg.mesh.mesh_invariant:  # the manifest said it was
+    fingerprints = getattr(replayable, CAPABILITY, None)
+    if why is None and fingerprints is None:
+        why = (f"{shown_path(run)}: replay verify needs the run's loop to provide {CAPABILITY}(state, step, rotate) "
+               "-> uint64[microbatches, layers] (each microbatch's gradient fingerprints with the work rotated by "
+               "`rotate` devices), with replica_layout() and layer_groups(); the replayable this run loaded has none")
+    layout = replayable.replica_layout() if why is None else None
+    if why is None and layout is None:  # the manifest said mesh-invariant, the step as replayed is not
         why = f"{shown_path(run)} is not a mesh-invariant run as replayed; train with --set mesh.mesh_invariant=true"
     if why is None:
-        why = too_few_devices(int(built.mesh.devices.size))
+        why = too_few_devices(layout[0])
     if why:
         raise VerifyInputError(why)
-    cfg = built.cfg
-    n, m = int(built.mesh.devices.size), cfg.mesh.n_microbatches
+    n, m = layout
     rotations = sorted({0, rotate % n, (2 * rotate) % n})
     if len(rotations) < 3:
         raise VerifyInputError(f"--rotate {rotate}: rotations 0, {rotate} and {2 * rotate} must put the work on three "
                                f"different devices of {n}; pick a rotation that is not a multiple of {n // 2 or 1}")
     start = check_range(run, first, last, replayable.checkpoint_steps())
-    layers = [g for g, _ in sdc.layer_groups(cfg)]
-    plan = built.faults
+    layers = list(replayable.layer_groups())
     report = VerifyReport(shown_path(run), first, last, rotate, n, m, start, False)
-    fns: dict = {}
-
-    def lanes_of(step_cfg, state, arrays, step: int, k: int) -> np.ndarray:
-        fn = fns.get(step_cfg)  # one program per distinct config (the clean one, the faulty one)
-        if fn is None:
-            fn = fns[step_cfg] = jax.jit(lambda p, key, s, r, b: sdc.replica_lanes(
-                p, step_cfg, b, jax.random.wrap_key_data(key, impl="threefry2x32"), s, r, built.mesh))
-        key = jax.random.key_data(rng.step_key(jax.random.wrap_key_data(state.key, impl="threefry2x32"), state.step))
-        lanes = np.asarray(fn(state.params, key, step, k, arrays), np.uint32)
-        return (lanes[..., 0].astype(np.uint64) << np.uint64(32)) | lanes[..., 1].astype(np.uint64)
 
     events, state = [], replayable.restore(start)
     for step in range(start, last + 1):
         if step >= first:
-            seen = state if not plan else plan.before(state, step, built._init_opt_state)
-            arrays, _ = built.device_batch(plan.batch_step(step) if plan else step, fed_at=step)
-            step_cfg = (plan.model_cfg(step) if plan else None) or cfg
-            runs = {k: lanes_of(step_cfg, seen, arrays, step, k) for k in rotations}
+            runs = {k: np.asarray(fingerprints(state, step, k), np.uint64) for k in rotations}
             trace = trace_replicas(run.schema, run.trace.read(step), m, layers)
             report.trace_replicas = report.trace_replicas or trace is not None
             step_ev, unresolved = step_events(step, trace, runs, n)

@@ -18,16 +18,14 @@ from collections import Counter
 
 import numpy as np
 
+from replay.verify.names import mask_microbatches
 from traces.schema import check_tensors  # noqa: F401  (its callers read it from here too)
-
-
 
 
 def describe(manifest: dict, schema, record) -> dict | None:
     """{"step", "checked", "microbatches", "bad_devices", "pairs", "line"} of one record, None
     without a check (or a record without tensors: trace.layer_every skipped it)."""
     from replay.verify.classify import executor, owner
-    from trainer.sdc import mask_microbatches
 
     where = check_tensors(schema)
     if not where or record.fingerprints is None:

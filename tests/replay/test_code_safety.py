@@ -200,7 +200,7 @@ def test_a_module_imported_earlier_from_a_folder_no_longer_on_sys_path_is_not_in
 def test_two_loops_with_one_module_name_each_replay_with_their_own_code(loops):
     """Old behaviour: both resolved to the module imported first, so B replayed with a's SCALE
     and differed from its own trace."""
-    from trainer.replayable import load
+    from replay.protocol import load
 
     ra, rb = load(Run.open(loops["a"]), allow_code=True), load(Run.open(loops["b"]), allow_code=True)
     ma, mb = sys.modules[type(ra.inner).__module__], sys.modules[type(rb.inner).__module__]

@@ -280,7 +280,7 @@ def test_replayer_lets_a_damaged_checkpoint_and_a_bug_through(tmp_path, monkeypa
     r._rep = Rep()
     with pytest.raises(CheckpointDamagedError):
         r.restore(10)
-    monkeypatch.setattr("trainer.replayable.load", lambda run: 1 / 0)
+    monkeypatch.setattr("replay.protocol.load", lambda run: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         replayer.open_replayable(Run.open(tmp_path / "A"))
 

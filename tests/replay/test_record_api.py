@@ -19,7 +19,7 @@ from replay.record.hashing import example_hashes
 from traces import Run
 from traces.fingerprint import fingerprint
 from trainer.data import example_hashes as trainer_example_hashes
-from trainer.replayable import load
+from replay.protocol import load
 
 B = 8
 

@@ -15,7 +15,7 @@ import replay
 from replay.record import data_iterator
 from replay.record.errors import RecordError
 from traces import Run
-from trainer.replayable import load
+from replay.protocol import load
 
 B, EVERY = 4, 3
 

@@ -1,0 +1,170 @@
+"""The loop protocol: what replay's commands need from a training loop, and how a run's is found.
+
+A loop is replayable when it can (1) restore its state as it was before step k from a
+checkpoint, and (2) run step k again, returning the same metrics dict it recorded and the
+global per-example hashes of the batch it fed. The engine compares the result with the trace.
+
+A run's manifest names the factory that builds its replayable ("replayable": "module:function",
+marked @replay.entrypoint; the legacy "replayable_path" names a folder to import it from, used
+only with --allow-code, never inside the run or a bundle: see replay/code.py); `load` calls
+`function(run, data=..., allow_data_change=..., allow_code=...)` (allow_code only if the factory
+takes it) and uses what it returns, every call into it made through replay.code.call_user. A
+bundle never chooses its factory: it replays with the trainer's or replay.init's, and one whose
+manifest names any other code is refused (replay/bundle/trust.py). Runs recorded by replay.init
+name replay.record.replayable:from_run; runs of the embedded trainer recorded so far name none
+and get LEGACY_DEFAULT_FACTORY, a string resolved like any other (nothing here imports trainer/).
+
+Beyond the required methods (`Replayable`), a command may ask a run's replayable for optional
+*capabilities* (CAPABILITIES): looked up with `getattr(rep, NAME, None)`; present, used; absent,
+the command refuses in one line (exit 2) naming NAME and what a loop must give for it, never an
+AttributeError and never a fallback to another loop's code. Each capability's contract is the
+docstring of its entry in `Replayable` below.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from traces import Run, Schema
+
+# The factory of a run whose manifest names none: every run of trainer/ recorded before runs
+# named their factory. A string the manifest protocol resolves (replay.code.OWN_FACTORIES), not
+# an import: replay reaches the trainer only as it reaches any loop, through its entry point.
+LEGACY_DEFAULT_FACTORY = "trainer.replayable:from_run"
+
+REQUIRED = ("environment", "program_hash", "checkpoint_steps", "restore", "step")
+
+# Optional capabilities, by the command that asks for them (add yours, with its contract below):
+CAPABILITIES = (
+    "initial_state",  # replay bisect: the state entering step 0 when the run saved no checkpoint 0
+    "replica_layout", "layer_groups", "replica_fingerprints",  # replay verify (silent data corruption)
+)
+
+# Optional attributes, read with getattr(rep, NAME, default) for the report's notes:
+#   mesh_note: str | None        the recorded mesh did not fit here and how the replay was laid out
+#   data_changed: bool           the data source changed since recording (--allow-data-change)
+#   restore_notes: list[str]     checkpoints restored without a recorded fingerprint to verify
+#   replayed_from: str           "exported" (the recorded program) or "code" (the user's code)
+
+
+class Replayable(Protocol):
+    schema: Schema  # the run's trace schema (records it produces must fit it)
+
+    def environment(self) -> dict:
+        """This machine, in the manifest's "environment" format."""
+
+    def program_hash(self) -> str | None:
+        """The hash of the step program as lowered here (None: not known)."""
+
+    def checkpoint_steps(self) -> list[int]:
+        """The steps k with a saved state entering step k."""
+
+    def restore(self, step: int) -> Any:
+        """The state entering `step` (a checkpointed step), verified against its recorded fingerprint."""
+
+    def step(self, state: Any, step: int) -> tuple[Any, dict, np.ndarray]:
+        """(state after the step, metrics as recorded, uint64[examples] per-example hashes)."""
+
+    # ------------------------------------------------------------------ optional capabilities
+
+    def initial_state(self) -> Any:
+        """The state entering step 0, rebuilt exactly as training built it (for runs that saved no
+        checkpoint 0). Absent: a replay or bisect can start only from a saved checkpoint."""
+
+    def replica_layout(self) -> tuple[int, int] | None:
+        """(devices, microbatches) the step's microbatch gradients are spread over, each computed by
+        one device with bits that do not depend on which (mesh-invariant); None when the step as
+        replayed here does not compute them apart."""
+
+    def layer_groups(self) -> list[str]:
+        """The layers one replica fingerprint covers, in execution order: the LAYER of the trace's
+        "replica/mbNN/LAYER" tensors (traces/FORMAT.md "SDC checks")."""
+
+    def replica_fingerprints(self, state: Any, step: int, rotate: int) -> np.ndarray:
+        """uint64[microbatches, layers]: each microbatch's per-layer gradient fingerprint at `step`
+        from `state` (the state entering it), with the work of device d done by device
+        (d - rotate) % devices; no reduction, no update. Faults the run simulates that a re-execution
+        meets again (a bad chip) act, a transient does not."""
+
+
+def load(run: Run, *, allow_code: bool | None = None, **options: Any) -> Replayable:
+    """The replayable that the run's manifest names (LEGACY_DEFAULT_FACTORY when it names none).
+
+    The manifest's "replayable" entry ("module:function", and the legacy "replayable_path"
+    folder) is resolved by replay.code.import_entrypoint: replay's and the trainer's own
+    factories import normally, an installed module by name, a folder the manifest names only
+    with `allow_code` (None: the command's --allow-code) and never from a bundle. Any factory
+    but the legacy default is called with `allow_code=` too when it takes it (it may resolve more
+    code of its own); exceptions raised inside a user's factory and its replayable's methods
+    are the user's (replay.code.UserCodeError, exit 2), not replay's."""
+    from replay.bundle.trust import manifest_problem
+    from replay.code import OWN_FACTORIES, CodeNotAllowed, call_user, code_allowed, import_entrypoint, is_bundle_run
+    from replay.replayer import ReplayUnavailable
+
+    if allow_code is None:  # not passed down: the command's --allow-code (replay.code.allowing)
+        allow_code = code_allowed()
+    if is_bundle_run(run):  # its manifest does not choose: the trainer's factory, or replay.init's
+        refused = manifest_problem(run.manifest)  # (open_run refused it already; a Run opened otherwise is judged here)
+        if refused is not None:
+            raise CodeNotAllowed(f"{_shown(run)}: {refused}")
+        loop = (run.manifest.get("bundle") or {}).get("source_replayable")
+        if loop is not None:
+            raise ReplayUnavailable(f"{_shown(run)}: is a bundle of a run of its own loop ({loop}), which a bundle "
+                                    "cannot replay; replay the run it was packed from")
+    if run.manifest.get("recorded_by") == "replay.torch" and "replayable" not in run.manifest:
+        raise ReplayUnavailable(f"{run.path}: recorded by a PyTorch loop (replay.torch), which has no JAX program to "
+                                "replay; compare its trace without replaying (replay bisect --no-refine)")
+    target = run.manifest.get("replayable", LEGACY_DEFAULT_FACTORY)
+    factory = import_entrypoint(run, target, allow_code=allow_code, search_path=run.manifest.get("replayable_path"))
+    if target == LEGACY_DEFAULT_FACTORY:  # called as it always was: the run as given, no allow_code
+        return factory(run, **options)
+    if _takes(factory, "allow_code"):  # older factories (the legacy protocol) do not take it
+        options["allow_code"] = allow_code
+    if target in OWN_FACTORIES:  # replay's own: its errors are replay's
+        return factory(_absolute(run), **options)
+    return UserReplayable(call_user(factory, _absolute(run), **options))
+
+
+class UserReplayable:
+    """A user's replayable, with every protocol call (required or capability) made through
+    replay.code.call_user: an exception in the user's restore or step is reported as theirs
+    (exit 2), naming it."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self.inner, name)
+        if name in REQUIRED + CAPABILITIES and callable(value):
+            from replay.code import call_user
+
+            return lambda *a, **kw: call_user(value, *a, **kw)
+        return value
+
+
+def _shown(run: Run) -> str:
+    return str(getattr(run, "bundle", None) or run.path)
+
+
+def _takes(fn: Any, keyword: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == keyword or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def _absolute(run: Run) -> Run:
+    """The run as a user's factory should see it: with an absolute path, so code that hands it to
+    libraries needing one (orbax's CheckpointManager) works whatever the working directory."""
+    path = Path(run.path)
+    if path.is_absolute():
+        return run
+    view = copy.copy(run)
+    view.path = path.resolve()
+    return view

@@ -47,6 +47,8 @@ class StepRecomputation(Protocol):
 
     def params(self) -> Any: ...  # the parameter tree the step is fed
 
+    def params_of(self, state: Any) -> Any: ...  # the parameter tree of a state of the run (the step's result)
+
     def opt_state(self) -> Any: ...  # the optimizer state the step is fed
 
     def layers(self) -> dict[str, Any]: ...  # {layer name: forward output}

@@ -128,6 +128,9 @@ class TrainerRecomputation:
     def params(self) -> Any:
         return self.inp.state.params
 
+    def params_of(self, state: Any) -> Any:
+        return state.params
+
     def opt_state(self) -> Any:
         return self.inp.state.opt_state
 

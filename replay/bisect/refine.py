@@ -138,7 +138,8 @@ def _tensor_groups(a: _Side, b: _Side) -> list[tuple[str, str, Callable[[], list
         ("loss", "loss", loss),
         ("backward", "grad", leaves(lambda: a.rc.loss_and_grads()[1], lambda: b.rc.loss_and_grads()[1],
                                     list(reversed(names)))),
-        ("update", "param", leaves(lambda: a.after()[0].params, lambda: b.after()[0].params, names)),
+        ("update", "param", leaves(lambda: a.rc.params_of(a.after()[0]), lambda: b.rc.params_of(b.after()[0]),
+                                   names)),
     ]
 
 

@@ -130,34 +130,41 @@ def dataset_size_and_origin(manifest: dict) -> tuple[int | None, str | None]:
     return (n, "manifest") if n > 0 else (None, None)
 
 
-def source_copies(manifest: dict, force: bool = False) -> tuple[tuple[np.ndarray, np.ndarray] | None, str | None]:
+def source_copies(manifest: dict, force: bool = False, run_path: str | os.PathLike = ".") -> tuple[
+        tuple[np.ndarray, np.ndarray] | None, str | None]:
     """(sorted distinct window hashes, copies of each) of the run's data source, or (None, why not).
 
-    Optional: needs trainer.data, the source at its recorded path with the recorded
-    fingerprint, and (unless forced) a source small enough to hash in about a second.
+    Optional: needs the data-only entry of the run's loop (replay/rundata.py: the trainer's reads
+    the manifest's data section without JAX), the source at its recorded path with the recorded
+    fingerprint, and (unless forced) a source small enough to hash in about a second. Cost: one
+    pass over the source (~1 us a window), never the run.
     """
-    try:
-        from trainer import data as tdata
-    except ImportError:
-        return None, "the data source was not checked for duplicate windows (trainer.data is not importable)"
+    from replay import rundata
+
     info, n = manifest.get("data") or {}, dataset_size(manifest)
     spec = info.get("path")
     if not spec or n is None:
         return None, "the data source was not checked for duplicate windows (the manifest does not name it)"
     if not force and n > AUTO_SOURCE_MAX_EXAMPLES:
         return None, f"the data source ({n} examples) was not checked for duplicate windows; pass --source to check it"
-    if not spec.startswith(tdata.EMBEDDED_PREFIX) and not os.path.isfile(spec):
-        return None, f"the data source {spec} is not here, so duplicate windows are judged from the trace alone"
     try:
-        source = tdata.open_source(spec, info.get("dtype", "uint16"))
-    except tdata.DataError as e:
+        describe = rundata.capability(rundata.data_of(manifest, run_path), "described_source",
+                                      "described_source(data section) -> the source, to hash its windows")
+    except rundata.NoDataEntry as e:
+        return None, f"the data source was not checked for duplicate windows ({e})"
+    except ImportError as e:
+        return None, f"the data source was not checked for duplicate windows ({e.name or 'its data module'} is not importable)"
+    try:
+        source = describe(info)
+    except FileNotFoundError:
+        return None, f"the data source {spec} is not here, so duplicate windows are judged from the trace alone"
+    except ValueError as e:  # trainer.data.DataError and its kind
         return None, f"the data source could not be opened ({e}); duplicate windows are judged from the trace alone"
     if info.get("fingerprint") not in (None, source.fingerprint()):
         return None, f"the data source {spec} changed since the run (fingerprint differs); not used"
     seq_len = int(manifest["config"]["model"]["seq_len"])
     rows = max(1, _WINDOW_CHUNK_TOKENS // (seq_len + 1))
-    hashes = np.concatenate([tdata.example_hashes(tdata.load_batch(source, np.arange(i, min(i + rows, n)), seq_len))
-                             for i in range(0, n, rows)])
+    hashes = np.concatenate([source.window_hashes(np.arange(i, min(i + rows, n)), seq_len) for i in range(0, n, rows)])
     distinct, copies = np.unique(hashes, return_counts=True)
     return (distinct, copies), None
 
@@ -184,7 +191,7 @@ def audit(run: traces.Run | str | os.PathLike, steps: tuple[int | None, int | No
     # one note however many segments the damage made unreachable
     notes = ([f"the trace is damaged, only steps up to {reader.end - 1} were audited: {traces.describe_damage(reader.damage)}"]
              if reader.damage else [])
-    copies, why = (None, None) if source is False else source_copies(run.manifest, force=bool(source))
+    copies, why = (None, None) if source is False else source_copies(run.manifest, force=bool(source), run_path=run.path)
     n, origin = dataset_size_and_origin(run.manifest)
     report = audit_trace(reader, start, stop, n, copies, size_from=origin or "manifest", verify=verify)
     report.notes[:0] = notes + ([why] if why else [])

@@ -199,48 +199,44 @@ def _checkpoint_for(run: Run, run_path, first: int) -> int:
 
 
 def _open_data(run: Run, run_path, data: str | None):
-    """The token source the run was trained on (or the rows a bundle carries), fingerprint checked."""
-    from trainer import data as datalib
-    from trainer.config import from_dict
+    """The run's data-only view (replay/rundata.py: no compile): the token source it was trained on,
+    or the rows a bundle carries, fingerprint checked."""
+    from replay import rundata
 
-    cfg = from_dict(run.manifest["config"])
-    bundled = run.manifest.get("bundle", {}).get("examples") if not data else None
-    spec = data or cfg.data.source
     try:
-        source = (datalib.open_example_file(run.path / bundled, cfg.model.vocab_size) if bundled
-                  else datalib.open_source(spec, cfg.data.token_dtype, cfg.model.vocab_size))
-    except datalib.DataError as e:
+        view = rundata.run_data(run, data=data)
+        for name, what in (("fingerprint", "fingerprint() of its source"), ("batch_ids", "batch_ids(step) -> int64 [B]"),
+                           ("write_examples", "write_examples(path, ids), the rows a bundle carries"),
+                           ("carried", "carried(path) -> the data served from those rows"),
+                           ("fed_hashes", "fed_hashes(step) -> uint64 [B], the hashes of the batch a step was fed")):
+            rundata.capability(view, name, what)
+    except rundata.NoDataEntry as e:
+        raise PackError(f"{run_path}: a full bundle cannot be packed: {e}; pack it with --lite (trace and report)") from None
+    spec = view.source_name  # reads the run's config first: an unreadable one is its own error, not the data's
+    try:
+        found = view.fingerprint()
+    except ValueError as e:  # trainer.data.DataError: the source cannot be read
         raise PackError(f"the data source of {run_path} cannot be read ({e}); pass --data PATH to point at it, "
                         "or pack with --lite") from None
     recorded = run.manifest.get("data", {}).get("fingerprint")
-    if recorded and source.fingerprint() != recorded:
+    if recorded and found != recorded:
         raise PackError(f"data source {spec} has changed since {run_path} was recorded (fingerprint "
-                        f"{source.fingerprint()[:12]} != {recorded[:12]}); pass --data PATH to the original data")
-    return cfg, source
+                        f"{found[:12]} != {recorded[:12]}); pass --data PATH to the original data")
+    return view
 
 
 def _write_examples(run: Run, run_path, path: Path, start: int, last: int, staged, data: str | None) -> dict:
     """Writes the rows of every example that steps start..last feed, and checks that they rebuild
-    every recorded batch through the run's fault plan, as the replay will feed them."""
-    from trainer import data as datalib, rng
-    from trainer.faults import FaultPlan
-
-    cfg, source = _open_data(run, run_path, data)
-    plan = FaultPlan.from_manifest(run.manifest.get("faults"), cfg)
-    full = datalib.Batcher(source, cfg.model.seq_len, cfg.data.global_batch_size, rng.data_seed(cfg.seed),
-                           sampler=cfg.data.sampler)
-    fed_from = {s: plan.batch_step(s) for s in range(start, last + 1)}
-    ids = np.concatenate([full.global_ids(s) for s in sorted(set(fed_from.values()))])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    meta = datalib.write_example_file(path, source, ids, cfg.model.seq_len)
-    carried = datalib.Batcher(datalib.open_example_file(path, cfg.model.vocab_size), cfg.model.seq_len,
-                              cfg.data.global_batch_size, rng.data_seed(cfg.seed), sampler=cfg.data.sampler)
+    every recorded batch through the run's fault plan, as the replay will feed them. Cost: the rows
+    of those steps' examples (B a step), read, written and hashed once."""
+    view = _open_data(run, run_path, data)
+    ids = np.concatenate([view.batch_ids(s) for s in range(start, last + 1)])  # the file holds each row once
+    meta = view.write_examples(path, ids)
+    carried = view.carried(path)
     for rec in staged.records(start, last + 1):
-        batch = carried.batch_at(fed_from[rec.step])
-        if hasattr(plan, "alter_batch"):
-            batch = plan.alter_batch(batch, rec.step, carried.local_slice)
-        if not np.array_equal(np.asarray(batch.example_hashes, np.uint64), rec.example_hashes):
-            bad = int(np.flatnonzero(np.asarray(batch.example_hashes, np.uint64) != rec.example_hashes)[0])
+        rebuilt = np.asarray(carried.fed_hashes(rec.step), np.uint64)
+        if not np.array_equal(rebuilt, rec.example_hashes):
+            bad = int(np.flatnonzero(rebuilt != rec.example_hashes)[0])
             raise PackError(f"{run_path}: the data source does not rebuild the batch recorded at step {rec.step} "
                             f"(example {bad} differs); the run's data or its trace does not match: check the run "
                             "with `replay run` before packing it")

@@ -91,6 +91,10 @@ def _spike_step(target, path: Path, step: int, window: int, threshold: float, to
     rep, contract = load_replayable(target, path, data, allow_data_change,
                                     lambda checkpoints: check_step(target, step, window, checkpoints),
                                     allow_code=allow_code)
+    if save_batch is not None:  # before the replay: a loop without token rows is told at once
+        from replay.spike.analysis import check_save_batch
+
+        check_save_batch(rep, target)
     with replay_progress(f"replay {path.name} to step {step}", step) as on_step:
         report = analyze(target, rep, step, contract, window, threshold, top, on_step, metric=metric)
     report.notes.extend(replay_notes(rep))

@@ -37,25 +37,34 @@ def _data_fingerprint(manifest: dict) -> str | None:
 
 
 def held_out_rows(sides: list[Any], n: int, before_step: int) -> tuple[np.ndarray, int]:
-    """(int32 rows [n, L+1], how many candidates were skipped as trained on) for `sides`."""
-    from traces import first_fed
-    from trainer import data
+    """(int32 rows [n, L+1], how many candidates were skipped as trained on) for `sides`.
 
-    cfg = sides[0].cfg
+    The rows come from the first side's data-only view (replay/rundata.py: its config's whole
+    source, never a bundle's carried rows, nothing compiled): `n_examples`, `seed`,
+    `example_rows(ids)` and `example_hashes(rows)`."""
+    from replay import rundata
+    from traces import first_fed
+
     described = [_data_fingerprint(s.run.manifest) for s in sides]
     if None not in described and described[0] != described[1]:
         raise CompareInputError(f"{sides[0].path} and {sides[1].path} read different data (fingerprints "
                                 f"{described[0][:12]} and {described[1][:12]}); compare --eval needs runs on the same data")
-    source = data.open_source(cfg.data.source, cfg.data.token_dtype, cfg.model.vocab_size)
-    n_examples = source.n_tokens // (cfg.model.seq_len + 1)
-    candidates = np.random.default_rng(_seed(cfg.seed)).permutation(n_examples)[:4 * n]
-    rows = data.load_batch(source, candidates, cfg.model.seq_len)
-    hashes = data.example_hashes(rows)
+    try:
+        view = rundata.run_data(sides[0].run, whole_source=True)
+        for name, what in (("n_examples", "n_examples, the examples of its source"), ("seed", "seed, the run's root seed"),
+                           ("example_rows", "example_rows(ids) -> int32 [n, L+1]"),
+                           ("example_hashes", "example_hashes(rows) -> uint64 [n]")):
+            rundata.capability(view, name, what)
+    except rundata.NoDataEntry as e:
+        raise CompareInputError(f"{sides[0].path}: compare --eval cannot draw held-out rows: {e}") from None
+    candidates = np.random.default_rng(_seed(view.seed)).permutation(view.n_examples)[:4 * n]
+    rows = view.example_rows(candidates)
+    hashes = view.example_hashes(rows)
     trained: set[int] = set()
     for s in sides:
         trained |= set(first_fed(s.run, hashes, before_step=before_step))
     keep = np.array([int(h) not in trained for h in hashes], bool)
     if keep.sum() < n:
-        raise CompareInputError(f"only {int(keep.sum())} of {len(hashes)} candidate examples of {cfg.data.source} are "
+        raise CompareInputError(f"only {int(keep.sum())} of {len(hashes)} candidate examples of {view.source_name} are "
                                 f"not trained on by step {before_step}; evaluate fewer (--examples) or earlier steps")
     return rows[keep][:n], int((~keep[:np.flatnonzero(keep)[n - 1] + 1]).sum())

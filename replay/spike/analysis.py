@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from replay.contract import config_of
 from replay.spike.detect import (DECODE_TOKENS, DEFAULT_METRIC, DEFAULT_THRESHOLD, DEFAULT_TOP, DEFAULT_WINDOW, LOG_FLOOR,
                                  MIN_WINDOW, REL_FLOOR, Spike, SpikeInputError, _json_safe, _num, check_metric,
                                  check_window, robust, shown)
@@ -117,14 +116,11 @@ def check_step(run: Run, step: int, window: int, checkpoints: list[int]) -> int:
     return start
 
 
-def injected_positions(run: Run, step: int) -> list[int]:
-    """Positions a recorded bad-batch fault replaced at `step` (empty for other runs)."""
-    specs = run.manifest.get("faults") or []
-    if f"bad-batch@{step}" not in specs:
-        return []
-    from trainer.faults import bad_positions
-
-    return bad_positions(run.schema.examples_per_step)
+def injected_positions(replayable: Any, step: int) -> list[int]:
+    """Positions of the batch at `step` a recorded fault replaced (the run's loop's
+    `injected_positions(step) -> list[int]`; empty where it has none: nothing was injected)."""
+    positions = getattr(replayable, "injected_positions", None)
+    return [] if positions is None else [int(p) for p in positions(step)]
 
 
 class _Capture:
@@ -165,40 +161,33 @@ def _layer_level_step(replayable: Any) -> Callable | None:
     return dataclasses.replace(built, cfg=every).run_step
 
 
+TOKEN_ROWS = ("fed_rows", "fed_rows(step) -> int32 [B, L+1], the token rows the step was fed")
+
+
 def fed_tokens(replayable: Any, step: int) -> np.ndarray | None:
-    """int32 [B, seq_len + 1]: the global batch a trainer run fed at `step` (faults applied), or
-    None where the replayable is not the trainer's."""
-    built = getattr(replayable, "built", None)
-    if built is None:
-        return None
-    from trainer import data
-
-    plan = built.faults
-    source_step = plan.batch_step(step) if plan else step
-    rows = data.load_batch(built.source, built.batcher.global_ids(source_step), built.cfg.model.seq_len)
-    if plan:
-        batch = data.Batch(rows[:, :-1], rows[:, 1:], data.example_hashes(rows), built.batcher.global_ids(source_step))
-        batch = plan.alter_batch(batch, step, slice(0, rows.shape[0]))
-        rows = np.concatenate([batch.inputs_BxL[:, :1], batch.targets_BxL], axis=1)
-    return np.ascontiguousarray(rows, np.int32)
+    """int32 [B, seq_len + 1]: the global batch the run fed at `step` (faults applied), from its
+    loop's `fed_rows(step)`, or None where the loop declares no token rows. Cost: B rows read."""
+    rows = getattr(replayable, TOKEN_ROWS[0], None)
+    return None if rows is None else np.ascontiguousarray(rows(step), np.int32)
 
 
-def decode_tokens(run: Run, tokens: np.ndarray) -> str | None:
-    """The byte tokenizer's text of `tokens` (None for runs with another vocabulary): control
-    characters escaped, runs of 4 or more of one character written once with "×n"."""
-    import itertools
+def _rows_match(replayable: Any, tokens: np.ndarray, recorded: np.ndarray) -> bool:
+    """Whether `tokens` hash to the recorded example hashes (the loop's `example_hashes(rows)`,
+    else replay's hash of one-array batches, which is the trainer's bit for bit)."""
+    hashes = getattr(replayable, "example_hashes", None)
+    if hashes is None:
+        from replay.record.hashing import leaf_hashes
 
-    from trainer import tokenizer
+        rows = np.ascontiguousarray(tokens.astype(tokens.dtype.newbyteorder("<"), copy=False))
+        return np.array_equal(leaf_hashes([("batch", rows)]), recorded)
+    return np.array_equal(hashes(tokens), recorded)
 
-    vocab = config_of(run.manifest).get("model", {}).get("vocab_size")
-    if vocab != tokenizer.VOCAB_SIZE:
-        return None
-    parts = []
-    for c, group in itertools.groupby(tokenizer.decode(tokens)):
-        n = len(list(group))
-        char = c if c.isprintable() else repr(c)[1:-1]
-        parts.append(f"{char}×{n}" if n >= 4 else char * n)
-    return "".join(parts)
+
+def decode_tokens(replayable: Any, tokens: np.ndarray) -> str | None:
+    """The text of `tokens` by the run's loop's `decode_tokens(tokens) -> str | None` (the trainer's:
+    the byte tokenizer, control characters escaped, runs of 4+ written once with "×n"), or None."""
+    decode = getattr(replayable, "decode_tokens", None)
+    return None if decode is None else decode(tokens)
 
 
 def _seen_before(run: Run, step: int, hashes_B: np.ndarray) -> list[int | None]:
@@ -262,12 +251,11 @@ def analyze(run: Run, replayable: Any, step: int, contract: Any, window: int = D
         chosen = order[:max(1, top)]
         seen = _seen_before(run, step, at.example_hashes[chosen])
         tokens = fed_tokens(replayable, step)
-        if tokens is not None:
-            from trainer.data import example_hashes
-
-            if not np.array_equal(example_hashes(tokens), at.example_hashes):
-                notes.append("the data source does not give the recorded example hashes at this step; tokens not shown")
-                tokens = None
+        if tokens is None:
+            notes.append(f"the examples' tokens are not shown: the run's loop does not provide {TOKEN_ROWS[1]}")
+        elif not _rows_match(replayable, tokens, at.example_hashes):
+            notes.append("the data source does not give the recorded example hashes at this step; tokens not shown")
+            tokens = None
         for i, pos in enumerate(chosen):
             h = int(at.example_hashes[pos])
             dup = [int(p) for p in np.nonzero(at.example_hashes == at.example_hashes[pos])[0] if p != pos]
@@ -277,7 +265,7 @@ def analyze(run: Run, replayable: Any, step: int, contract: Any, window: int = D
                 (float(ex_loss[pos]) - typical) / batch / rise if rise and math.isfinite(rise) else math.nan,
                 h, seen[i], dup,
                 None if row_tokens is None else [int(t) for t in row_tokens],
-                None if row_tokens is None else decode_tokens(run, row_tokens)))
+                None if row_tokens is None else decode_tokens(replayable, row_tokens)))
     else:
         notes.append("the trace holds no per-example losses at this step")
 
@@ -317,21 +305,25 @@ def analyze(run: Run, replayable: Any, step: int, contract: Any, window: int = D
         notes.append("layer RMS at this step come from the replay (the trace records layers every "
                      f"{run.manifest.get('config', {}).get('trace', {}).get('layer_every', '?')} steps)")
     return SpikeReport(shown(run), step, (first, step - 1), threshold, loss, grad, typical, spread_e, examples,
-                       layers, source, report_replay, injected_positions(run, step), notes,
+                       layers, source, report_replay, injected_positions(replayable, step), notes,
                        {k: r.rms for k, r in replayed.items() if r.rms is not None})
 
 
 # ------------------------------------------------------------------------------- outputs
 
+def check_save_batch(replayable: Any, run: Run) -> None:
+    """SpikeInputError unless the run's loop gives its token rows (asked before anything is replayed)."""
+    if getattr(replayable, TOKEN_ROWS[0], None) is None:
+        raise SpikeInputError(f"{shown(run)}: its loop does not provide {TOKEN_ROWS[1]}; --save-batch needs a run "
+                              "whose loop declares its token rows")
+
+
 def save_batch(replayable: Any, run: Run, step: int, out: str | Path) -> Path:
     """Writes the batch fed at `step` (int32 [B, seq_len + 1]: inputs are [:, :-1], targets [:, 1:])
     after checking that its rows hash to the recorded example hashes."""
+    check_save_batch(replayable, run)
     tokens = fed_tokens(replayable, step)
-    if tokens is None:
-        raise SpikeInputError(f"{shown(run)} was recorded by another training loop; --save-batch needs a trainer run")
-    from trainer.data import example_hashes
-
-    if not np.array_equal(example_hashes(tokens), run.trace.read(step).example_hashes):
+    if not _rows_match(replayable, tokens, run.trace.read(step).example_hashes):
         raise SpikeInputError(f"the data source no longer gives the batch recorded at step {step} (example hashes "
                               "differ); pass --data PATH to the original data")
     out = Path(out)

@@ -137,3 +137,20 @@ def check_entering_state_is_the_state_entering(run: Path, example: ModuleType, p
 
 def entering(fp: dict[str, int]) -> list[int]:
     return [v for k, v in fp.items() if k.startswith("state/")]
+
+
+def check_spike_names_what_the_loop_does_not_provide(run: Path, tmp: Path) -> None:
+    """`replay spike --step` attributes to examples from the recorded per-example losses; the
+    tokens need the loop's token rows, which a replay.init loop does not declare: a note says so,
+    and --save-batch is one line naming what to provide."""
+    result = invoke("spike", str(run), "--step", "15", "--window", "5", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["examples"] and all(e["first_tokens"] is None for e in report["examples"])
+    assert any("does not provide fed_rows(step)" in n for n in report["notes"]), report["notes"]
+    saved = invoke("spike", str(run), "--step", "15", "--window", "5", "--save-batch", str(tmp / "b.npy"))
+    assert saved.exit_code == 2 and "Traceback" not in saved.output, saved.output
+    last = saved.stderr.strip().splitlines()[-1]  # after the contract line; refused before any step is replayed
+    assert last.startswith("error: ") and "fed_rows(step) -> int32 [B, L+1]" in last and "--save-batch" in last, last
+    assert "to step 15" not in saved.stderr
+    assert not (tmp / "b.npy").exists()

@@ -64,6 +64,10 @@ def test_bisect_of_identical_runs_exits_0(runs):
     loops.check_identical_runs(runs)
 
 
+def test_spike_attributes_to_examples_and_names_the_token_rows_it_lacks(runs, tmp_path):
+    loops.check_spike_names_what_the_loop_does_not_provide(runs["clean"], tmp_path)
+
+
 def test_the_recorded_entering_state_is_the_initial_state(runs):
     """nnx.merge shares the State's Variables, so the step's in-place update rewrites the State it
     was handed: a recorder fingerprinting that object after the step records the new values as

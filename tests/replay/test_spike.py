@@ -167,6 +167,20 @@ def test_step_replays_bit_exactly_and_names_the_injected_examples(runs, tmp_path
 
 
 @pytest.mark.slow
+def test_the_data_only_view_rebuilds_the_fed_batches_and_names_the_injected_rows(runs):
+    """replay/rundata.py, pack's and audit's way to a trainer run's data: nothing compiled."""
+    from replay import rundata
+
+    _, bad, _ = runs
+    run = Run.open(bad)
+    view = rundata.run_data(run)
+    for step in range(BAD - 2, BAD + 2):
+        assert np.array_equal(view.fed_hashes(step), run.trace.read(step).example_hashes), step
+    assert view.injected_positions(BAD) == faults.bad_positions(16) and view.injected_positions(BAD - 1) == []
+    assert (view.fed_rows(BAD)[faults.bad_positions(16)] == faults.BAD_TOKEN).all()
+
+
+@pytest.mark.slow
 def test_spike_replay_of_a_run_recorded_on_four_devices(tmp_path):
     """Trained on 4 virtual CPU devices in a subprocess; replayed on this process's 1 device. Layers
     are recorded every 4th step only, so step 25's layer RMS come from replaying it at the layer level."""

@@ -43,7 +43,10 @@ REQUIRED = ("environment", "program_hash", "checkpoint_steps", "restore", "step"
 CAPABILITIES = (
     "initial_state",  # replay bisect: the state entering step 0 when the run saved no checkpoint 0
     "replica_layout", "layer_groups", "replica_fingerprints",  # replay verify (silent data corruption)
+    "fed_rows", "example_hashes", "decode_tokens", "injected_positions",  # replay spike (tokens, faults)
 )
+# Commands that must not compile (audit, pack, compare's held-out rows) reach a run's data through
+# its factory's data-only entry instead: replay/rundata.py.
 
 # Optional attributes, read with getattr(rep, NAME, default) for the report's notes:
 #   mesh_note: str | None        the recorded mesh did not fit here and how the replay was laid out
@@ -90,6 +93,21 @@ class Replayable(Protocol):
         from `state` (the state entering it), with the work of device d done by device
         (d - rotate) % devices; no reduction, no update. Faults the run simulates that a re-execution
         meets again (a bad chip) act, a transient does not."""
+
+    def fed_rows(self, step: int) -> np.ndarray:
+        """int32 [B, L+1]: the global token rows `step` was fed (inputs [:, :-1], targets [:, 1:]),
+        any recorded fault applied; no step is run. Absent: spike shows no tokens (a note says so)
+        and refuses --save-batch."""
+
+    def example_hashes(self, rows: np.ndarray) -> np.ndarray:
+        """uint64 [n]: the per-example hashes the trace records for token rows [n, L+1]. Absent:
+        replay's hash of a one-array batch (replay.record.hashing), the trainer's bit for bit."""
+
+    def decode_tokens(self, tokens: np.ndarray) -> str | None:
+        """The text of token ids for spike's per-example view (None: not text). Absent: ids only."""
+
+    def injected_positions(self, step: int) -> list[int]:
+        """Global batch positions a recorded fault replaced at `step`. Absent: none were."""
 
 
 def load(run: Run, *, allow_code: bool | None = None, **options: Any) -> Replayable:

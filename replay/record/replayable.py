@@ -1,4 +1,4 @@
-"""The replay protocol (trainer/replayable.py) for runs recorded through `replay.init`.
+"""The loop protocol (replay/protocol.py) for runs recorded through `replay.init`.
 
 The manifest's "replayable" is this module's `from_run` (replay's own code, trusted); it
 imports the user's entry point the manifest names through replay.code.import_entrypoint (the

@@ -24,7 +24,7 @@ import numpy as np
 
 from replay.engine import ReplayInputError
 from replay.verify.classify import Finding, classify, step_events
-from replay.verify.names import REPLICA_PREFIX, replica_name  # noqa: F401  (REPLICA_PREFIX: read from here too)
+from replay.verify.names import replica_name
 
 CAPABILITY = "replica_fingerprints"  # what verify asks of a run's replayable (replay/protocol.py)
 

@@ -116,12 +116,6 @@ class Replayer:
             self._rep = open_replayable(self.run)
         return self._rep
 
-    @property
-    def built(self) -> Any:
-        """The replayable's `built` (the trainer's compiled loop), None for other loops. Being
-        retired: ask the replayable for a capability (replay/protocol.py) instead."""
-        return getattr(self.rep, "built", None)
-
     def _initial_state(self) -> Any:
         """The replayable's `initial_state` capability (replay/protocol.py), None without one."""
         return getattr(self.rep, "initial_state", None)

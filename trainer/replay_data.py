@@ -94,7 +94,7 @@ class TrainerData:
 
     def example_rows(self, ids) -> np.ndarray:
         """int32 [n, L+1]: the rows of examples `ids` (int64 [n], global example ids), in that order.
-        Cost: n rows read (a memmap gather), whatever the run's length."""
+        Cost: n rows read (a memmap gather), whatever the run's length (a million steps or ten)."""
         return datalib.load_batch(self.source, ids, self.seq_len)
 
     def example_hashes(self, rows) -> np.ndarray:
@@ -125,12 +125,14 @@ class TrainerData:
 
     def batch_ids(self, step: int) -> np.ndarray:
         """int64 [B]: the global ids of the examples the sampler reads for `step` (a data-repeat
-        fault's earlier step included), in global batch order. Cost: O(B) at any dataset size."""
+        fault's earlier step included), in global batch order. Cost: O(B) at any dataset size and any
+        step (the lazy permutation of trainer/order.py: step 1,000,000 costs what step 0 does)."""
         return self._batches.global_ids(self.faults.batch_step(step))
 
     def fed_rows(self, step: int) -> np.ndarray:
         """int32 [B, L+1]: the global batch `step` was fed, faults applied (bad-batch rows swapped in).
-        Cost: B rows read; no step is run."""
+        Cost: B rows read and, with a bad-batch fault, hashed; no step is run, nothing grows with the
+        run's length."""
         return fed_rows(self.source, self._batches, self.faults, self.seq_len, step)
 
     def fed_hashes(self, step: int) -> np.ndarray:
@@ -152,7 +154,7 @@ class TrainerData:
     def write_examples(self, path: str | os.PathLike, ids) -> dict:
         """Writes the rows of examples `ids` to `path` (the bundle's examples file, read back by
         `carried(path)`); returns its metadata ({"examples": distinct ids, "seq_len", ...}). Cost:
-        the rows of those examples, nothing else of the source."""
+        the rows of those examples (B per packed step), nothing else of the source or the run."""
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         return datalib.write_example_file(path, self.source, ids, self.seq_len)
 

@@ -73,10 +73,25 @@ def _problem(folder: Path, torch_files: Any) -> str | None:
     if not items:
         return "it holds no saved item"
     for item in items:
-        problem = _json_problem(item / ITEM_METADATA) or (_ocdbt_problem(item) if (item / OCDBT_MANIFEST).exists()
-                                                           else None)
+        if (item / OCDBT_MANIFEST).exists() or (item / ITEM_METADATA).exists():  # a pytree item (orbax's layout)
+            problem = _json_problem(item / ITEM_METADATA) or (_ocdbt_problem(item) if (item / OCDBT_MANIFEST).exists()
+                                                               else None)
+        else:  # another handler's item (a data iterator's JSON state, grain's): its files, its JSON parses
+            problem = _other_item_problem(item)
         if problem:
             return problem
+    return None
+
+
+def _other_item_problem(item: Path) -> str | None:
+    files = [p for p in sorted(item.rglob("*")) if p.is_file()]
+    if not files:
+        return f"{item.name} holds no file"
+    for path in files:
+        if path.suffix == ".json" or path.name == "metadata":
+            problem = _json_problem(path)
+            if problem:
+                return problem
     return None
 
 

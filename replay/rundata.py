@@ -34,13 +34,14 @@ from typing import Any
 
 from traces import Run
 
+from replay.errors import InputError
 from replay.protocol import LEGACY_DEFAULT_FACTORY
 
 # factory -> its data-only entry ("module:function"); only factories replay ships with are listed.
 DATA_ENTRIES = {LEGACY_DEFAULT_FACTORY: "trainer.replay_data:run_data"}
 
 
-class NoDataEntry(Exception):
+class NoDataEntry(InputError):
     """The run's loop gives no data-only entry; the message says what it would need."""
 
 

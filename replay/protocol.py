@@ -44,6 +44,8 @@ CAPABILITIES = (
     "initial_state",  # replay bisect: the state entering step 0 when the run saved no checkpoint 0
     "replica_layout", "layer_groups", "replica_fingerprints",  # replay verify (silent data corruption)
     "fed_rows", "example_hashes", "decode_tokens", "injected_positions",  # replay spike (tokens, faults)
+    "recompute_step",  # bisect's refine and the cross-framework distance (replay/recompute.py)
+    "evaluate",  # replay compare --eval (replay/compare/sides.py)
 )
 # Commands that must not compile (audit, pack, compare's held-out rows) reach a run's data through
 # its factory's data-only entry instead: replay/rundata.py.
@@ -108,6 +110,15 @@ class Replayable(Protocol):
 
     def injected_positions(self, step: int) -> list[int]:
         """Global batch positions a recorded fault replaced at `step`. Absent: none were."""
+
+    def recompute_step(self, state: Any, step: int) -> Any:
+        """The step from `state` recomputed with every intermediate by its recorded name: a
+        replay.recompute.StepRecomputation (its contract there). Absent: bisect names the step and
+        the layer from the trace but not the op inside it, and says recompute_step would."""
+
+    def evaluate(self, state: Any, batch: Any) -> np.ndarray:
+        """float32 [n]: each row's loss of `state` on `batch` (for the trainer, int32 token rows
+        [n, L+1], the mean next-token loss). Absent: `replay compare --eval` refuses in one line."""
 
 
 def load(run: Run, *, allow_code: bool | None = None, **options: Any) -> Replayable:

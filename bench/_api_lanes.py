@@ -27,8 +27,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import replay  # noqa: E402
+from replay.record.options import RECORD_LEVELS  # noqa: E402
 
-LEVELS = ("off", "step", "layer")
+LANES = ("off", *RECORD_LEVELS)  # "off": the loop's step unwrapped, then each recording level
 
 
 class Lane:
@@ -86,9 +87,9 @@ def measure(example_name: str, config: dict, rounds: int, steps_per_round: int, 
     """The three lanes of one example at one config, interleaved; ratios of median seconds a step."""
     config = check_config(example_name, config)
     example = importlib.import_module(example_name)
-    wall: dict[str, list[float]] = {lvl: [] for lvl in LEVELS}
-    cpu: dict[str, list[float]] = {lvl: [] for lvl in LEVELS}
-    lanes = [Lane(example, config, lvl, root / example_name) for lvl in LEVELS]
+    wall: dict[str, list[float]] = {lvl: [] for lvl in LANES}
+    cpu: dict[str, list[float]] = {lvl: [] for lvl in LANES}
+    lanes = [Lane(example, config, lvl, root / example_name) for lvl in LANES]
     try:
         for r in range(warmup_rounds + rounds):
             for lane in lanes[r % 3:] + lanes[:r % 3]:

@@ -49,9 +49,10 @@ import threading
 import time
 from pathlib import Path
 
+from trainer.constants import TRACE_LEVELS  # no JAX import
+
 ROOT = Path(__file__).resolve().parents[1]
 BUDGETS = {"step_overhead": 0.01, "layer_overhead": 0.03}  # as bench/overhead.py
-LEVELS = ("off", "step", "layer")
 
 _result: dict = {"bench": "accelerator", "complete": False, "errors": {}, "seconds": {}}
 _printed = threading.Lock()
@@ -202,7 +203,7 @@ def build_lanes(args: argparse.Namespace, tmp: Path) -> dict:
     _result["lanes"] = {"preset": args.preset, "overrides": overrides, "batch": cfg.data.global_batch_size,
                         "seq_len": cfg.model.seq_len, "params": model.param_count(cfg), "compile_s": {}}
     lanes, no_copy = {}, {}
-    for level in LEVELS:
+    for level in TRACE_LEVELS:
         if args.remaining() < 30:  # keep what was built: MFU needs only level off
             _result.setdefault("notes", []).append(f"lanes: no time left to build level {level}")
             break
@@ -336,7 +337,7 @@ def main(argv: list[str] | None = None) -> None:
             built = part("lanes", build_lanes, args, Path(tmp))
             if built and "off" in built["lanes"]:
                 _result["mfu"] = part("mfu", mfu, args, built)
-            if built and len(built["lanes"]) == len(LEVELS):
+            if built and len(built["lanes"]) == len(TRACE_LEVELS):
                 _result["overhead"] = part("overhead", overhead, args, built)
     _result["complete"] = not _result["errors"] and not skip and not _result.get("notes")
     watchdog.cancel()

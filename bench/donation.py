@@ -28,7 +28,8 @@ import json
 import os
 import sys
 
-from trainer.plan import EXIT_BAD_INPUT, LEVELS  # trainer.plan imports no jax at module level
+from trainer.constants import TRACE_LEVELS  # no jax at module level
+from trainer.plan import EXIT_BAD_INPUT  # trainer.plan imports no jax at module level
 
 OPTIONS: dict[str, list[str]] = {
     "remat-full": ["model.remat=full"],
@@ -47,7 +48,7 @@ def combinations(preset: str) -> list[tuple[str, str, list[str]]]:
     from trainer.config import get_preset
 
     other = "explicit" if get_preset(preset).model.attention == "fused" else "fused"
-    out = [(f"level-{level}", level, []) for level in LEVELS]
+    out = [(f"level-{level}", level, []) for level in TRACE_LEVELS]
     for name, sets in OPTIONS.items():
         out.append((name, "step", [f"model.attention={other}"] if name == "other-attention" else sets))
     return out

@@ -57,7 +57,8 @@ from trainer.config import ConfigError, apply_overrides, get_preset
 from trainer.loop import build
 from trainer.mesh import MeshError
 from replay.record.recorder import Recorder
-from trainer.step import LEVELS, tensor_schema
+from trainer.constants import TRACE_LEVELS
+from trainer.step import tensor_schema
 
 BUDGETS = {"step_overhead": 0.01, "layer_overhead": 0.03, "attention_slowdown": 0.01}
 
@@ -92,11 +93,11 @@ class Lane:
 
 def measure(preset: str, rounds: int, steps_per_round: int, warmup_rounds: int, overrides: list[str]) -> dict:
     cfg = apply_overrides(get_preset(preset), overrides)
-    wall: dict[str, list[float]] = {lvl: [] for lvl in LEVELS}
-    cpu: dict[str, list[float]] = {lvl: [] for lvl in LEVELS}
+    wall: dict[str, list[float]] = {lvl: [] for lvl in TRACE_LEVELS}
+    cpu: dict[str, list[float]] = {lvl: [] for lvl in TRACE_LEVELS}
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="replay-bench-overhead-") as tmp:
-        lanes = [Lane(cfg, lvl, Path(tmp)) for lvl in LEVELS]
+        lanes = [Lane(cfg, lvl, Path(tmp)) for lvl in TRACE_LEVELS]
         try:
             for r in range(warmup_rounds + rounds):
                 order = lanes[r % len(lanes):] + lanes[:r % len(lanes)]

@@ -3,14 +3,15 @@ report is tested in tests/replay/test_cli_plan.py, the check itself in tests/tra
 
 import pytest
 
-from bench.donation import LEVELS, combinations, main
+from bench.donation import combinations, main
+from trainer.constants import TRACE_LEVELS
 
 
 def test_every_level_and_every_option_is_planned_for_every_preset():
     for preset, other in (("tiny", "fused"), ("olmo3-7b", "explicit")):
         combos = combinations(preset)
         names = [name for name, _, _ in combos]
-        assert names[:3] == [f"level-{level}" for level in LEVELS] and len(set(names)) == len(names) == 10
+        assert names[:3] == [f"level-{level}" for level in TRACE_LEVELS] and len(set(names)) == len(names) == 10
         sets = {name: s for name, _, s in combos}
         assert sets["other-attention"] == [f"model.attention={other}"]  # the attention the preset does not use
         assert "mesh.mesh_invariant=true" in sets["mesh-invariant"]

@@ -54,9 +54,9 @@ from replay.record.orbax_io import (  # one home for these, shared with the reco
     _WHAT_TO_DO, CheckpointDamagedError, CheckpointDiskFullError, CheckpointError, _is_disk_full, _quiet_orbax,
     _read_failure, disk_of, quiet_until_released,
 )
+from replay.record.checkpoints import FINGERPRINTS_KEY  # the manifest key, the recording API's
 
 
-FINGERPRINTS_KEY = "checkpoint_fingerprints"  # run manifest: {"<step>": "<16 hex>"}
 
 
 def recorded_fingerprint(manifest: dict, step: int) -> str | None:

@@ -142,6 +142,7 @@ from replay.record.environment import pool_threads
 from trainer.microbatches import Layout, microbatch
 from trainer.tree_sums import Counter, fixed_order_sums, pair_tree, split_axis
 from trainer.config import Config, ConfigError
+from trainer.constants import BATCH_AXES
 
 POOL_THREADS = 8  # the XLA:CPU intra-op pool size mesh-invariant mode pins (PJRT_NPROC)
 POOL_ENV = "PJRT_NPROC"  # read by XLA's DefaultThreadPoolSize() when the CPU client is created
@@ -154,7 +155,6 @@ ISA_FLAG = "--xla_cpu_max_isa=AVX"
 # Device counts measured to give bit-identical steps with these settings, per backend. Only
 # verified counts go here (bench/invariance.py, tests/trainer/test_invariant_claims.py).
 INVARIANT_COUNTS: dict[str, tuple[int, ...]] = {"cpu": (1, 2, 4, 8)}
-BATCH_AXES = ("data", "fsdp")  # as trainer.mesh.BATCH_AXES (not imported: mesh imports step)
 
 
 # ------------------------------------------------------------------ process settings (XLA:CPU)

@@ -27,9 +27,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from replay.errors import InputError
 from trainer import step
 from trainer.config import Config, MeshConfig
+from trainer.constants import BATCH_AXES
 
 AXES = ("data", "fsdp")
-BATCH_AXES = ("data", "fsdp")  # the batch axis is split over both mesh axes
 
 
 class MeshError(ValueError, InputError):

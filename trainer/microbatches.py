@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-BATCH_AXES = ("data", "fsdp")  # as trainer.mesh.BATCH_AXES
+from trainer.constants import BATCH_AXES
 
 
 def microbatch(params: Any, cfg: Config, base: jax.Array, capture: bool, x: tuple) -> tuple[Any, dict]:

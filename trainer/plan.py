@@ -41,8 +41,9 @@ import sys
 import time
 from typing import Any
 
+from trainer.constants import TRACE_LEVELS
+
 LEVEL = "step"  # trace level planned by default: loss, grad norm, lr, param norm, per-example loss, RNG
-LEVELS = ("off", "step", "layer")  # as trainer.step.LEVELS (not imported: no jax at module level)
 EXIT_BAD_INPUT = 2
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
 # HBM per chip as the vendors state it, in GB (10^9 bytes): Cloud TPU docs (v5p 95 GB, v6e 32 GB),
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--devices", type=int, required=True, help="devices of the mesh (virtual CPU devices)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="config override, e.g. mesh.fsdp=8 (repeatable)")
-    parser.add_argument("--level", choices=LEVELS, default=LEVEL, help="trace level of the compiled step")
+    parser.add_argument("--level", choices=TRACE_LEVELS, default=LEVEL, help="trace level of the compiled step")
     parser.add_argument("--device-kind", choices=sorted(DEVICE_HBM), help="say whether it fits this device's HBM")
     parser.add_argument("--remat", choices=REMAT, help="recompute each block in the backward (model.remat)")
     parser.add_argument("--scan", action="store_true", help="scan over stacked layers (model.scan_layers)")

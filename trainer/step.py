@@ -28,13 +28,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from trainer import chunked_loss, layers, model, rng, sdc, sketches
 from trainer.config import Config
+from trainer.constants import BATCH_AXES, TRACE_LEVELS
 from replay.record.fingerprint import fingerprint_lanes, fingerprints_and_sums_of_squares
 from replay.record.names import get_path  # noqa: F401 - trainer.step.get_path: the recorded names' lookup
 from trainer import invariant, optim
 from trainer.optim import applied_lr
 
-LEVELS = ("off", "step", "layer")
-BATCH_AXES = ("data", "fsdp")  # as trainer.mesh.BATCH_AXES (not imported: mesh imports step)
 # (name, causal kind) of the scalar metrics, in the order a record stores them.
 METRICS = (("loss", "loss"), ("z_loss", "loss"), ("grad_norm", "backward"), ("lr", "update"), ("param_norm", "update"))
 
@@ -243,8 +242,8 @@ def compile_step(cfg: Config, level: str, state_sharding: Any = None, batch_shar
     program traced and compiled the first time instead of tracing, lowering and compiling it again
     (~4 s of CPU for `tiny`'s step at level off, measured here). Up to `_STEPS_KEPT` programs are kept, each
     an executable's worth of memory; nothing grows with the run's length."""
-    if level not in LEVELS:
-        raise ValueError(f"trace level {level!r} is not one of {LEVELS}")
+    if level not in TRACE_LEVELS:
+        raise ValueError(f"trace level {level!r} is not one of {TRACE_LEVELS}")
     leaves, treedef = jax.tree.flatten(state_sharding)
     try:
         key = (cfg, level, tuple(leaves), treedef, batch_sharding)

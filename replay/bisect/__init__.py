@@ -35,8 +35,8 @@ import numpy as np
 from replay.contract import config_of
 from replay.bisect.data import SeenBefore, _data_at, seen_before  # noqa: F401 - re-exported
 from traces import Comparison, Run, compare
+from traces.schema import TENSOR_KINDS  # fields a replay can look inside (replay/bisect/refine.py)
 
-TENSOR_KINDS = ("state", "forward", "backward", "update")  # fields a replay can look inside (replay/bisect/refine.py)
 
 
 @dataclass

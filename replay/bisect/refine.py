@@ -58,6 +58,7 @@ from replay.replayer import (
     state_fingerprints,
 )
 from traces import diff_records
+from traces.schema import TENSOR_KINDS
 
 __all__ = [
     "TENSOR_KINDS",
@@ -74,7 +75,6 @@ __all__ = [
     "state_fingerprints",
 ]
 
-TENSOR_KINDS = ("state", "forward", "backward", "update")
 
 
 # ------------------------------------------------------------------------ walking the intermediates

@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-FINGERPRINTS_KEY = "checkpoint_fingerprints"  # as trainer/checkpoint.py records them
+FINGERPRINTS_KEY = "checkpoint_fingerprints"  # run manifest: {"<step>": "<16 hex>"}; the trainer writes the same key
 STATE, DATA = "state", "data"  # the items of a checkpoint that holds the data iterator's state
 
 

@@ -22,7 +22,7 @@ from typing import Any, Callable
 from replay.record.errors import RecordError
 
 FORMAT = "replay.data-state/1"
-FINGERPRINTS_KEY = "data_state_fingerprints"  # manifest: {"<step>": "<16 hex>"}, as checkpoint_fingerprints
+DATA_FINGERPRINTS_KEY = "data_state_fingerprints"  # manifest: {"<step>": "<16 hex>"}, as checkpoint_fingerprints
 
 
 def check_iterator(it: Any, call: str) -> None:

@@ -6,8 +6,12 @@ from dataclasses import asdict, dataclass, field
 
 from replay.record.errors import RecordError
 
-LEVELS = ("step", "layer")
-METRIC_KINDS = ("state", "forward", "loss", "backward", "update")
+from traces.schema import METRIC_KINDS
+
+# What run.step(level=...) records: "step" metrics, RNG words and example hashes; "layer" also
+# tensor fingerprints. An unrecorded step is simply not wrapped, so there is no "off" here (the
+# trainer's trace.level has one: trainer/constants.py TRACE_LEVELS).
+RECORD_LEVELS = ("step", "layer")
 
 
 @dataclass(frozen=True)
@@ -21,8 +25,8 @@ class StepOptions:
     def __post_init__(self):
         if not isinstance(self.batch_axis, int) or isinstance(self.batch_axis, bool) or self.batch_axis < 0:
             raise RecordError(f"run.step(batch_axis={self.batch_axis!r}): must be an axis number >= 0")
-        if self.level not in LEVELS:
-            raise RecordError(f"run.step(level={self.level!r}): must be one of {', '.join(LEVELS)}")
+        if self.level not in RECORD_LEVELS:
+            raise RecordError(f"run.step(level={self.level!r}): must be one of {', '.join(RECORD_LEVELS)}")
         if self.loss is not None and not isinstance(self.loss, str):
             raise RecordError(f"run.step(loss={self.loss!r}): name the loss metric, or pass None for a step without one")
         for name, kind in self.metric_kinds.items():

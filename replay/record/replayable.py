@@ -98,7 +98,7 @@ class LoopReplay:
             raise _unavailable(f"checkpoint {step} of {self._shown} holds no data iterator state (it was saved with "
                                "run.save(k, state), without data=), so the Loop's data= cannot be set to it; give the "
                                "Loop batch_at, or record with run.save(k, state, data=it)")
-        fingerprint = (self._manifest.get(data_iterator.FINGERPRINTS_KEY) or {}).get(str(step))
+        fingerprint = (self._manifest.get(data_iterator.DATA_FINGERPRINTS_KEY) or {}).get(str(step))
         note = f"the data iterator state of checkpoint {step} has no recorded fingerprint: it was restored unverified"
         if fingerprint is None and note not in self.restore_notes:
             self.restore_notes.append(note)

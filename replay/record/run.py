@@ -72,7 +72,7 @@ class RecordingRun:
         self._manager = checkpoints if checkpoints is not None else ckpts.open_manager(self._ckpt_dir, read_only=False)
         self._own_manager = checkpoints is None
         self._fingerprints: dict = dict(self._run.manifest.get(ckpts.FINGERPRINTS_KEY) or {})
-        self._data_fingerprints: dict = dict(self._run.manifest.get(data_iterator.FINGERPRINTS_KEY) or {})
+        self._data_fingerprints: dict = dict(self._run.manifest.get(data_iterator.DATA_FINGERPRINTS_KEY) or {})
         self._store_examples, self._examples = bool(store_examples), None  # replay/record/examples_store.py
 
     # ---------------------------------------------------------------------------- the step
@@ -189,7 +189,7 @@ class RecordingRun:
         entries = {ckpts.FINGERPRINTS_KEY: self._fingerprints, "checkpoints": ckpts.steps(self._manager)}
         if stored is not None:
             self._data_fingerprints[str(step)] = data_iterator.fingerprint(stored)
-            entries[data_iterator.FINGERPRINTS_KEY] = self._data_fingerprints
+            entries[data_iterator.DATA_FINGERPRINTS_KEY] = self._data_fingerprints
         self._run.update_manifest(**entries)
 
     def _check_data_style(self, step: int, with_data: bool) -> None:

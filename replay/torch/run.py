@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from replay.record.options import RECORD_LEVELS  # no JAX import: replay.torch never starts JAX
 from replay.torch.errors import TorchRecordError
 from replay.torch.names import TensorNames, own_names
 from replay.torch.step import Pending, Staged, StepRecording, split_metrics
@@ -45,7 +46,6 @@ from traces import Run, Schema
 from traces.sketch import DEFAULT_WIDTH, check_width
 
 RECORDED_BY = "replay.torch"
-LEVELS = ("step", "layer")
 # The trainer's metrics and their causal kinds (trainer/step.py METRICS), so the two runs' schemas agree.
 KNOWN_KINDS = {"loss": "loss", "z_loss": "loss", "grad_norm": "backward", "lr": "update", "param_norm": "update"}
 KINDS = ("state", "forward", "loss", "backward", "update")
@@ -77,8 +77,8 @@ class TorchRun:
                  optimizer: Any = None, names: TensorNames | None = None, level: str = "layer",
                  metric_kinds: dict | None = None, sketch_width: int = DEFAULT_WIDTH, resume: bool = False):
         self.path = Path(path)
-        if level not in LEVELS:
-            raise TorchRecordError(f"replay.torch.init(level={level!r}): must be one of {', '.join(LEVELS)}")
+        if level not in RECORD_LEVELS:
+            raise TorchRecordError(f"replay.torch.init(level={level!r}): must be one of {', '.join(RECORD_LEVELS)}")
         self.metric_kinds = {**KNOWN_KINDS, **dict(metric_kinds or {})}
         bad = {n: k for n, k in self.metric_kinds.items() if k not in KINDS}
         if bad:

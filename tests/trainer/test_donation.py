@@ -13,6 +13,7 @@ import pytest
 
 from trainer import donation, mesh as meshlib, step
 from trainer.config import apply_overrides, get_preset
+from trainer.constants import TRACE_LEVELS
 
 # tiny as tests/trainer/test_step.py trains it: the same programs, so the session's compilation cache
 # (tests/conftest.py) compiles each level once for both files
@@ -28,7 +29,7 @@ def params_bytes(cfg) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(meshlib.abstract_state(cfg).params))
 
 
-@pytest.mark.parametrize("level", step.LEVELS)
+@pytest.mark.parametrize("level", TRACE_LEVELS)
 def test_the_train_step_writes_the_donated_state_in_place(level):
     state, batch = abstract(CFG)
     report = donation.check(step.compile_step(CFG, level).lower(state, batch).compile())

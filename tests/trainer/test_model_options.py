@@ -14,6 +14,7 @@ import pytest
 
 from trainer import attention, model, step as steplib
 from trainer.config import ConfigError, apply_overrides, get_preset
+from trainer.constants import TRACE_LEVELS
 
 # Smaller than tiny (compiles dominate): 2 blocks, so the scan, the sliding/full pattern and a
 # faulty block all have something to act on; dropout on, so the scan's per-layer keys matter.
@@ -64,7 +65,7 @@ def test_each_option_trains_the_same_bits_at_every_recording_level(name):
     cfg = _cfg(name)
     state0 = steplib.init_state(cfg)
     finals, layer_metrics = {}, None
-    for level in steplib.LEVELS:
+    for level in TRACE_LEVELS:
         fn = steplib.compile_step(cfg, level)
         state = jax.tree.map(jnp.copy, state0)
         for k in range(2):

@@ -69,7 +69,8 @@ def plan(
 ) -> None:
     """Compile the train step for N devices from abstract shapes and print per-device memory (nothing is allocated)."""
     from trainer.config import apply_overrides, get_preset
-    from trainer.plan import DEVICE_HBM, LEVELS, PRECISION, REMAT, plan_env
+    from trainer.constants import TRACE_LEVELS
+    from trainer.plan import DEVICE_HBM, PRECISION, REMAT, plan_env
 
     if remat is not None and remat not in REMAT:
         console.fail(f"--remat {remat}: unknown; use one of {', '.join(REMAT)}")
@@ -78,8 +79,8 @@ def plan(
     apply_overrides(get_preset(preset), list(overrides or []))  # bad preset or key: exit 2 before starting JAX
     if devices < 1:
         console.fail(f"--devices {devices}: the mesh needs at least 1 device")
-    if level not in LEVELS:
-        console.fail(f"--level {level}: not a trace level; use one of {', '.join(LEVELS)}")
+    if level not in TRACE_LEVELS:
+        console.fail(f"--level {level}: not a trace level; use one of {', '.join(TRACE_LEVELS)}")
     if device_kind is not None and device_kind not in DEVICE_HBM:
         console.fail(f"--device-kind {device_kind}: unknown; use one of {', '.join(DEVICE_HBM)}")
 

@@ -100,7 +100,7 @@ def test_the_iterator_state_is_saved_with_each_checkpoint_and_fingerprinted(reco
     for k in (0, 3, 6):
         stored = json.loads((recorded / "checkpoints" / str(k) / "data" / "metadata").read_text())
         assert stored["value"] == {"position": k}
-        assert manifest[data_iterator.FINGERPRINTS_KEY][str(k)] == data_iterator.fingerprint(stored)
+        assert manifest[data_iterator.DATA_FINGERPRINTS_KEY][str(k)] == data_iterator.fingerprint(stored)
 
 
 def test_a_replay_from_a_checkpoint_restores_the_iterator_and_is_bit_exact(recorded):

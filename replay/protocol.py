@@ -42,7 +42,7 @@ REQUIRED = ("environment", "program_hash", "checkpoint_steps", "restore", "step"
 # Optional capabilities, by the command that asks for them (add yours, with its contract below):
 CAPABILITIES = (
     "initial_state",  # replay bisect: the state entering step 0 when the run saved no checkpoint 0
-    "replica_layout", "layer_groups", "replica_fingerprints",  # replay verify (silent data corruption)
+    "replica_layout", "layer_groups", "replica_fingerprints", "rerun_step",  # replay verify (silent data corruption)
     "fed_rows", "example_hashes", "decode_tokens", "injected_positions",  # replay spike (tokens, faults)
     "recompute_step",  # bisect's refine and the cross-framework distance (replay/recompute.py)
     "evaluate",  # replay compare --eval (replay/compare/sides.py)
@@ -95,6 +95,11 @@ class Replayable(Protocol):
         from `state` (the state entering it), with the work of device d done by device
         (d - rotate) % devices; no reduction, no update. Faults the run simulates that a re-execution
         meets again (a bad chip) act, a transient does not."""
+
+    def rerun_step(self, state: Any, step: int) -> tuple[dict, np.ndarray] | None:
+        """(metrics, per-example hashes) of `step` from `state` as a re-execution meets it, without
+        consuming `state`, or None when that is `step`'s own result: for a loop that simulates a
+        fault which would not recur (a transient SDC), the step without it. Absent: `step`'s own."""
 
     def fed_rows(self, step: int) -> np.ndarray:
         """int32 [B, L+1]: the global token rows `step` was fed (inputs [:, :-1], targets [:, 1:]),

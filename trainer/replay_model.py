@@ -72,3 +72,29 @@ class TrainerModelProtocol:
         key = jax.random.key_data(rng.step_key(jax.random.wrap_key_data(seen.key, impl="threefry2x32"), seen.step))
         lanes = np.asarray(fn(seen.params, key, step, rotate, arrays), np.uint32)
         return (lanes[..., 0].astype(np.uint64) << np.uint64(32)) | lanes[..., 1].astype(np.uint64)
+
+    def rerun_step(self, state: Any, step: int) -> tuple[dict, np.ndarray] | None:
+        """(metrics, example hashes) of `step` from `state` as a re-execution meets it, None when
+        that is `step` itself: a transient SDC fault of the run (sdc@S, a one-off event in training)
+        does not act again; every other fault does (a bad chip too: it is still bad). Only at a
+        transient's step is anything run here: the step with the transient left out, from a copy of
+        `state` (the step donates its input), one more step and, with a chip, one more program."""
+        built = self.built
+        plan = built.faults
+        if not plan or not any(not f.persistent and f.step == step for f in plan.sdc):
+            return None
+        from trainer.sdc import faulty_config
+        from trainer.step import compile_step
+
+        chips = [f for f in plan.sdc if f.persistent]
+        chips_cfg = faulty_config(built.cfg, chips) if chips and step >= min(f.step for f in chips) else None
+        state = jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, state)
+        state = plan.before(state, step, built._init_opt_state)
+        arrays, hashes = built.device_batch(plan.batch_step(step), fed_at=step)
+        if chips_cfg is None:
+            program = built.compiled[built.level(step)]
+        else:  # one program per level, compiled on first use (compile_step keeps it)
+            shardings = jax.tree.map(lambda a: a.sharding, built.abstract_sharded)
+            program = compile_step(chips_cfg, built.level(step), shardings, built.batch_sharding)
+        _, metrics = program(state, arrays)
+        return metrics, hashes

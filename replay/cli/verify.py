@@ -19,7 +19,8 @@ def verify(
     data: Annotated[Optional[str], typer.Option("--data", help="Where the run's token file is now.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
-    """Re-execute steps A..B with the batch shards on other devices; exit 1 when a device computed wrongly."""
+    """Re-execute steps A..B with the batch shards on other devices; exit 1 when a device computed wrongly
+    or a recorded step is reproduced by no re-execution."""
     from replay.bundle import open_run
     from replay.cli.replaying import load_replayable, prepare_process, replay_notes
     from replay.engine import check_range, parse_steps
@@ -39,11 +40,12 @@ def verify(
     why = too_few_devices(jax.device_count())  # the replay's mesh has at most these
     if why:
         raise VerifyInputError(why)
-    replayable, _ = load_replayable(target, path, data, False, lambda cps: check_range(target, first, last, cps))
+    replayable, contract = load_replayable(target, path, data, False, lambda cps: check_range(target, first, last, cps))
     with console.progress(f"verify {path.name}") as bar:
         task = bar.add_task("verify", total=last - first + 1, info="")
         report = run_verify(target, replayable, first, last, rotate,
-                            lambda step: bar.update(task, advance=1, info=f"step {step}"))
+                            lambda step: bar.update(task, advance=1, info=f"step {step}"),
+                            None if contract.expect_bits else contract.line)
     report.notes.extend(replay_notes(replayable))
     if json_out:
         console.print_json(report.to_json())
@@ -57,18 +59,20 @@ def _render(report) -> None:
     console.print_table([
         ("steps", f"{report.first}..{report.last} ({report.steps_verified} verified, from checkpoint {report.checkpoint})"),
         ("executions", f"rotations 0, {report.rotate}, {2 * report.rotate} of {report.devices} devices"
-                       + (" and the trace's own per-replica fingerprints" if report.trace_replicas else "")),
+                       + (" and the trace's own per-replica fingerprints" if report.trace_replicas else "")
+                       + "; each step re-run as recorded and compared with the trace"),
         ("microbatches", str(report.microbatches)),
         *[("note", n) for n in report.notes],
     ], title=f"verify {report.run}")
     if report.clean:
-        console.print_text(f"every device agreed on every microbatch of {report.steps_verified} step(s)", style="green")
+        console.print_text(f"every device agreed on every microbatch of {report.steps_verified} step(s), and each "
+                           "step re-ran to the bits the trace recorded", style="green")
         return
     console.print_table(
         [(f.kind, "-" if f.device is None else str(f.device), str(f.step),
-          str(len(f.steps)), ", ".join(map(str, f.microbatches[:8])), ", ".join(f.layers[:4]), f.why)
+          str(len(f.steps)), ", ".join(map(str, f.microbatches[:8])), ", ".join((f.layers or f.fields)[:4]), f.why)
          for f in report.findings],
-        columns=("class", "device", "step", "steps", "microbatches", "layers", "why"),
+        columns=("class", "device", "step", "steps", "microbatches", "layers / fields", "why"),
         title=f"{len(report.findings)} finding(s)")
     for step, mb in report.unresolved[:10]:
         console.print_text(f"step {step} microbatch {mb}: no two devices agreed; cannot tell which is wrong", style="red")

@@ -10,9 +10,23 @@ runs it through trainer/sdc.py `replica_lanes`: no reduction, no update). With t
 fingerprints (check.replicas=true) that is four values from three distinct devices per microbatch;
 replay/verify/classify.py votes and names the device that computed wrongly and the class.
 
-Cost: per verified step three forward+backward passes besides the replayed step; memory: one
-step's fingerprints (M x layers x 3) plus the findings; the replay from the checkpoint to A as
-`replay run`. A million-step run costs what its range A..B costs, nothing more.
+Every verified step is also re-run as recorded (same devices, same placement) and its record
+compared with the trace's, field by field as `replay run` compares (traces.diff_records): metric
+bits, per-example hashes, RNG words, and the layer fingerprints where the trace has them. A step
+whose re-run differs from the trace while the rotated re-executions agree with each other, and
+that no device explains, is a finding of class "trace": the trace, not a device now, is the odd
+one out (a transient fault in training, which without per-replica fingerprints cannot be pinned
+to a device, or a changed environment per the contract), never "clean".
+
+Cost: per verified step three forward+backward passes besides the replayed step; the re-run as
+recorded is that replayed step itself (the one that carries the state to the next step), so
+comparing it costs a fetch of its metrics and fingerprints to the host (one sync a step, a few
+hundred bytes; nothing accumulates), not another step. Only where the run's loop simulates a
+fault that would not recur (the trainer's sdc@S) does the loop's `rerun_step` run step S once
+more without it. Memory: one step's fingerprints (M x layers x 3), one record, and the findings;
+the replay from the checkpoint to A as `replay run`. A million-step run costs what its range A..B
+costs, nothing more: verifying all of it is a million replayed steps, three million
+forward+backward passes, and a million host syncs.
 """
 
 from __future__ import annotations
@@ -23,7 +37,7 @@ from typing import Callable
 import numpy as np
 
 from replay.engine import ReplayInputError
-from replay.verify.classify import Finding, classify, step_events
+from replay.verify.classify import Finding, classify, step_events, trace_findings
 from replay.verify.names import replica_name
 
 CAPABILITY = "replica_fingerprints"  # what verify asks of a run's replayable (replay/protocol.py)
@@ -46,6 +60,7 @@ class VerifyReport:
     findings: list[Finding] = field(default_factory=list)
     unresolved: list[tuple[int, int]] = field(default_factory=list)  # (step, microbatch) with no majority
     steps_verified: int = 0
+    trace_differs: list[int] = field(default_factory=list)  # steps whose re-run as recorded differs from the trace
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -56,6 +71,7 @@ class VerifyReport:
         return {"run": self.run, "steps": [self.first, self.last], "rotate": self.rotate, "devices": self.devices,
                 "microbatches": self.microbatches, "checkpoint": self.checkpoint,
                 "trace_replicas": self.trace_replicas, "steps_verified": self.steps_verified,
+                "trace_differs": self.trace_differs,
                 "clean": self.clean, "findings": [f.to_json() for f in self.findings],
                 "unresolved": [{"step": s, "microbatch": i} for s, i in self.unresolved], "notes": self.notes}
 
@@ -102,10 +118,25 @@ def too_few_devices(devices: int) -> str | None:
     return None
 
 
+def recorded_differences(run, replayable, step: int, metrics, hashes) -> list[str]:
+    """The fields of the trace's record of `step` that the re-run's (metrics, hashes) differ in,
+    in causal order, compared as `replay run` compares (replay/engine.py)."""
+    import jax
+
+    from replay.record.recorder import to_record
+    from traces import diff_records
+
+    again = to_record(replayable.schema, step, jax.device_get(metrics), hashes)
+    return [d.name for d in diff_records(run.schema, run.trace.read(step), replayable.schema, again)]
+
+
 def verify(run, replayable, first: int, last: int, rotate: int = 1,
-           on_step: Callable[[int], None] | None = None) -> VerifyReport:
+           on_step: Callable[[int], None] | None = None, environment: str | None = None) -> VerifyReport:
     """Verify steps first..last of `run`, re-executed through `replayable`'s capabilities
-    replica_layout, layer_groups and replica_fingerprints (replay/protocol.py)."""
+    replica_layout, layer_groups and replica_fingerprints (replay/protocol.py), each step's re-run
+    as recorded compared with the trace (its `rerun_step` where it has one). `environment`: the
+    contract's line when it does not promise bits here (the trace's differences are then named as
+    the environment's), None when it does."""
     from replay.bundle.format import shown_path
     from replay.engine import check_range
 
@@ -131,8 +162,10 @@ def verify(run, replayable, first: int, last: int, rotate: int = 1,
     layers = list(replayable.layer_groups())
     report = VerifyReport(shown_path(run), first, last, rotate, n, m, start, False)
 
-    events, state = [], replayable.restore(start)
+    rerun = getattr(replayable, "rerun_step", None)
+    events, differing, state = [], {}, replayable.restore(start)
     for step in range(start, last + 1):
+        again = None
         if step >= first:
             runs = {k: np.asarray(fingerprints(state, step, k), np.uint64) for k in rotations}
             trace = trace_replicas(run.schema, run.trace.read(step), m, layers)
@@ -141,11 +174,20 @@ def verify(run, replayable, first: int, last: int, rotate: int = 1,
             events += step_ev
             report.unresolved += [(step, i) for i in unresolved]
             report.steps_verified += 1
-        state, _, _ = replayable.step(state, step)
+            again = rerun(state, step) if rerun is not None else None  # before the step consumes `state`
+        state, metrics, hashes = replayable.step(state, step)
+        if step >= first:
+            fields = recorded_differences(run, replayable, step, *(again or (metrics, hashes)))
+            if fields:
+                differing[step] = fields
         if on_step is not None and step >= first:
             on_step(step)
+    report.trace_differs = sorted(differing)
     report.findings = classify(events, layers)
+    report.findings += trace_findings(differing, events, report.findings, report.unresolved, environment)
+    report.findings.sort(key=lambda f: (f.step, f.kind))
     if not report.trace_replicas:
-        report.notes.append("the trace holds no per-replica fingerprints (train with --set check.replicas=true): "
-                            "only devices that compute wrongly again now are found, not a transient fault in training")
+        report.notes.append("the trace holds no per-replica fingerprints (train with --set check.replicas=true): a "
+                            "transient fault in training is found as a recorded step no re-execution reproduces, "
+                            "without the device it hit")
     return report

@@ -12,6 +12,10 @@ rotated by another amount. In mesh-invariant mode all of them must agree bit for
     transient   a device that computed wrongly in training only, once: the re-executions all agree
     genuine     in training, the work of two or more devices differs from what every re-execution
                 reproduces: not one chip, a software or data cause: hand it to `replay bisect`
+    trace       the step re-run as recorded differs from the trace while the re-executions agree
+                with each other and nothing above explains it: the trace, not a device now, is the
+                odd one out (a transient in training that no per-replica fingerprint names, or a
+                changed environment); `trace_findings`
 
 Costs nothing beyond the step's fingerprints: M x G 64-bit values per execution, held per step.
 """
@@ -42,6 +46,7 @@ class Finding:
     microbatches: list[int] = field(default_factory=list)  # of the first step
     layers: list[str] = field(default_factory=list)  # layers that differ at the first step
     why: str = ""
+    fields: list[str] = field(default_factory=list)  # trace: the recorded fields the re-run differs in
 
     @property
     def step(self) -> int:
@@ -49,7 +54,7 @@ class Finding:
 
     def to_json(self) -> dict:
         return {"class": self.kind, "device": self.device, "step": self.step, "steps": self.steps,
-                "microbatches": self.microbatches, "layers": self.layers, "why": self.why}
+                "microbatches": self.microbatches, "layers": self.layers, "fields": self.fields, "why": self.why}
 
 
 def owner(mb: int, n_devices: int, n_microbatches: int) -> int:
@@ -137,3 +142,35 @@ def classify(events: list[Event], layer_names: list[str]) -> list[Finding]:
 
 def _names(events: list[Event], layer_names: list[str]) -> list[str]:
     return [layer_names[g] for g in sorted({g for e in events for g in e.layers})]
+
+
+def trace_findings(differing: dict[int, list[str]], events: list[Event], findings: list[Finding],
+                   unresolved: list[tuple[int, int]], environment: str | None = None) -> list[Finding]:
+    """Findings for the steps whose re-run as recorded differs from the trace (`differing`: step ->
+    the recorded fields that differ, in causal order) where nothing else explains it: no device
+    computed wrongly in training at that step, no microbatch is unresolved, no device found bad now
+    computed it. Consecutive steps make one finding (a later step's state follows from the first's).
+    `environment`: the contract's line when it does not promise bits here, None when it does."""
+    explained = {e.step for e in events if e.in_training} | {s for s, _ in unresolved}
+    explained |= {s for f in findings if f.kind == "persistent" for s in f.steps}
+    steps = sorted(s for s in differing if s not in explained)
+    runs: list[list[int]] = []
+    for s in steps:
+        if runs and runs[-1][-1] == s - 1:
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+    out = []
+    for run in runs:
+        first, fields = run[0], differing[run[0]]
+        cause = (f"the environment differs from the recording ({environment})" if environment else
+                 "a transient fault during training (record per-replica fingerprints, check.replicas=true, to "
+                 "name its device), or a changed environment (see the contract line)")
+        more = f"; steps {run[1]}..{run[-1]} differ too (their state follows from step {first})" if len(run) > 1 else ""
+        shown = ", ".join(fields[:6]) + (f" and {len(fields) - 6} more" if len(fields) > 6 else "")
+        out.append(Finding("trace", None, run, [], [], (
+            f"no re-execution reproduces the recorded step {first}: re-run as recorded it differs in {shown}, and "
+            f"the re-executions on rotated devices agree with each other: the trace, not a device now, is the odd "
+            f"one out: {cause}{more}"), list(fields)))
+    return out
+

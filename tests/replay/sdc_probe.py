@@ -1,6 +1,7 @@
 """Trains and verifies the SDC test runs in one fresh process with 8 virtual CPU devices.
 
-`python -m tests.replay.sdc_probe OUT` writes OUT/results.json, read by tests/replay/test_verify_e2e.py.
+`python -m tests.replay.sdc_probe OUT [RUN ...]` writes OUT/results.json, read by
+tests/replay/test_verify_e2e.py (RUN names train and check only those runs: for a quick look).
 Runs (tiny with one block, mesh-invariant, 8 microbatches, per-replica fingerprints, 12 steps,
 checkpoints every 6; the checks rely on nothing a second block would add, and compiling these runs'
 own step programs is most of the test's time: a second block adds about a fifth):
@@ -13,6 +14,8 @@ own step programs is most of the test's time: a second block adds about a fifth)
     faulty       22 steps: 21 transients (steps 1..21) on the six devices that are not chips, and
                  chips on devices 3 (from 2) and 7 (from 5, p=0.5); check.rerun_every=10 (it must
                  name device 3 at step 10)
+    transient-off  8 steps, one transient at step 7 and no per-replica fingerprints: only the trace
+                 differs from every re-execution (`replay verify --steps 6:7` must say so, exit 1)
 
 `clean` and `faulty` share their fault-free program, and one faulty run holds every corruption:
 the step programs (each distinct config its own compile) are most of the test's time, ten more
@@ -53,11 +56,12 @@ RUNS = {
     "faulty": (transients(0, range(1, FAULTY_STEPS)) + ["sdc-chip@2:device=3,tensor=block_00.mlp.up.kernel,bit=3",
                                                         "sdc-chip@5:device=7,p=0.5,tensor=block_00.attn.q.kernel,bit=12"],
                CHECK + [f"steps={FAULTY_STEPS}"]),
+    "transient-off": (["sdc@7:device=3,tensor=lm_head.kernel,bit=22"], ["check.replicas=false", "steps=8"]),
 }
 VERIFIED = ("clean", "faulty")
 
 
-def main(out: Path) -> None:
+def main(out: Path, only: list[str] | None = None) -> None:
     from trainer import invariant
 
     invariant.prepare_process()
@@ -76,6 +80,8 @@ def main(out: Path) -> None:
 
     results: dict = {"devices": jax.device_count(), "runs": {}}
     for name, (specs, extra) in RUNS.items():
+        if only and name not in only:
+            continue
         cfg = apply_overrides(get_preset("tiny"), BASE + extra)
         faults = FaultPlan([parse(s) for s in specs], cfg)
         train(cfg, out / name, faults=faults)
@@ -106,22 +112,35 @@ def main(out: Path) -> None:
             hits.append(bool(jax.random.uniform(draw) < p))
         draws[device] = hits
     results["draws"] = draws
+    cli = _cli(out)
+    if only:
+        results["cli"] = cli
+        (out / "results.json").write_text(json.dumps(results))
+        return
     report = bisect(Run.open(out / "faulty"), Run.open(out / "clean"), refine=False)
     results["bisect"] = {"first_step": report.first_step,
                          "hardware": hardware_fault(Run.open(out / "faulty"), Run.open(out / "clean"), report.first_step)}
+    results["cli"] = cli
+    (out / "results.json").write_text(json.dumps(results))
+
+
+def _cli(out: Path) -> dict:
+    """`replay verify --json` on the runs trained (exit code, the end of stdout and stderr)."""
     from typer.testing import CliRunner
 
     from replay.cli.app import app
 
     cli = {}
     for key, args in (("clean", ["clean", "--steps", "0:2"]), ("faulty", ["faulty", "--steps", "3:4", "--rotate", "3"]),
-                      ("outside", ["clean", "--steps", "50:60"]), ("rotate", ["clean", "--steps", "0:1", "--rotate", "4"])):
+                      ("outside", ["clean", "--steps", "50:60"]), ("rotate", ["clean", "--steps", "0:1", "--rotate", "4"]),
+                      ("transient-off", ["transient-off", "--steps", "6:7", "--rotate", "3"])):
+        if not (out / args[0]).is_dir():
+            continue
         done = CliRunner().invoke(app, ["verify", str(out / args[0]), *args[1:], "--json"], env={"REPLAY_DEBUG": None})
-        cli[key] = {"code": done.exit_code, "stdout": done.stdout[-2000:], "stderr": done.stderr[-500:]}
-    results["cli"] = cli
-    (out / "results.json").write_text(json.dumps(results))
+        cli[key] = {"code": done.exit_code, "stdout": done.stdout[-4000:], "stderr": done.stderr[-500:]}
+    return cli
 
 
 if __name__ == "__main__":
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2:])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from replay.verify.classify import classify, executor, owner, step_events
+from replay.verify.classify import classify, executor, owner, step_events, trace_findings
 from trainer.faults import FaultError, SdcFault, parse
 
 N, M, G = 8, 8, 4
@@ -90,6 +90,21 @@ def test_twenty_corruptions_at_once_are_each_found():
     assert want <= found
     assert {("persistent", 0, 10), ("persistent", 4, 10)} <= found
     assert len(got) == len(want) + 2
+
+
+def test_a_trace_no_re_execution_reproduces_is_a_finding_unless_a_device_explains_it():
+    # Steps 3, 4 and 9 re-ran to other bits than the trace; at 4 and 9 nothing explains it, at 3 the
+    # trace's replicas name device 5 (a transient). 4 and 5 are one finding (5 follows from 4).
+    steps = {s: executions(s, trace_bad={5: 1} if s == 3 else None) for s in range(10)}
+    events = [e for s, (trace, runs) in steps.items() for e in step_events(s, trace, runs, N)[0]]
+    found = classify(events, LAYERS)
+    differing = {3: ["grad_norm"], 4: ["loss", "grad_norm"], 5: ["loss"], 9: ["param/x"]}
+    got = trace_findings(differing, events, found, [])
+    assert [(f.kind, f.device, f.steps, f.fields) for f in got] == [
+        ("trace", None, [4, 5], ["loss", "grad_norm"]), ("trace", None, [9], ["param/x"])]
+    assert "the trace, not a device now, is the odd one out" in got[0].why and "loss, grad_norm" in got[0].why
+    assert "environment differs" in trace_findings({9: ["loss"]}, [], [], [], "measured only: x differ")[0].why
+    assert trace_findings({}, events, found, []) == []
 
 
 def test_two_executions_on_one_device_do_not_outvote_a_third():

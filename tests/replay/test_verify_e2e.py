@@ -8,7 +8,9 @@ with p=0.5) must each be found with the right step, device and class, and nothin
 run's 12 steps give no finding; the in-training re-run check (rerun_every=10) names device 3 at step
 10 (its chip started at 2), with and without per-replica fingerprints, and training is bit-identical
 with the check and the fingerprints on and off; bisect against the clean run calls the first
-difference a hardware-like fault on one device.
+difference a hardware-like fault on one device; a run with one transient in training and no
+per-replica fingerprints (transient-off) is not clean: its recorded step 7 is reproduced by no
+re-execution, and the trace is named the odd one out (issue 31; before, exit 0 "every device agreed").
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ def test_verify_finds_every_injected_corruption_with_its_step_device_and_class(p
     got = {(f["class"], f["device"], f["step"]) for f in report["findings"]}
     assert got == expected("faulty", results["draws"])
     assert report["unresolved"] == [] and report["trace_replicas"]
+    # Each transient's step re-runs (as recorded, without it) to other bits than the trace's; the
+    # trace's replicas name the device, so none of them is also a "trace" finding.
+    assert report["trace_differs"] == list(range(1, FAULTY_STEPS))
 
 
 def test_the_faulty_run_holds_twenty_or_more_different_corruptions(probe):
@@ -83,6 +88,21 @@ def test_verify_finds_nothing_on_a_clean_run(probe):
     results, _ = probe
     report = results["runs"]["clean"]["verify"]
     assert report["clean"] and report["findings"] == [] and report["steps_verified"] == STEPS
+    assert report["trace_differs"] == []  # every step re-ran to its recorded bits
+
+
+def test_a_transient_in_training_without_replicas_is_the_traces_difference_not_clean(probe):
+    """One sdc@7 in training, check.replicas off: the re-executions all agree, the trace does not."""
+    run = probe[0]["cli"]["transient-off"]
+    assert run["code"] == 1, run
+    report = json.loads(run["stdout"])
+    assert not report["clean"] and not report["trace_replicas"] and report["steps_verified"] == 2
+    assert report["trace_differs"] == [7]  # step 6 re-ran to its recorded bits: not everything is flagged
+    (f,) = report["findings"]
+    assert (f["class"], f["device"], f["steps"]) == ("trace", None, [7])
+    assert "grad_norm" in f["fields"] and "param/lm_head.kernel" in f["fields"]
+    assert "recorded step 7" in f["why"] and "grad_norm" in f["why"]
+    assert "the trace, not a device now, is the odd one out" in f["why"] and "transient fault during training" in f["why"]
 
 
 def test_training_is_bit_identical_with_the_check_on_and_off(probe):

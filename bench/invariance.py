@@ -51,12 +51,12 @@ def _worker(args: argparse.Namespace) -> None:
     cfg = apply_overrides(get_preset(args.preset), sets + list(args.set or []))
     if args.mode not in ("plain", "invariant"):  # the parent set what this mode keeps in the environment
         invariant.prepare_process = lambda *a, **k: None
-    if args.mode == "bare":
-        import contextlib
+    if args.mode == "bare":  # the microbatch scheme with autodiff's backward
+        import functools
 
-        from trainer import model
+        from trainer import step as steplib
 
-        model.fixed_order_backward = contextlib.nullcontext
+        loop.compile_step = functools.partial(steplib.compile_step, fixed_backward=False)
     built = loop.build(cfg)
     state = meshlib.init_sharded_state(cfg, built.mesh)
     records, times = [], []

@@ -2,8 +2,8 @@
 
 Two implementations of the same function (model.attention):
 
-- "explicit": scores and a hand-written softmax whose sums are model.tree_sum, so under
-  model.fixed_order_backward() its backward has one summation order on every device count.
+- "explicit": scores and a hand-written softmax whose sums are model.tree_sum, so with
+  fixed_backward (trainer/model.py) its backward has one summation order on every device count.
   Mesh-invariant mode (trainer/invariant.py) needs it; it materialises float32 [B, K, G, L, S]
   logits and probabilities, and can tap both (bisect's refinement looks at them).
 - "fused": jax.nn.dot_product_attention, the form XLA fuses and cuDNN / TPU kernels replace
@@ -75,6 +75,7 @@ def attention_mask(length: int, window: int | jax.Array) -> jax.Array:
 
 class Attention(nn.Module):
     cfg: ModelConfig
+    fixed_backward: bool = False  # softmax's and the QK-norms' fixed-order backward (trainer/model.py)
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array, sin_LxH2: jax.Array, cos_LxH2: jax.Array,
@@ -90,9 +91,9 @@ class Attention(nn.Module):
         model._tap(self, "v", v_BxLxKH)
         if cfg.qk_norm:  # OLMo-2: over the full projection width, before splitting heads
             group = H if cfg.qk_norm_scope == "head" else 0  # per head: a port bug (issue 13)
-            q_BxLxNH = model.RMSNorm(cfg, group, name="q_norm")(q_BxLxNH)
+            q_BxLxNH = model.RMSNorm(cfg, group, self.fixed_backward, name="q_norm")(q_BxLxNH)
             model._tap(self, "q_norm", q_BxLxNH)
-            k_BxLxKH = model.RMSNorm(cfg, group, name="k_norm")(k_BxLxKH)
+            k_BxLxKH = model.RMSNorm(cfg, group, self.fixed_backward, name="k_norm")(k_BxLxKH)
             model._tap(self, "k_norm", k_BxLxKH)
         # Query head n = k * G + g uses kv head k (the layout of HF's repeat_kv, and the grouping
         # jax.nn.dot_product_attention makes of N query heads over K kv heads).
@@ -103,7 +104,7 @@ class Attention(nn.Module):
         v_BxSxKxH = v_BxLxKH.reshape(B, L, K, H)
         mask_LxS = attention_mask(L, window)
         if cfg.attention == "fused":
-            if model._FIXED_BACKWARD[-1]:
+            if self.fixed_backward:
                 raise ConfigError("model.attention=fused has no fixed-order backward, which mesh-invariant mode "
                                   "needs; set model.attention=explicit with mesh.mesh_invariant=true")
             ctx_BxLxNxH = jax.nn.dot_product_attention(
@@ -128,6 +129,6 @@ class Attention(nn.Module):
         # a future padding mask could make one).
         logits_BxKxGxLxS = jnp.where(mask_LxS, logits_BxKxGxLxS, jnp.finfo(jnp.float32).min)
         model._tap(self, "logits", logits_BxKxGxLxS)
-        probs_BxKxGxLxS = model.softmax(logits_BxKxGxLxS)
+        probs_BxKxGxLxS = model.softmax(logits_BxKxGxLxS, self.fixed_backward)
         model._tap(self, "probs", probs_BxKxGxLxS)
         return jnp.einsum("bkgls,bskh->blkgh", probs_BxKxGxLxS.astype(model._dtype(self.cfg.dtype)), v_BxSxKxH)

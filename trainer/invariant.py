@@ -43,8 +43,8 @@ Enabled with `--set mesh.mesh_invariant=true mesh.n_microbatches=M`. The scheme:
 The scheme alone is not enough on XLA:CPU. Three more things were needed, each found by
 measurement (jax/jaxlib 0.10.2, x86-64 with AVX-512, 2 cores, virtual CPU devices):
 
-    a. Fixed-order backward passes for softmax and RMSNorm (`model.fixed_order_backward()`,
-       entered around each microbatch's value_and_grad). Autodiff turns the broadcast of a
+    a. Fixed-order backward passes for softmax and RMSNorm (`fixed_backward=True`,
+       passed to each microbatch's loss, trainer/microbatches.py). Autodiff turns the broadcast of a
        [..., 1] statistic into a plain XLA reduce, and XLA:CPU emitted the same reduce with a
        different summation order in the 1-device program than in the sharded ones.
     b. No FMA: XLA:CPU lets LLVM contract a multiply and an add into one FMA wherever both land
@@ -308,7 +308,7 @@ def scattered_sum(partials_Px: jax.Array, n_devices: int, m_total: int) -> jax.A
 
 def value_and_grad(params: Any, cfg: Config, batch: dict, step_key: jax.Array, capture: bool,
                    mesh: Mesh | None, reduction: str = "scatter",
-                   step: jax.Array | None = None) -> tuple[tuple[jax.Array, dict], Any]:
+                   step: jax.Array | None = None, fixed_backward: bool = True) -> tuple[tuple[jax.Array, dict], Any]:
     """((loss + z_loss, aux), grads) of the mean loss over the global batch, like
     jax.value_and_grad(step.loss_fn, has_aux=True), but computed microbatch by microbatch and
     reduced in one fixed order. grads: with "scatter" on n > 1 devices each leaf sharded by rows
@@ -324,6 +324,7 @@ def value_and_grad(params: Any, cfg: Config, batch: dict, step_key: jax.Array, c
     Cost per device: one microbatch's backward, the Counter's log2(M / n) + 1 shards of G / n
     (strided; consecutive: M / n gradients), nothing that grows with the run.
     `step`: the step counter, which the re-run check needs. A FaultyConfig's SDC faults act here.
+    `fixed_backward`: as microbatches.microbatch's, for every microbatch here and in the re-run.
     """
     from trainer import sdc
 
@@ -359,7 +360,7 @@ def value_and_grad(params: Any, cfg: Config, batch: dict, step_key: jax.Array, c
         init = [counter.init(jax.ShapeDtypeStruct(shape, p.dtype)) for shape, p in zip(shapes, leaves)]
 
         def body(acc, x):
-            grads, aux = microbatch(params, cfg, base, capture, x[:3])
+            grads, aux = microbatch(params, cfg, base, capture, x[:3], fixed_backward)
             if faults:
                 grads = sdc.corrupt(grads, faults, me, x[3], key_data)
             lanes = sdc.microbatch_summaries(grads, cfg) if replicas else ()
@@ -391,7 +392,7 @@ def value_and_grad(params: Any, cfg: Config, batch: dict, step_key: jax.Array, c
             out["replicas"] = (main.reshape(-1, 2), rms_MxG.reshape(-1))
         if rerun_every:  # everything inside one cond: a step that is not re-run pays for nothing else
             out["check"] = lax.cond(checked, lambda: sdc.rerun_check(params, cfg, base, tokens, layout, me, key_data,
-                                                                     step_in, main),
+                                                                     step_in, main, fixed_backward),
                                     lambda: sdc.no_check(m_total))
         return (loss + z_loss, out), grads
 

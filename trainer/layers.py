@@ -19,7 +19,6 @@ transient, params / devices bytes per device under FSDP.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Any
 
@@ -31,25 +30,12 @@ from trainer import model
 from trainer.attention import Attention, layer_window, rope_tables
 from trainer.config import ModelConfig
 
-# The sharding of the batch axis while the train step is traced (trainer/step.py sets it from the
-# mesh). XLA's SPMD partitioner does not carry the carry's sharding into a while loop's body on
-# its own: without this constraint the scanned blocks computed the whole global batch on every
-# device (measured: olmo3-7b, 1 block, 256 devices: 164 GB of temporaries per device vs 50 unrolled).
-_BATCH_SHARDING: list[Any] = [None]
-
-
-@contextlib.contextmanager
-def batch_sharding(sharding: Any):
-    """Constrain scanned activations' leading (batch) axis to `sharding` while tracing; None: no constraint."""
-    _BATCH_SHARDING.append(sharding)
-    try:
-        yield
-    finally:
-        _BATCH_SHARDING.pop()
-
-
-def constrain_batch(x: jax.Array) -> jax.Array:
-    sharding = _BATCH_SHARDING[-1]
+def constrain_batch(x: jax.Array, sharding: Any) -> jax.Array:
+    """x with its leading (batch) axis kept at `sharding` (trainer/step.py passes the mesh's batch
+    sharding); None: no constraint. XLA's SPMD partitioner does not carry the carry's sharding into
+    a while loop's body on its own: without this constraint the scanned blocks computed the whole
+    global batch on every device (measured: olmo3-7b, 1 block, 256 devices: 164 GB of temporaries
+    per device vs 50 unrolled)."""
     return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
 
 
@@ -93,19 +79,20 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     cfg: ModelConfig
+    fixed_backward: bool = False  # its norms' and attention's fixed-order backward (trainer/model.py)
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array, sin_LxH2: jax.Array, cos_LxH2: jax.Array,
                  deterministic: bool, window: int | jax.Array = 0) -> jax.Array:
         cfg = self.cfg
-        h_BxLxD = Attention(cfg, name="attn")(x_BxLxD, sin_LxH2, cos_LxH2, window)
-        h_BxLxD = model.RMSNorm(cfg, name="attn_norm")(h_BxLxD)
+        h_BxLxD = Attention(cfg, self.fixed_backward, name="attn")(x_BxLxD, sin_LxH2, cos_LxH2, window)
+        h_BxLxD = model.RMSNorm(cfg, fixed_backward=self.fixed_backward, name="attn_norm")(h_BxLxD)
         model._tap(self, "attn_norm", h_BxLxD)
         h_BxLxD = Dropout(cfg.dropout, name="attn_dropout")(h_BxLxD, deterministic=deterministic)
         model._tap(self, "attn", h_BxLxD, layer=True)  # the branch as added to the residual
         x_BxLxD = x_BxLxD + h_BxLxD
         h_BxLxD = MLP(cfg, name="mlp")(x_BxLxD)
-        h_BxLxD = model.RMSNorm(cfg, name="mlp_norm")(h_BxLxD)
+        h_BxLxD = model.RMSNorm(cfg, fixed_backward=self.fixed_backward, name="mlp_norm")(h_BxLxD)
         model._tap(self, "mlp_norm", h_BxLxD)
         h_BxLxD = Dropout(cfg.dropout, name="mlp_dropout")(h_BxLxD, deterministic=deterministic)
         model._tap(self, "mlp", h_BxLxD, layer=True)
@@ -122,6 +109,8 @@ def _block_cfg(cfg: ModelConfig, layer: int) -> ModelConfig:
 
 class Transformer(nn.Module):
     cfg: ModelConfig
+    fixed_backward: bool = False  # see model.apply
+    batch_sharding: Any = None  # see model.apply and constrain_batch
 
     @nn.compact
     def __call__(self, tokens_BxL: jax.Array, deterministic: bool = True, head: bool = True) -> jax.Array:
@@ -141,9 +130,9 @@ class Transformer(nn.Module):
             if cfg.remat != "none":  # self is argument 0: deterministic and window are static
                 block_cls = nn.remat(Block, policy=_POLICIES[cfg.remat], static_argnums=(4, 5))
             for i, name in enumerate(names):
-                x_BxLxD = block_cls(_block_cfg(cfg, i), name=name)(x_BxLxD, sin_LxH2, cos_LxH2, deterministic,
+                x_BxLxD = block_cls(_block_cfg(cfg, i), self.fixed_backward, name=name)(x_BxLxD, sin_LxH2, cos_LxH2, deterministic,
                                                                     layer_window(cfg, i))
-        x_BxLxD = model.RMSNorm(cfg, name="final_norm")(x_BxLxD)
+        x_BxLxD = model.RMSNorm(cfg, fixed_backward=self.fixed_backward, name="final_norm")(x_BxLxD)
         model._tap(self, "final_norm", x_BxLxD, layer=True)
         if not head and not self.is_initializing():  # the caller applies the head (trainer/chunked_loss.py)
             return x_BxLxD
@@ -170,7 +159,8 @@ class Transformer(nn.Module):
             if lo == hi:
                 continue
             x_BxLxD, seg_taps = _scan_blocks(_block_cfg(cfg, lo), [params[m] for m in names[lo:hi]],
-                                             list(range(lo, hi)), x_BxLxD, sin_LxH2, cos_LxH2, key, capture)
+                                             list(range(lo, hi)), x_BxLxD, sin_LxH2, cos_LxH2, key, capture,
+                                             self.fixed_backward, self.batch_sharding)
             taps.append(seg_taps)
         if capture:  # the stacked outputs, split back into the per-layer names in execution order
             stacked = [jnp.concatenate(parts) for parts in zip(*taps)]
@@ -182,26 +172,26 @@ class Transformer(nn.Module):
 
 def _scan_blocks(cfg: ModelConfig, block_params: list[Any], layers: list[int], x_BxLxD: jax.Array,
                  sin_LxH2: jax.Array, cos_LxH2: jax.Array, key: jax.Array | None,
-                 capture: bool) -> tuple[jax.Array, Any]:
+                 capture: bool, fixed_backward: bool = False, sharding: Any = None) -> tuple[jax.Array, Any]:
     """lax.scan of one Block body over the stacked parameters of `layers`; with `capture`, also
     their (attn, mlp, block) outputs stacked [len(layers), B, L, D]."""
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *block_params)
     index = jnp.asarray(layers, jnp.int32)
     windows = jnp.asarray([layer_window(cfg, i) for i in layers], jnp.int32)
-    block = Block(cfg)  # unbound: applied to one layer's parameters per iteration
+    block = Block(cfg, fixed_backward)  # unbound: applied to one layer's parameters per iteration
     deterministic = key is None
 
     def body(x, xs):
         p, i, window = xs
-        x = constrain_batch(x)
+        x = constrain_batch(x, sharding)
         rngs = {} if key is None else {"dropout": jax.random.fold_in(key, i)}
         if not capture:
             y = block.apply({"params": p}, x, sin_LxH2, cos_LxH2, deterministic, window, rngs=rngs)
-            return constrain_batch(y), None
+            return constrain_batch(y, sharding), None
         y, state = block.apply({"params": p}, x, sin_LxH2, cos_LxH2, deterministic, window, rngs=rngs,
                                mutable=[model.LAYERS])
         t = model._collect(state[model.LAYERS], {})  # an unbound block taps "attn", "mlp", ""
-        return constrain_batch(y), tuple(constrain_batch(t[k]) for k in ("attn", "mlp", ""))
+        return constrain_batch(y, sharding), tuple(constrain_batch(t[k], sharding) for k in ("attn", "mlp", ""))
 
     if cfg.remat != "none":
         body = jax.checkpoint(body, policy=_POLICIES[cfg.remat], prevent_cse=False)

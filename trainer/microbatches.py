@@ -7,6 +7,7 @@ computes it: that is what makes one device's work comparable bit for bit with an
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -16,15 +17,17 @@ from jax import lax
 from trainer.constants import BATCH_AXES
 
 
-def microbatch(params: Any, cfg: Config, base: jax.Array, capture: bool, x: tuple) -> tuple[Any, dict]:
-    """One microbatch's (grads, aux): the same program on any device and layout."""
-    from trainer import model, step as steplib
+def microbatch(params: Any, cfg: Config, base: jax.Array, capture: bool, x: tuple,
+               fixed_backward: bool = True) -> tuple[Any, dict]:
+    """One microbatch's (grads, aux): the same program on any device and layout. `fixed_backward`:
+    no plain reduces in softmax's and RMSNorm's backward (trainer/model.py); False only to measure
+    what that buys."""
+    from trainer import step as steplib
 
     inputs_mb, targets_mb, index = x
     key = jax.random.fold_in(base, index.astype(jnp.uint32))
-    with model.fixed_order_backward():  # no plain reduces in softmax/RMSNorm backward
-        (_, aux), grads = jax.value_and_grad(steplib.loss_fn, has_aux=True)(
-            params, cfg, inputs_mb, targets_mb, key, capture)
+    loss_fn = functools.partial(steplib.loss_fn, fixed_backward=fixed_backward)
+    (_, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, cfg, inputs_mb, targets_mb, key, capture)
     return grads, aux
 
 

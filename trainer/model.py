@@ -31,7 +31,6 @@ so asking for block_03's internals does not keep every block's attention matrix 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from collections.abc import Mapping
@@ -140,9 +139,10 @@ def _tree_sum_bwd(shape: tuple[int, ...], g: jax.Array):
 tree_sum.defvjp(_tree_sum_fwd, _tree_sum_bwd)
 
 
-def softmax(logits: jax.Array) -> jax.Array:
-    """Softmax over the last axis with a shape-independent sum (see tree_sum)."""
-    if _FIXED_BACKWARD[-1]:
+def softmax(logits: jax.Array, fixed_backward: bool = False) -> jax.Array:
+    """Softmax over the last axis with a shape-independent sum (see tree_sum); `fixed_backward`:
+    its hand-written backward (below)."""
+    if fixed_backward:
         return _softmax_fixed(logits)
     return _softmax(logits)
 
@@ -159,19 +159,10 @@ def _softmax(logits: jax.Array) -> jax.Array:
 # norm's [D] scale into a plain XLA reduce in the backward pass, and XLA:CPU emits the same
 # reduce with a different summation order depending on the surrounding program (measured: the
 # softmax backward of one microbatch differed between a 1-device and a 4-device program).
-# Under `fixed_order_backward()` (trainer/invariant.py traces the step inside it) softmax and
-# RMSNorm use hand-written backward passes whose only sums are tree_sum. The forward bits are
-# the same either way; outside the context nothing changes.
-_FIXED_BACKWARD = [False]
-
-
-@contextlib.contextmanager
-def fixed_order_backward():
-    _FIXED_BACKWARD.append(True)
-    try:
-        yield
-    finally:
-        _FIXED_BACKWARD.pop()
+# With `fixed_backward` (an argument of apply, and a field of the modules down to softmax and
+# RMSNorm; trainer/microbatches.py sets it in mesh-invariant mode) softmax and RMSNorm use
+# hand-written backward passes whose only sums are tree_sum. The forward bits are the same
+# either way. An argument, not a flag read while tracing, so jit's and compile_step's caches see it.
 
 
 @jax.custom_vjp
@@ -232,6 +223,7 @@ def logsumexp(logits: jax.Array) -> jax.Array:
 class RMSNorm(nn.Module):
     cfg: ModelConfig
     group: int = 0  # statistics over groups of this many trailing elements (one head); 0 = all
+    fixed_backward: bool = False  # the fixed-order backward (mesh-invariant mode), see above
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -244,7 +236,7 @@ class RMSNorm(nn.Module):
         if self.group:  # the scale keeps its [D] shape, so the weights convert either way
             x32 = x32.reshape(x.shape[:-1] + (x.shape[-1] // self.group, self.group))
             scale32 = scale32.reshape(x32.shape[-2:])
-        if _FIXED_BACKWARD[-1]:
+        if self.fixed_backward:
             y32 = _rms_norm_fixed(x32, scale32, self.cfg.norm_eps)
         else:
             y32 = _rms_norm(x32, scale32, self.cfg.norm_eps)[0]
@@ -296,7 +288,8 @@ def _collect(tree: Mapping[str, Any], out: dict[str, jax.Array]) -> dict[str, ja
 
 
 def apply(cfg: Config | ModelConfig, params: Any, tokens_BxL: jax.Array, *,
-          dropout_key: jax.Array | None = None, capture: bool | str = False, head: bool = True) -> Any:
+          dropout_key: jax.Array | None = None, capture: bool | str = False, head: bool = True,
+          fixed_backward: bool = False, batch_sharding: Any = None) -> Any:
     """Forward pass: float32 logits [B, L, V] (head=False: the final norm's output [B, L, D]
     instead, for trainer/chunked_loss.py; then no "logits" is captured).
 
@@ -307,11 +300,14 @@ def apply(cfg: Config | ModelConfig, params: Any, tokens_BxL: jax.Array, *,
       array}). Capturing never changes the logits' bits. Dict keys are in execution order
       when called eagerly; jit returns dicts with sorted keys, so take the order from the
       name functions.
+    fixed_backward: softmax's and RMSNorm's fixed-order backward passes (mesh-invariant mode).
+    batch_sharding: the batch axis's sharding, kept on the scanned blocks' activations
+      (trainer/layers.py); None: no constraint.
     """
     from trainer.layers import Transformer
 
     m = _model_cfg(cfg)
-    model = Transformer(m)
+    model = Transformer(m, fixed_backward, batch_sharding)
     variables = {"params": params}
     rngs = {} if dropout_key is None else {"dropout": dropout_key}
     deterministic = dropout_key is None

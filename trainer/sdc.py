@@ -271,7 +271,8 @@ def check_summaries(main_MxGx2: jax.Array, rerun_MxGx2: jax.Array, checked: jax.
     return jnp.stack(words), jnp.full((len(words),), jnp.where(checked, 1.0, 0.0), jnp.float32)
 
 
-def rerun_check(params, cfg: Config, base, tokens, layout: Layout, me, key_data, step, main_MxGx2=None):
+def rerun_check(params, cfg: Config, base, tokens, layout: Layout, me, key_data, step, main_MxGx2=None,
+                fixed_backward: bool = True):
     """The "check/rerun" summaries of a re-run step (inside the step's shard_map, under its cond):
     every microbatch re-computed with the work rotated by check.rotate and compared with the
     step's own replica fingerprints (`main_MxGx2`, with check.replicas) or, without them, with a
@@ -281,9 +282,11 @@ def rerun_check(params, cfg: Config, base, tokens, layout: Layout, me, key_data,
     summary = None
     if main_MxGx2 is None:  # two re-computations: compare them by cheap checksums
         summary = checksums
-        main_MxGx2 = layout.in_order(rotated_lanes(params, cfg, base, tokens, layout, me, 0, chips, key_data, step, summary))
-    rerun = layout.owner_order(rotated_lanes(params, cfg, base, tokens, layout, me, rotate, chips, key_data, step, summary),
-                               rotate)
+        main_MxGx2 = layout.in_order(
+            rotated_lanes(params, cfg, base, tokens, layout, me, 0, chips, key_data, step, summary, fixed_backward))
+    rerun = layout.owner_order(
+        rotated_lanes(params, cfg, base, tokens, layout, me, rotate, chips, key_data, step, summary, fixed_backward),
+        rotate)
     return check_summaries(main_MxGx2, rerun, jnp.bool_(True))
 
 
@@ -307,11 +310,12 @@ def checksums(grads: Any, cfg: Config) -> jax.Array:
     return jnp.stack(out)
 
 
-def rotated_lanes(params, cfg, base, tokens, layout, me, rotate, faults, key_data, step, summary=None) -> jax.Array:
+def rotated_lanes(params, cfg, base, tokens, layout, me, rotate, faults, key_data, step, summary=None,
+                  fixed_backward: bool = True) -> jax.Array:
     """[local, G, 2] lanes of the microbatches of device (me + rotate) % n, computed here (device me);
     `summary` (default: the replica fingerprints' lanes) of each microbatch's gradient."""
     def body(carry, x):
-        grads, _ = microbatch(params, cfg, base, False, x[:3])
+        grads, _ = microbatch(params, cfg, base, False, x[:3], fixed_backward)
         if faults:
             grads = corrupt(grads, faults, me, x[3], key_data, step)
         return carry, (summary or (lambda g, c: microbatch_summaries(g, c)[0]))(grads, cfg)

@@ -86,11 +86,13 @@ def _tree_summary(leaves: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
 
 
 def loss_fn(params: Any, cfg: Config, inputs_BxL: jax.Array, targets_BxL: jax.Array, key: jax.Array | None,
-            capture: bool) -> tuple[jax.Array, dict]:
-    """Mean next-token cross-entropy (+ z-loss); aux holds per-example loss and captured layers."""
+            capture: bool, *, fixed_backward: bool = False, batch_sharding: Any = None) -> tuple[jax.Array, dict]:
+    """Mean next-token cross-entropy (+ z-loss); aux holds per-example loss and captured layers.
+    fixed_backward, batch_sharding: as model.apply's."""
     dropout_key = key if cfg.model.dropout > 0 else None
     chunk = cfg.model.loss_chunk
-    out = model.apply(cfg.model, params, inputs_BxL, dropout_key=dropout_key, capture=capture, head=not chunk)
+    out = model.apply(cfg.model, params, inputs_BxL, dropout_key=dropout_key, capture=capture, head=not chunk,
+                      fixed_backward=fixed_backward, batch_sharding=batch_sharding)
     logits_BxLxV, layers = out if capture else (out, {})
     if chunk:  # the head in chunks of positions: the whole logits never live (trainer/chunked_loss.py)
         hidden_BxLxD = logits_BxLxV
@@ -109,7 +111,8 @@ def loss_fn(params: Any, cfg: Config, inputs_BxL: jax.Array, targets_BxL: jax.Ar
     return loss + z_loss, {"loss": loss, "z_loss": z_loss, "example_loss": ce_B, "layers": layers}
 
 
-def _accumulated_grads(params: Any, cfg: Config, batch: dict, step_key: jax.Array, capture: bool) -> tuple[dict, Any]:
+def _accumulated_grads(params: Any, cfg: Config, batch: dict, step_key: jax.Array, capture: bool,
+                       sharding: Any) -> tuple[dict, Any]:
     """Gradient accumulation (optimizer.microbatches = M): the mean of M microbatches' gradients,
     summed in order by a lax.scan, so activations live for B / M examples at a time.
 
@@ -131,9 +134,10 @@ def _accumulated_grads(params: Any, cfg: Config, batch: dict, step_key: jax.Arra
 
     def body(acc: Any, xs: tuple) -> tuple[Any, dict]:
         inputs, targets, m = xs
-        inputs, targets = layers.constrain_batch(inputs), layers.constrain_batch(targets)  # see layers.py
+        inputs, targets = layers.constrain_batch(inputs, sharding), layers.constrain_batch(targets, sharding)
         key = jax.random.fold_in(step_key, m.astype(jnp.uint32))
-        (_, aux), g = jax.value_and_grad(loss_fn, has_aux=True)(params, cfg, inputs, targets, key, capture)
+        (_, aux), g = jax.value_and_grad(functools.partial(loss_fn, batch_sharding=sharding), has_aux=True)(
+            params, cfg, inputs, targets, key, capture)
         return jax.tree.map(jnp.add, acc, g), aux
 
     zeros = jax.tree.map(jnp.zeros_like, params)
@@ -145,9 +149,11 @@ def _accumulated_grads(params: Any, cfg: Config, batch: dict, step_key: jax.Arra
 
 
 def train_step(state: TrainState, batch: dict, *, cfg: Config, level: str = "step",
-               mesh: Any = None) -> tuple[TrainState, dict]:
+               mesh: Any = None, fixed_backward: bool = True) -> tuple[TrainState, dict]:
     """One optimizer step on `batch` ({"inputs": int32[B, L], "targets": int32[B, L]}).
-    `mesh`: the batch's mesh; only mesh-invariant mode uses it (trainer/invariant.py)."""
+    `mesh`: the batch's mesh (mesh-invariant mode's reduction, the scanned blocks' batch sharding).
+    `fixed_backward`: mesh-invariant mode's fixed-order backward passes (trainer/model.py); False
+    only to measure what they buy (autodiff's inside the same microbatch scheme)."""
     step_key = rng.step_key(jax.random.wrap_key_data(state.key, impl="threefry2x32"), state.step)
     if cfg.mesh.mesh_invariant:  # --- mesh-invariant mode: fixed-order microbatched gradients
         from trainer.config import ConfigError
@@ -157,17 +163,17 @@ def train_step(state: TrainState, batch: dict, *, cfg: Config, level: str = "ste
                               "mesh.n_microbatches: leave optimizer.microbatches=1")
 
         (_, aux), grads = invariant.value_and_grad(state.params, cfg, batch, step_key, level == "layer", mesh,
-                                                   step=state.step if level == "layer" else None)
+                                                   step=state.step if level == "layer" else None,
+                                                   fixed_backward=fixed_backward)
     else:
         # Loops (the scan over layers, gradient accumulation) keep the batch axis sharded inside.
         sharding = None if mesh is None else NamedSharding(mesh, PartitionSpec(BATCH_AXES))
-        with layers.batch_sharding(sharding):
-            if cfg.optimizer.microbatches > 1:
-                aux, grads = _accumulated_grads(state.params, cfg, batch, step_key, level == "layer")
-            else:
-                grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-                (_, aux), grads = grad_fn(state.params, cfg, batch["inputs"], batch["targets"], step_key,
-                                          level == "layer")
+        if cfg.optimizer.microbatches > 1:
+            aux, grads = _accumulated_grads(state.params, cfg, batch, step_key, level == "layer", sharding)
+        else:
+            grad_fn = jax.value_and_grad(functools.partial(loss_fn, batch_sharding=sharding), has_aux=True)
+            (_, aux), grads = grad_fn(state.params, cfg, batch["inputs"], batch["targets"], step_key,
+                                      level == "layer")
     opt_in = state.opt_state
     if level == "layer":
         # Summarise the state entering the step before the update overwrites it in place.
@@ -234,8 +240,11 @@ def train_step(state: TrainState, batch: dict, *, cfg: Config, level: str = "ste
     return new_state, metrics
 
 
-def compile_step(cfg: Config, level: str, state_sharding: Any = None, batch_sharding: Any = None):
+def compile_step(cfg: Config, level: str, state_sharding: Any = None, batch_sharding: Any = None, *,
+                 fixed_backward: bool = True):
     """The jitted train step (the one place it is jitted). Shardings None = let jit decide.
+    `fixed_backward`: as train_step's; every argument is in the key, so no setting outside them
+    changes what a kept program computes.
 
     The same arguments give the same jitted function, so a process that builds the step again
     (a replay after a training run, bisect's two runs and its windows, a resume) reuses the
@@ -246,31 +255,24 @@ def compile_step(cfg: Config, level: str, state_sharding: Any = None, batch_shar
         raise ValueError(f"trace level {level!r} is not one of {TRACE_LEVELS}")
     leaves, treedef = jax.tree.flatten(state_sharding)
     try:
-        key = (cfg, level, tuple(leaves), treedef, batch_sharding)
+        key = (cfg, level, tuple(leaves), treedef, batch_sharding, fixed_backward)
         hash(key)
     except TypeError:  # a config or sharding that cannot be a key: built afresh
-        return _jitted_step(cfg, level, state_sharding, batch_sharding)
+        return _jitted_step(cfg, level, state_sharding, batch_sharding, fixed_backward)
     return _kept_step(key)
 
 
 _STEPS_KEPT = 8
 
 
-def forget_compiled_steps() -> None:
-    """Drop the kept programs. For code that changes what tracing the step computes without
-    changing its arguments (a test's stand-in for a model function): the next compile_step
-    traces afresh."""
-    _kept_step.cache_clear()
-
-
 @functools.lru_cache(maxsize=_STEPS_KEPT)
 def _kept_step(key: tuple):
-    cfg, level, leaves, treedef, batch_sharding = key
-    return _jitted_step(cfg, level, jax.tree.unflatten(treedef, leaves), batch_sharding)
+    cfg, level, leaves, treedef, batch_sharding, fixed_backward = key
+    return _jitted_step(cfg, level, jax.tree.unflatten(treedef, leaves), batch_sharding, fixed_backward)
 
 
-def _jitted_step(cfg: Config, level: str, state_sharding: Any, batch_sharding: Any):
-    fn = functools.partial(train_step, cfg=cfg, level=level,
+def _jitted_step(cfg: Config, level: str, state_sharding: Any, batch_sharding: Any, fixed_backward: bool = True):
+    fn = functools.partial(train_step, cfg=cfg, level=level, fixed_backward=fixed_backward,
                            mesh=None if batch_sharding is None else batch_sharding.mesh)
     if state_sharding is None:
         return jax.jit(fn, donate_argnums=0)

@@ -121,13 +121,12 @@ def test_per_head_qk_norm_has_a_fixed_order_backward_equal_to_autodiffs():
     params = jmodel.init_params(m, jax.random.key(1))
     tokens = jnp.asarray(np.random.default_rng(3).integers(0, m.vocab_size, (2, 16)), jnp.int32)
 
-    def grad():  # traced anew each call, inside or outside the context
-        fn = jax.jit(jax.grad(lambda p: jnp.mean(jmodel.apply(m, p, tokens) ** 2)))
+    def grad(fixed_backward: bool):
+        fn = jax.jit(jax.grad(lambda p: jnp.mean(jmodel.apply(m, p, tokens, fixed_backward=fixed_backward) ** 2)))
         return fn(params)["block_00"]["attn"]["q_norm"]
 
-    plain = grad()
-    with jmodel.fixed_order_backward():
-        fixed = grad()
+    plain = grad(False)
+    fixed = grad(True)
     np.testing.assert_allclose(np.asarray(fixed["scale"]), np.asarray(plain["scale"]), rtol=1e-4, atol=1e-9)
 
 

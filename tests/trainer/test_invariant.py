@@ -6,6 +6,8 @@ without the fixed-order backward) are tests/trainer/test_invariant_claims.py's.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -83,7 +85,7 @@ def test_contract_for_mesh_invariant_runs():
 
 
 def test_fixed_order_backward_keeps_forward_bits_and_gradients_close():
-    """softmax and RMSNorm under model.fixed_order_backward(): the same forward bits, gradients
+    """softmax and RMSNorm with fixed_backward=True: the same forward bits, gradients
     within float rounding of autodiff's (the sums are only reordered)."""
     from trainer import model, step
 
@@ -91,13 +93,13 @@ def test_fixed_order_backward_keeps_forward_bits_and_gradients_close():
     params = model.init_params(cfg.model, jax.random.key(0))
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.model.vocab_size, (2, cfg.model.seq_len)), jnp.int32)
 
-    def run():
-        return jax.jit(jax.value_and_grad(step.loss_fn, has_aux=True), static_argnums=(1, 5))(
+    def run(fixed_backward: bool):
+        loss_fn = functools.partial(step.loss_fn, fixed_backward=fixed_backward)
+        return jax.jit(jax.value_and_grad(loss_fn, has_aux=True), static_argnums=(1, 5))(
             params, cfg, tokens, tokens, None, False)
 
-    (loss_a, _), grads_a = run()
-    with model.fixed_order_backward():
-        (loss_b, _), grads_b = run()
+    (loss_a, _), grads_a = run(False)
+    (loss_b, _), grads_b = run(True)
     assert np.asarray(loss_a).tobytes() == np.asarray(loss_b).tobytes()
     for a, b in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)

@@ -9,7 +9,7 @@ before JAX starts (this pytest process has one device and lacks mesh-invariant m
   in every stored byte of every trace record (metrics, per-example losses, RNG words, hashes, every
   fingerprint and RMS) and in every array of every checkpoint.
 The comparisons are shown to fail on real differences: without the fixed-order backward
-(trainer/model.py, `fixed_order_backward`) 1 and 8 devices part at step 0 in the gradients, which
+(trainer/model.py, `fixed_backward`) 1 and 8 devices part at step 0 in the gradients, which
 is also why a run that silently fell back to autodiff's backward would not equal the recorded
 ones; and a plain data-parallel run recorded on 8 devices does not replay bit-exactly on 1 (that
 one is tests/replay/test_noise.py's, whose runs are plain 1 and 8 device runs).
@@ -51,27 +51,23 @@ RUN_SETS = INVARIANT + ONE_BLOCK + [f"steps={STEPS}", f"checkpoint.every_steps={
 REPLAYED = (1, 3)  # `replay run --steps 1:3`: from the checkpoint at 0, so step 0 is the warmup
 
 # `replay` commands in turn in one fresh process (argv[1]: a JSON list of {"args", "fallback"}),
-# their results as one JSON line. "fallback": model.fixed_order_backward replaced by a no-op for
-# that command: autodiff's backward inside the microbatch scheme, everything else (scheme, process
-# settings) as mesh-invariant mode has it. model's callers look it up at trace time, so the steps
-# compile_step keeps from other commands are dropped around it.
+# their results as one JSON line. "fallback": the loop compiles its step with fixed_backward=False
+# for that command: autodiff's backward inside the microbatch scheme, everything else (scheme,
+# process settings) as mesh-invariant mode has it. An argument of compile_step, so the programs it
+# keeps for the other commands are other programs.
 _COMMANDS = r"""
-import contextlib, json, sys
+import functools, json, sys
 from typer.testing import CliRunner
 from replay.cli.app import app
-from trainer import model, step
+from trainer import loop, step
 out = []
 for job in json.loads(sys.argv[1]):
-    kept = model.fixed_order_backward
     if job["fallback"]:
-        step.forget_compiled_steps()
-        model.fixed_order_backward = contextlib.nullcontext
+        loop.compile_step = functools.partial(step.compile_step, fixed_backward=False)
     try:
         r = CliRunner().invoke(app, job["args"], env={"REPLAY_DEBUG": None})
     finally:
-        if job["fallback"]:
-            model.fixed_order_backward = kept
-            step.forget_compiled_steps()
+        loop.compile_step = step.compile_step
     crash = None if r.exception is None or isinstance(r.exception, SystemExit) else repr(r.exception)
     out.append({"exit_code": r.exit_code, "stdout": r.stdout, "stderr": r.stderr, "crash": crash})
 print(json.dumps(out))

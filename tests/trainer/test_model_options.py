@@ -138,8 +138,8 @@ def test_fused_attention_is_the_same_function_and_refused_where_order_is_fixed()
     b = np.asarray(_apply(fused.model, params, tokens))
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
     assert "block_00.attn.probs" not in model.block_capture_names(fused.model, "block_00")
-    with model.fixed_order_backward(), pytest.raises(ConfigError, match="model.attention=explicit"):
-        jax.jit(lambda p: model.apply(fused.model, p, tokens))(params)  # traced anew, inside the context
+    with pytest.raises(ConfigError, match="model.attention=explicit"):
+        jax.jit(lambda p: model.apply(fused.model, p, tokens, fixed_backward=True))(params)
 
 
 def test_flops_count_a_sliding_layers_window():

@@ -6,7 +6,7 @@
     RUN/COMPLETE        present once the last writer finished cleanly: {"end": one past the last step}
     RUN/.lock           flock()ed by the writer; the kernel drops it when the writer dies
     RUN/trace/          segment files (see trace.py)
-    RUN/checkpoints/    checkpoints, written by the trainer
+    RUN/checkpoints/    checkpoints (orbax, or safetensors for replay.torch), written by the loop: see FORMAT.md
 
 The lock is an advisory flock, not a pid file, so a writer killed with SIGKILL never leaves a
 stale lock behind, and `status` can tell a live writer from a crashed one.

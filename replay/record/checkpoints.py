@@ -2,7 +2,7 @@
 
 The run's own manager saves into RUN/checkpoints (or the user's CheckpointManager, given to
 `replay.init(checkpoints=...)`, saves where it saves; the manifest records that folder). Every
-save records `state_fingerprint(state)` (trainer/fingerprint.py: every leaf's path, dtype, shape
+save records `state_fingerprint(state)` (replay/record/fingerprint.py: every leaf's path, dtype, shape
 and bits) in the manifest; every restore at replay recomputes it on device and refuses a state
 that differs (orbax stores chunks without checksums, so only this catches a flipped bit).
 Replay opens the folder read-only: nothing in the run changes.

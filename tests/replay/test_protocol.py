@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import traces
+from replay.record.hashing import batch_hash
 from replay import errors
 from replay.replayer import Replayer, ReplayUnavailable, open_replayable
 from replay.verify import VerifyInputError, verify
@@ -35,7 +36,8 @@ def _write(path: Path, manifest: dict, tensors=(), fingerprints=None, loss=1.0) 
     w = r.writer(8)
     for k in range(STEPS):
         fps = None if fingerprints is None else np.asarray(fingerprints(k), np.uint64)
-        w.append(traces.StepRecord(k, np.array([k, 1], np.uint32), k + 1, np.arange(2 * k, 2 * k + 2, dtype=np.uint64),
+        hashes = np.arange(2 * k, 2 * k + 2, dtype=np.uint64)
+        w.append(traces.StepRecord(k, np.array([k, 1], np.uint32), batch_hash(hashes), hashes,
                                    np.array([loss], np.float32), fingerprints=fps,
                                    rms=None if fps is None else np.ones(len(fps), np.float32)))
     r.finish()
@@ -47,6 +49,7 @@ class Loop:
 
     def __init__(self, checkpoints=(0,)):
         self.checkpoints = list(checkpoints)
+        self.schema = traces.Schema(examples_per_step=2, rng_words=2, metrics=(("loss", "loss"),))  # _write's
 
     def environment(self) -> dict:
         return {}
@@ -61,7 +64,8 @@ class Loop:
         return {"w": jnp.ones(4, jnp.float32), "at": step}
 
     def step(self, state, step: int):
-        return state, {"loss": jnp.sum(state["w"]) / 4}, np.arange(2 * step, 2 * step + 2, dtype=np.uint64)
+        metrics = {"loss": jnp.sum(state["w"]) / 4, "rng": np.array([step, 1], np.uint32)}  # what _write recorded
+        return state, metrics, np.arange(2 * step, 2 * step + 2, dtype=np.uint64)
 
 
 class Replicas(Loop):

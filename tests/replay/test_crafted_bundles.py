@@ -21,7 +21,6 @@ Also here, sharing the recorded run: `replay bisect RUN BUNDLE` of a run and its
 from __future__ import annotations
 
 import builtins
-import dataclasses
 import hashlib
 import io
 import json
@@ -37,11 +36,11 @@ import numpy as np
 import pytest
 import zstandard
 
-import replay
 import traces
 from replay.bundle import format as fmt
 from replay.code import MARKER
 from tests.cli_util import assert_one_line_error, invoke
+from tests.replay.test_exported import record
 from traces.run import write_manifest
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -66,19 +65,9 @@ def replayable(run, **kw):
 """
 
 
-def _record(path: Path, steps: int = 8, **bug) -> Path:
-    cfg = optax_loop.Config(steps=steps, checkpoint_every=5, **bug)
-    loop = optax_loop.make(dataclasses.asdict(cfg))
-    run = replay.init(path, config=dataclasses.asdict(cfg), entrypoint=optax_loop.make, store_examples=True)
-    step = run.step(batch_axis=0, metric_kinds=optax_loop.METRIC_KINDS)(loop.step)
-    state = loop.init()
-    for k in range(steps):
-        if k % cfg.checkpoint_every == 0:
-            run.save(k, state)
-        state, _ = step(state, loop.batch_at(k))
-    run.save(steps, state)
-    run.finish()
-    return path
+def _record(path: Path, **bug) -> Path:
+    """examples/optax_loop.py's loop, 8 steps, recorded naming its own entry point (test_exported's recorder)."""
+    return record(path, entrypoint=optax_loop.make, steps=8, **bug)
 
 
 @pytest.fixture(scope="module")

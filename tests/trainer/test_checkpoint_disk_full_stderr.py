@@ -24,19 +24,15 @@ from traces import Run
 ROOT = Path(__file__).resolve().parents[2]
 
 _TRAIN_ON_A_FULL_DISK = r"""
-import errno, sys
+import sys
 from pathlib import Path
-from orbax.checkpoint._src.serialization import serialization
+
+import pytest
+
+from tests.trainer.full_disk import full_after_checkpoint_0
 
 out = Path(sys.argv[1])
-real = serialization.async_serialize_from_host
-
-async def full_after_first_checkpoint(*args, **kwargs):
-    if (out / "checkpoints" / "0").is_dir():  # saves never overlap: 0 is complete, 2 fails
-        raise OSError(errno.ENOSPC, "No space left on device")
-    return await real(*args, **kwargs)
-
-serialization.async_serialize_from_host = full_after_first_checkpoint
+full_after_checkpoint_0(pytest.MonkeyPatch(), out)  # checkpoint 0 is complete, 2 fails
 from replay.cli.app import main
 sys.argv = ["replay", "train", "--out", str(out), "--steps", "4", "--set", "checkpoint.every_steps=2"]
 main()

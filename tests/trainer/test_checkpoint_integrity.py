@@ -6,7 +6,6 @@ One tiny run is trained once per module; each test damages its own copy."""
 
 from __future__ import annotations
 
-import errno
 import json
 import shutil
 from pathlib import Path
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 
 from tests.cli_util import assert_one_line_error, dir_digest, invoke
+from tests.trainer.full_disk import full_after_checkpoint_0
 from traces import Run
 from traces.run import write_manifest
 from trainer import mesh as M
@@ -194,19 +194,8 @@ def test_a_resume_that_does_not_reproduce_a_recorded_step_exits_1(run_copy, monk
 # ------------------------------------------------------------------------ a full disk while saving
 
 def test_a_full_disk_while_saving_a_checkpoint_is_one_line_and_the_run_resumes(tmp_path, monkeypatch):
-    from orbax.checkpoint._src.serialization import serialization
-
-    real = serialization.async_serialize_from_host
     path = tmp_path / "run"
-
-    async def full_after_first_checkpoint(*args, **kwargs):
-        # Saves never overlap, so checkpoint 0 is complete (renamed from its temporary folder)
-        # before checkpoint 2 is written: the disk is full from then on.
-        if (path / "checkpoints" / "0").is_dir():
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return await real(*args, **kwargs)
-
-    monkeypatch.setattr(serialization, "async_serialize_from_host", full_after_first_checkpoint)
+    full_after_checkpoint_0(monkeypatch, path)  # checkpoint 2's arrays meet a full disk
     result = invoke("train", "--out", str(path), "--steps", "4", "--set", "checkpoint.every_steps=2")
     assert result.exit_code == 2, result.output
     line = error_line(result)

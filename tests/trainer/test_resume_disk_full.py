@@ -8,29 +8,16 @@ filled with a file; here the full disk is injected (orbax's writes, then every f
 
 from __future__ import annotations
 
-import errno
 import os
 
 from tests.cli_util import invoke
+from tests.trainer.full_disk import full_after_checkpoint_0, no_space
 from traces import Run
 
 
-def no_space(*args, **kwargs):
-    raise OSError(errno.ENOSPC, "No space left on device")
-
-
 def test_a_resume_on_the_still_full_disk_names_the_last_recorded_step(tmp_path, monkeypatch):
-    from orbax.checkpoint._src.serialization import serialization
-
-    real = serialization.async_serialize_from_host
     path = tmp_path / "run"
-
-    async def full_after_first_checkpoint(*args, **kwargs):
-        if (path / "checkpoints" / "0").is_dir():
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return await real(*args, **kwargs)
-
-    monkeypatch.setattr(serialization, "async_serialize_from_host", full_after_first_checkpoint)
+    full_after_checkpoint_0(monkeypatch, path)
     first = invoke("train", "--out", str(path), "--steps", "4", "--set", "checkpoint.every_steps=2")
     assert first.exit_code == 2 and "every step up to 3 is recorded" in first.stderr, first.output
     manifest = (path / "run.json").read_bytes()

@@ -30,12 +30,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from replay.code import OWN_FACTORIES
 from traces import Run, Schema
 
 # The factory of a run whose manifest names none: every run of trainer/ recorded before runs
 # named their factory. A string the manifest protocol resolves (replay.code.OWN_FACTORIES), not
 # an import: replay reaches the trainer only as it reaches any loop, through its entry point.
-LEGACY_DEFAULT_FACTORY = "trainer.replayable:from_run"
+LEGACY_DEFAULT_FACTORY = OWN_FACTORIES[0]  # "trainer.replayable:from_run"
 
 REQUIRED = ("environment", "program_hash", "checkpoint_steps", "restore", "step")
 

@@ -11,9 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from replay.protocol import LEGACY_DEFAULT_FACTORY as TRAINER_FACTORY
 from trainer.config import Config, ConfigError, from_dict
-
-TRAINER_FACTORY = "trainer.replayable:from_run"
 
 
 class TrainerReference:

@@ -10,7 +10,7 @@ rest still runs; a watchdog prints what was measured so far and exits at --deadl
              here for --pair-steps at trace level layer (run A), then, in a child process on
              the CPU (JAX_PLATFORMS=cpu), the same config trained from the same seed (run B:
              A replayed on the CPU, recorded) and `replay run A` on the CPU; B is judged
-             against A with replay/noise.py (A's noise floor, measured on the CPU by replaying
+             against A with replay/engine/noise.py (A's noise floor, measured on the CPU by replaying
              A with every parameter one ULP off). Across backends bits are not expected; the
              verdict says whether any recorded quantity is above the floor.
   lanes      `--preset` (olmo-1b) with `data.global_batch_size=--batch` (one 4096-token example
@@ -125,7 +125,7 @@ def record_pair_a(args: argparse.Namespace, out: Path) -> Path:
 
 def cpu_side(a_path: Path, out: Path) -> dict:
     """In the CPU child: train B (A's config, here), replay A here, judge B against A's floor."""
-    from replay.noise import judge
+    from replay.engine.noise import judge
     from traces import Run, compare
     from trainer.config import from_dict
     from trainer.loop import train

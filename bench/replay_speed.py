@@ -8,7 +8,7 @@ excluded from both (each program is compiled once, before any timing):
             and N. Timed: the loop (`TrainResult.seconds`): the N steps, the recording and
             the checkpoint saved at N; the initial state and checkpoint 0 come before it.
     replay  what `replay run RUN --steps 0:N-1` does once its program is compiled
-            (`replay.engine.replay` with the trainer's `TrainerReplay`): restore checkpoint 0,
+            (`replay.engine.engine.replay` with the trainer's `TrainerReplay`): restore checkpoint 0,
             re-run the N steps, compare every recorded field of every step with the trace.
             Timed: all of that.
 
@@ -46,8 +46,8 @@ BUDGET = 0.95
 
 
 def measure(preset: str, steps: int, rounds: int, warmup_rounds: int, overrides: list[str]) -> dict:
-    from replay.contract import evaluate
-    from replay.engine import replay
+    from replay.engine.contract import evaluate
+    from replay.engine.engine import replay
     from traces import Run
     from trainer.config import apply_overrides, get_preset
     from trainer.loop import prepare, run_prepared

@@ -2,15 +2,15 @@
 
     python -m bench.step_hlo [--against c1ae22a^] [--preset demo] [--levels off,layer] [--set KEY=VALUE ...]
 
-Extracts trainer/ of the commit `--against` with `git archive` (read-only) into a temporary
-directory and, in one child process per side, compiles the jitted train step
+Extracts trainer/, replay/ and traces/ of the commit `--against` with `git archive`
+(read-only) into a temporary directory and, in one child process per side, compiles the jitted train step
 (trainer.step.compile_step, no mesh) of `--preset` at each level from abstract shapes, then
 compares XLA:CPU's optimized HLO text with the metadata stripped (op names, source files and
 lines, stack frames: they name the Python that built an op, not what it computes). The same
 text is the same program, so the same speed: a stronger answer than a benchmark to "did this
-change make the default path slower?". The earlier side imports the current replay/ and
-traces/ packages (only trainer/ is taken from the commit), so a commit whose trainer needs an
-older replay may fail to import; that is reported as an error.
+change make the default path slower?". Each side imports its own three packages, so a commit
+that moves modules between them (a re-layout) is compared whole; a commit whose trainer lacks
+compile_step(cfg, level) fails to import, which is reported as an error.
 
 Default: c1ae22a^, the commit before the session-4 model change (fused attention option,
 remat, scan, sliding window), against the working tree with model.attention=explicit (the
@@ -62,7 +62,7 @@ def strip(hlo: str) -> str:
 
 
 def _compile(root: Path, args: argparse.Namespace, out: Path) -> str | None:
-    """Compile in a child whose `trainer` package is root's; None on success, else its last error line."""
+    """Compile in a child whose packages are root's; None on success, else its last error line."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(ROOT)]), JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, "-c", _CHILD, args.preset, args.levels, json.dumps(args.set or []),
                            str(out)], cwd=root, env=env, capture_output=True, text=True)
@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> None:
         old_root, new_out, old_out = Path(tmp, "old"), Path(tmp, "new-hlo"), Path(tmp, "old-hlo")
         for d in (old_root, new_out, old_out):
             d.mkdir()
-        archive = subprocess.run(["git", "archive", args.against, "trainer"], cwd=ROOT, capture_output=True)
+        archive = subprocess.run(["git", "archive", args.against, "trainer", "replay", "traces"],
+                                 cwd=ROOT, capture_output=True)
         if archive.returncode:
             print(f"error: git archive {args.against}: {archive.stderr.decode().strip()}", file=sys.stderr)
             raise SystemExit(2)

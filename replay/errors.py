@@ -47,12 +47,12 @@ EXIT_CODES = MappingProxyType({
     # a loop's own bad input (the trainer's config, data, mesh and planted faults subclass it)
     "replay.errors.InputError": EXIT_BAD_INPUT,
     # replaying: what cannot be replayed here, or a bad range
-    "replay.engine.ReplayInputError": EXIT_BAD_INPUT,
-    "replay.replayer.ReplayUnavailable": EXIT_BAD_INPUT,
+    "replay.engine.engine.ReplayInputError": EXIT_BAD_INPUT,
+    "replay.engine.replayer.ReplayUnavailable": EXIT_BAD_INPUT,
     "replay.spike.detect.SpikeInputError": EXIT_BAD_INPUT,
     # user code and the recording API: a refused or failing entry point, a record that does not fit
-    "replay.code.CodeNotAllowed": EXIT_BAD_INPUT,
-    "replay.code.UserCodeError": EXIT_BAD_INPUT,
+    "replay.engine.code.CodeNotAllowed": EXIT_BAD_INPUT,
+    "replay.engine.code.UserCodeError": EXIT_BAD_INPUT,
     "replay.record.errors.RecordError": EXIT_BAD_INPUT,
     "replay.record.exported.ExportedProgramError": EXIT_BAD_INPUT,
     "replay.record.examples_store.ExampleStoreError": EXIT_BAD_INPUT,
@@ -74,7 +74,7 @@ class InputError(Exception):
 
     A loop's error classes subclass it (with their own bases too: the trainer's are ValueErrors),
     so replay classifies them, and refuses to replay a run whose loop raises one while opening
-    it, without importing the loop (replay.replayer: "cannot be replayed here")."""
+    it, without importing the loop (replay.engine.replayer: "cannot be replayed here")."""
 
 
 class UserError(Exception):

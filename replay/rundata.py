@@ -19,7 +19,7 @@ A replay.init run has none: its batches live in its example store (replay/record
 and commands read them there; a loop whose factory is not listed gets a one-line refusal naming
 what its loop must give.
 
-DATA_ENTRIES names the trainer's entry as a string, as replay.protocol names the trainer's factory
+DATA_ENTRIES names the trainer's entry as a string, as replay.engine.protocol names the trainer's factory
 (LEGACY_DEFAULT_FACTORY): the module is imported by that name only when a trainer run's data is
 asked for, never by replay's own imports, so `traces <- replay <- trainer` holds. A bundle's manifest
 cannot choose it: the entry follows from the factory, and a bundle's factory is one of replay's
@@ -35,7 +35,7 @@ from typing import Any
 from traces import Run
 
 from replay.errors import InputError
-from replay.protocol import LEGACY_DEFAULT_FACTORY
+from replay.engine.protocol import LEGACY_DEFAULT_FACTORY
 
 # factory -> its data-only entry ("module:function"); only factories replay ships with are listed.
 DATA_ENTRIES = {LEGACY_DEFAULT_FACTORY: "trainer.replay_data:run_data"}

@@ -17,7 +17,7 @@ CLEAN = {
     "traces/__init__.py": "import numpy as np\nfrom traces.io import read\n",
     "traces/io.py": "def read():\n    import json\n    return json\n",
     "replay/__init__.py": "from traces import io\n",
-    "replay/engine.py": "import traces\n\n\ndef run():\n    from replay import errors\n    return errors\n",
+    "replay/engine/engine.py": "import traces\n\n\ndef run():\n    from replay import errors\n    return errors\n",
     "replay/errors.py": "EXIT_BUG = 3\n",
     "replay/bisect/__init__.py": "from ..engine import run\nfrom . import scan\n",
     "replay/bisect/scan.py": "from replay.errors import EXIT_BUG\n",
@@ -48,25 +48,25 @@ def test_clean_tree_passes(tmp_path):
 
 
 def test_function_level_trainer_import_in_replay_fails(tmp_path):
-    tree = write_tree(tmp_path, {**CLEAN, "replay/engine.py": CLEAN["replay/engine.py"]
+    tree = write_tree(tmp_path, {**CLEAN, "replay/engine/engine.py": CLEAN["replay/engine/engine.py"]
                                  + "\n\ndef f():\n    from trainer import model\n"})
     done = run_tool(LAYERS, tree)
     assert done.returncode == 1, done.stdout + done.stderr
     assert done.stdout.splitlines() == [
-        "replay/engine.py:10: replay.engine imports trainer.model (replay does not import trainer)"]
+        "replay/engine/engine.py:10: replay.engine.engine imports trainer.model (replay does not import trainer)"]
 
 
 def test_each_rule_and_its_count(tmp_path):
     tree = write_tree(tmp_path, {
         **CLEAN,
-        "traces/io.py": "def read():\n    from replay import engine\n",
+        "traces/io.py": "def read():\n    from replay.engine import engine\n",
         "replay/bisect/scan.py": "from ..cli import console\n",  # relative, still the CLI
         "replay/audit.py": "import importlib\nmod = importlib.import_module('trainer.model')\n",
     })
     done = run_tool(LAYERS, tree, "--summary")
     assert done.returncode == 1, done.stdout + done.stderr
     lines = done.stdout.splitlines()
-    assert "traces/io.py:2: traces.io imports replay.engine (traces imports neither replay nor trainer)" in lines
+    assert "traces/io.py:2: traces.io imports replay.engine.engine (traces imports neither replay nor trainer)" in lines
     assert "replay/bisect/scan.py:1: replay.bisect.scan imports replay.cli.console (only replay/cli imports replay.cli)" \
         in lines
     assert "replay/audit.py:2: replay.audit imports trainer.model (replay does not import trainer)" in lines

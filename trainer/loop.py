@@ -243,7 +243,7 @@ def prepare(cfg: Config, out: str | Path, *, resume: bool = False, preset: str |
         "checkpoints": [],
         "faults": faults.to_manifest() if faults else [],
     }
-    if cfg.mesh.mesh_invariant:  # read by replay/contract.py: the counts measured to give the same bits
+    if cfg.mesh.mesh_invariant:  # read by replay/engine/contract.py: the counts measured to give the same bits
         manifest["invariant_device_counts"] = invariant.invariant_counts(cfg, jax.default_backend(),
                                                                          jax.local_device_count())
         manifest["invariant"] = {"n_microbatches": cfg.mesh.n_microbatches, "pool_threads": invariant.pool_threads(),

@@ -30,7 +30,7 @@ def torch_reference(run):
 def prepare_process(manifest: dict) -> None:
     """A mesh-invariant run (trainer/invariant.py) needs XLA:CPU settings in place before anything
     starts JAX; a command about to replay it calls this first (ConfigError, one line, if too late)."""
-    from replay.code import OWN_FACTORIES  # no JAX: the code policy is stdlib only
+    from replay.engine.code import OWN_FACTORIES  # no JAX: the code policy is stdlib only
 
     trainer_factory = OWN_FACTORIES[0]
     if manifest.get("replayable", trainer_factory) != trainer_factory or manifest.get("recorded_by") == "replay.torch":

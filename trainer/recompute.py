@@ -1,7 +1,7 @@
 """The trainer's step, recomputed with every intermediate: what `recompute_step` (the model side
 of the loop protocol, trainer/replay_model.py) returns for refine (replay/bisect/refine.py) and the
 cross-framework distance (replay/bisect/cross_distance.py). It implements
-replay.recompute.StepRecomputation; its contract is documented there.
+replay.engine.recompute.StepRecomputation; its contract is documented there.
 
 The exact inputs a run's step program was fed (faults applied) and separately jitted
 recomputations of its forward pass (layers, or one block's intermediates), loss and gradients.
@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from replay.record.names import get_path
-from replay.replayer import ReplayUnavailable
+from replay.engine.replayer import ReplayUnavailable
 from trainer import model, rng
 from trainer.config import CheckpointConfig, Config, TraceConfig
 from trainer.step import loss_fn
@@ -104,7 +104,7 @@ def _loss_and_grads(params: Any, inputs: jax.Array, targets: jax.Array, key_data
 
 class TrainerRecomputation:
     """One trainer step at `step` from `state` (the state entering it, before faults): its inputs,
-    and what it computes, computed lazily and kept (replay.recompute.StepRecomputation)."""
+    and what it computes, computed lazily and kept (replay.engine.recompute.StepRecomputation)."""
 
     loss_names = LOSS_NAMES
 

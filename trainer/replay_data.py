@@ -1,4 +1,4 @@
-"""The data side of the loop protocol, as the trainer implements it (see replay/protocol.py).
+"""The data side of the loop protocol, as the trainer implements it (see replay/engine/protocol.py).
 
 What replay's commands ask of a run's data (the rows of a batch, the token rows of an example,
 what was injected into a batch), in two forms:

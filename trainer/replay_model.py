@@ -1,4 +1,4 @@
-"""The model side of the loop protocol, as the trainer implements it (see replay/protocol.py).
+"""The model side of the loop protocol, as the trainer implements it (see replay/engine/protocol.py).
 
 What replay's commands ask of a run's model through its replayable (a step recomputed with every
 intermediate, a tensor by its recorded name, the loss of a state on a batch): mixed into
@@ -20,12 +20,12 @@ class TrainerModelProtocol:
     """Model capabilities of TrainerReplay (self.built, self.cfg are the trainer's)."""
 
     # ---------------------------------------------------------------- refine, recompute, compare --eval
-    # (replay/recompute.py, replay/bisect/refine.py, replay/bisect/cross_distance.py,
+    # (replay/engine/recompute.py, replay/bisect/refine.py, replay/bisect/cross_distance.py,
     # replay/compare/sides.py)
 
     def recompute_step(self, state: Any, step: int) -> Any:
         """Step `step` recomputed from `state` (the state entering it, as restore/step give it,
-        before the run's faults) with every intermediate: a replay.recompute.StepRecomputation
+        before the run's faults) with every intermediate: a replay.engine.recompute.StepRecomputation
         (trainer/recompute.py). Its inputs are exactly what the run's step program is fed (faults
         applied; a layer-bf16 fault's faulty config); its forward layers, block intermediates,
         loss and gradients come from separately jitted programs, computed on first use."""

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from replay.protocol import LEGACY_DEFAULT_FACTORY as TRAINER_FACTORY
+from replay.engine.protocol import LEGACY_DEFAULT_FACTORY as TRAINER_FACTORY
 from trainer.config import Config, ConfigError, from_dict
 
 

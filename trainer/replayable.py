@@ -1,8 +1,8 @@
-"""The trainer's implementation of the loop protocol (replay/protocol.py): `TrainerReplay`.
+"""The trainer's implementation of the loop protocol (replay/engine/protocol.py): `TrainerReplay`.
 
 `replay run` reaches runs of trainer/ as it reaches any loop: through the factory their manifest
-names, `from_run` here (runs recorded before manifests named one get it as replay.protocol's
-LEGACY_DEFAULT_FACTORY). The protocol itself, and `load`, live in replay/protocol.py; `load`,
+names, `from_run` here (runs recorded before manifests named one get it as replay.engine.protocol's
+LEGACY_DEFAULT_FACTORY). The protocol itself, and `load`, live in replay/engine/protocol.py; `load`,
 `Replayable` and TRAINER_FACTORY are re-exported here for older callers. The capabilities replay's
 commands ask of a trainer run are methods of the mixins TrainerDataProtocol and TrainerModelProtocol.
 """
@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from replay.protocol import LEGACY_DEFAULT_FACTORY, Replayable, load  # noqa: F401  (re-exported)
+from replay.engine.protocol import LEGACY_DEFAULT_FACTORY, Replayable, load  # noqa: F401  (re-exported)
 from traces import Run
 from trainer.replay_data import TrainerDataProtocol
 from trainer.replay_model import TrainerModelProtocol

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from replay.contract import config_of
+from replay.engine.contract import config_of
 from replay.bisect.data import SeenBefore, _data_at, seen_before  # noqa: F401 - re-exported
 from traces import Comparison, Run, compare
 from traces.schema import TENSOR_KINDS  # fields a replay can look inside (replay/bisect/refine.py)
@@ -62,7 +62,7 @@ class BisectReport:
     search: dict | None = None  # the binary search's probes (refine.Search.to_json)
     replayed_steps: int = 0  # single steps re-run, both runs together
     bits_expected: bool = True  # whether the determinism contract promises equal bits for this pair
-    noise: dict | None = None  # replay/noise.py's verdict when bits are not expected
+    noise: dict | None = None  # replay/engine/noise.py's verdict when bits are not expected
     damage: dict[str, str] = field(default_factory=dict)  # "A"/"B" -> one line naming its trace's first damage
     failure: Exception | None = None  # the replay the answer needed, failed: raised by the CLI after the report
     hardware: dict | None = None  # replay/bisect/replica.py: the runs differ in one device's replica results only
@@ -209,8 +209,8 @@ def manifest_diff(a: dict, b: dict) -> list[ManifestDiff]:
         if key != "config.steps" and fa.get(key) != fb.get(key):
             diffs.append(ManifestDiff(key, fa.get(key), fb.get(key)))
     ea, eb = a.get("environment", {}), b.get("environment", {})
-    # The contract's keys for A's backend, as `replay run` compares them (replay/contract.py).
-    from replay.contract import environment_differences
+    # The contract's keys for A's backend, as `replay run` compares them (replay/engine/contract.py).
+    from replay.engine.contract import environment_differences
 
     for key, va, vb in environment_differences(ea, eb):
         diffs.append(ManifestDiff(f"environment.{key}", va, vb))
@@ -252,7 +252,7 @@ def bisect(run_a: Run, run_b: Run, refine: bool = True):
     instead (replay/bisect/cross.py): a `CrossReport`, distances judged against a noise floor.
     Both reports have first_step, first_layer, cause, within_noise and to_json()."""
     from replay.bisect.cross import cross_bisect, is_cross
-    from replay.bundle.format import describe_damage, run_damage, shown_path
+    from replay.engine.damage import describe_damage, run_damage, shown_path
 
     if is_cross(run_a, run_b):
         return cross_bisect(run_a, run_b, refine=refine)
@@ -298,7 +298,7 @@ def _check_checkpoints(report: BisectReport, run_a: Run, run_b: Run) -> None:
     restore, no array bytes: replay/record/checkpoint_check.py, O(chunks) per checkpoint), and a
     damaged one is refused here, before any report. Their contents stay unread, and the
     verdict says so (`checkpoint_note`)."""
-    from replay.bundle.format import bundle_terms
+    from replay.engine.damage import bundle_terms
     from replay.record.checkpoint_check import checkpoint_problem, listed_checkpoints
     from replay.record.orbax_io import CheckpointDamagedError
 
@@ -311,7 +311,7 @@ def _check_checkpoints(report: BisectReport, run_a: Run, run_b: Run) -> None:
 
 
 def _bits_expected(run_a: Run, run_b: Run) -> bool:
-    from replay.contract import evaluate
+    from replay.engine.contract import evaluate
 
     mesh = [config_of(r.manifest).get("mesh", {}).get("mesh_invariant", False) for r in (run_a, run_b)]
     counts = tuple(run_a.manifest.get("invariant_device_counts", ()))
@@ -324,8 +324,8 @@ NOISE_WINDOW = 200  # steps after the first difference judged against the floor 
 
 
 def _noise(report: BisectReport, run_a: Run, run_b: Run) -> None:
-    from replay.noise import judge
-    from replay.replayer import ReplayUnavailable, _checkpoint_error, _input_errors
+    from replay.engine.noise import judge
+    from replay.engine.replayer import ReplayUnavailable, _checkpoint_error, _input_errors
 
     c = report.comparison
     start, stop = c.first_step, min(c.compared[1], c.first_step + NOISE_WINDOW)
@@ -374,7 +374,7 @@ def _replay(report: BisectReport, run_a: Run, run_b: Run) -> None:
     """Steps 4 and 5: confirm the divergent step by replay (or find it), then recompute it."""
     from replay.bisect.refine import (ReplayUnavailable, Replayer, first_state_difference, refine_loop_step, refine_step,
                                search_first_divergence)
-    from replay.recompute import recomputes
+    from replay.engine.recompute import recomputes
 
     if not _needs_replay(report, run_a, run_b):
         return  # the trace names an input of the step (data, rng), or vouches for identical runs

@@ -178,7 +178,7 @@ def _examined(start: int, end: int) -> list[int]:
 def cross_bisect(run_a: Run, run_b: Run, refine: bool = True) -> CrossReport:
     """The cross-framework report for a torch run and a JAX run (either order). `refine=False`
     allows no replay: a JAX run without sketches is then judged on its metrics alone."""
-    from replay.bundle.format import shown_path
+    from replay.engine.damage import shown_path
 
     torch_side = "A" if framework(run_a) == "torch" else "B"
     t, j = (run_a, run_b) if torch_side == "A" else (run_b, run_a)

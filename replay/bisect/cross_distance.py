@@ -7,7 +7,7 @@ Two sources, the first that applies:
 - replay: the JAX run has no sketches (recorded before format 2, or by a recorder that does
   not write them: the trainer writes them with trace.sketches=true): it is replayed here from
   its checkpoints through the steps examined, its tensors at those steps recomputed (its
-  replayable's `recompute_step`, replay/recompute.py) and sketched on the host, and compared
+  replayable's `recompute_step`, replay/engine/recompute.py) and sketched on the host, and compared
   with the torch run's recorded sketches. Costs a replay of every step up to the last one
   examined.
 
@@ -99,8 +99,8 @@ def _params_summary(side: Any, width: int) -> tuple[np.ndarray, float]:
 def from_replay(torch_run: Run, jax_run: Run, steps: Iterable[int], names: list[tuple[str, str]],
                 on_replay: Callable[[int], None] | None = None) -> Iterable[tuple[int, dict[str, float]]]:
     """(step, {name: distance}): the JAX run replayed through the steps (ascending), sketched here."""
-    from replay.recompute import CAPABILITY, _Side, recomputes
-    from replay.replayer import Replayer, ReplayUnavailable
+    from replay.engine.recompute import CAPABILITY, _Side, recomputes
+    from replay.engine.replayer import Replayer, ReplayUnavailable
 
     st, sj = torch_run.schema, jax_run.schema
     width = st.sketch_width

@@ -13,7 +13,7 @@ checkpoints (read-only; nothing in either run changes):
 * `refine_step` (bisect step 4): at the divergent step, recompute with full instrumentation
   what that step computed for each run (its own params, batch, dropout key and, for the
   trainer's `layer-bf16` fault, its faulty program: the replayable's `recompute_step`,
-  replay/recompute.py) and compare element by element: inside a forward layer the block's
+  replay/engine/recompute.py) and compare element by element: inside a forward layer the block's
   intermediates (`intermediate_names(block)`) in execution order;
   for state, gradient and update fields the tensors leaf by leaf in the schema's causal order.
   It names the first intermediate (or leaf) that differs with its max abs, relative and ULP
@@ -22,7 +22,7 @@ checkpoints (read-only; nothing in either run changes):
   data, rng, state, forward by layer, loss, backward, update -- and refines the first field
   that differs. Tensors are compared where they live (fingerprints, then on-device statistics
   of the leaves that differ); only the first differing leaf of each run comes to the host
-  (replay/tensor_distance.py DeviceDiff: at 7B a few KB plus one leaf, not ~224 GB).
+  (replay/engine/tensor_distance.py DeviceDiff: at 7B a few KB plus one leaf, not ~224 GB).
 
 Replays are counted as *probes*: one probe replays both runs to one step and compares them.
 `Replayer.replayed_steps` counts the single steps actually re-run.
@@ -32,9 +32,9 @@ mesh-invariant run's microbatched gradients are recomputed the plain way), so it
 not equal the step's own -- but both runs go through the same program, so what differs
 between them is what their inputs and configs make differ.
 
-Layout: comparison and distances (host and device) live in replay/tensor_distance.py; the Replayer, state
-comparison and `search_first_divergence` in replay/replayer.py; a step's inputs and its
-instrumented recomputation in replay/recompute.py. This module walks the intermediates
+Layout: comparison and distances (host and device) live in replay/engine/tensor_distance.py; the Replayer, state
+comparison and `search_first_divergence` in replay/engine/replayer.py; a step's inputs and its
+instrumented recomputation in replay/engine/recompute.py. This module walks the intermediates
 (`refine_step`) and re-exports the names the rest of `replay` and the tests import from it.
 """
 
@@ -45,10 +45,10 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from replay.tensor_distance import DeviceDiff, _brief, compare_tensors
-from replay.recompute import StepRecomputation, _LoopSide, _Side, tree_leaves
+from replay.engine.tensor_distance import DeviceDiff, _brief, compare_tensors
+from replay.engine.recompute import StepRecomputation, _LoopSide, _Side, tree_leaves
 from replay.record.names import get_path
-from replay.replayer import (
+from replay.engine.replayer import (
     Replayer,
     ReplayUnavailable,
     Search,
@@ -176,7 +176,7 @@ def refine_step(ra: Replayer, rb: Replayer, step: int, states: tuple[Any, Any],
     update fields: the parameter or optimizer-state leaf), distances (max_abs, max_rel,
     max_ulp), share_differing, compared ([{name, equal, ...}] in causal/execution order),
     reproduces_trace ({A, B}: whether replaying the step gave the recorded record).
-    Both runs' replayables must provide `recompute_step` (replay/recompute.py); ReplayUnavailable if not.
+    Both runs' replayables must provide `recompute_step` (replay/engine/recompute.py); ReplayUnavailable if not.
     """
     a, b = _Side(ra, states[0], step), _Side(rb, states[1], step)
     if list(a.rc.param_names) != list(b.rc.param_names):
@@ -339,7 +339,7 @@ def refine_loop_step(ra: Replayer, rb: Replayer, step: int, states: tuple[Any, A
     items = [(kind, name, get, fb[name][1]) for kind, name, get in fa if name in fb]
     values = [(kind, name, va, vb) for kind, name, get_a, get_b in items
               for va, vb in [(get_a(), get_b())] if va is not None and vb is not None]
-    # Where the tensors live (replay/tensor_distance.py DeviceDiff): fingerprints, then statistics
+    # Where the tensors live (replay/engine/tensor_distance.py DeviceDiff): fingerprints, then statistics
     # of the ones that differ; only the first differing pair is fetched.
     diff = DeviceDiff()
     fps_a, fps_b = diff.fingerprints([v[2] for v in values]), diff.fingerprints([v[3] for v in values])
@@ -377,7 +377,7 @@ def refine_loop_step(ra: Replayer, rb: Replayer, step: int, states: tuple[Any, A
 def _first_op(a: _LoopSide, b: _LoopSide, notes: list[str]) -> dict | None:
     """The first op of the step whose outputs differ (replay/bisect/first_op.py), each run with its own
     code; None (with a note) when a run replays without its code or the comparison fails."""
-    from replay.code import call_user
+    from replay.engine.code import call_user
     from replay.bisect.first_op import first_differing_op
 
     sa, sb = a.step_and_inputs(), b.step_and_inputs()

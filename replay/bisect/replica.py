@@ -17,7 +17,7 @@ run after it: O(1) in the run's length.
 
 from __future__ import annotations
 
-from replay.contract import config_of
+from replay.engine.contract import config_of
 
 
 def hardware_fault(run_a, run_b, step: int | None) -> dict | None:

@@ -14,18 +14,16 @@ The public module: the rest of replay imports bundles from here. The code lives 
 from __future__ import annotations
 
 from replay.bundle.format import (EXAMPLES, FLAG_LITE, FORMAT_VERSION, HEADER_SIZE, MAGIC, PREFIX_SIZE, REPORT, SUFFIX,
-                                  ZSTD_LEVEL, BundleCorruptError, DamagedRunError, Header, NewerBundleError,
-                                  NotABundleError, PackError, bundle_terms, damage_error, default_steps, describe_damage,
-                                  is_bundle,
-                                  named_as_bundle, open_run, read_header, run_damage, shown_path, unpack, verify)
+                                  ZSTD_LEVEL, BundleCorruptError, Header, NewerBundleError, NotABundleError, PackError,
+                                  default_steps, is_bundle, open_run, read_header, unpack, verify)
 from replay.bundle.pack import PackResult, Part, pack
 from replay.bundle.report import FINDING_ROWS, MAX_TABLE_ROWS, fmt_bytes, render_report, sample_steps
 
 __all__ = [
     "EXAMPLES", "FINDING_ROWS", "FLAG_LITE", "FORMAT_VERSION", "HEADER_SIZE", "MAGIC", "MAX_TABLE_ROWS", "PREFIX_SIZE",
     "REPORT", "SUFFIX", "ZSTD_LEVEL",
-    "BundleCorruptError", "DamagedRunError", "NewerBundleError", "NotABundleError", "PackError",
+    "BundleCorruptError", "NewerBundleError", "NotABundleError", "PackError",
     "Header", "PackResult", "Part",
-    "bundle_terms", "damage_error", "default_steps", "describe_damage", "fmt_bytes", "is_bundle", "named_as_bundle", "open_run", "pack",
-    "read_header", "render_report", "run_damage", "sample_steps", "shown_path", "unpack", "verify",
+    "default_steps", "fmt_bytes", "is_bundle", "open_run", "pack", "read_header", "render_report", "sample_steps", "unpack",
+    "verify",
 ]

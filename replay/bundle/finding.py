@@ -8,8 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from replay.contract import config_of
-from replay.bundle.format import PackError, damage_error, named_as_bundle, open_run
+from replay.engine.contract import config_of
+from replay.bundle.format import PackError, open_run
+from replay.engine.damage import damage_error, named_as_bundle
 from replay.bundle.report import _short, _value
 from traces import Run
 
@@ -73,8 +74,8 @@ def _spike_finding(run: Run, run_path, step: int, data: str | None, status) -> d
         out["spikes"] = [sp.step for sp in found.spikes][:20]
     except spikelib.SpikeInputError as e:
         out["notes"].append(f"detection did not run: {e}")
-    from replay import contract as contractlib
-    from replay.protocol import load
+    from replay.engine import contract as contractlib
+    from replay.engine.protocol import load
 
     status(f"replaying the window of step {step} to analyse it (replay spike {run_path} --step {step} --window {window})")
     rep = load(run, data=data)

@@ -67,7 +67,6 @@ import struct
 import tarfile
 import tempfile
 import zlib
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -77,6 +76,7 @@ import traces
 from traces import NewerFormatError, NotARunError, Run, RunNotFoundError, TraceCorruptError
 from traces.run import MANIFEST
 from replay.bundle import trust
+from replay.engine.damage import describe_damage, in_terms, rename_in, run_damage
 
 FORMAT_VERSION = 1
 MAGIC = b"RPLYPACK"
@@ -106,10 +106,6 @@ class NewerBundleError(NewerFormatError):
 
 class PackError(traces.TraceError):
     """What was asked cannot be packed (a range, a missing checkpoint or data, an existing file)."""
-
-
-class DamagedRunError(TraceCorruptError):
-    """A run or bundle whose trace is damaged, given to a command that needs it whole."""
 
 
 # ------------------------------------------------------------------------------ reading
@@ -249,11 +245,11 @@ def unpack(path: str | os.PathLike, dest: str | os.PathLike, allow_damaged: bool
         os.replace(stage, dest)  # onto a missing or empty folder: atomic
     except (zstandard.ZstdError, tarfile.TarError, EOFError, FileExistsError, NotADirectoryError,
             IsADirectoryError) as e:
-        why = f"{e.strerror}: {_in_terms(str(e.filename), stage, path)}" if isinstance(e, OSError) else str(e)
+        why = f"{e.strerror}: {in_terms(str(e.filename), stage, path)}" if isinstance(e, OSError) else str(e)
         raise BundleCorruptError(f"{path}: damaged bundle: its content does not unpack ({e.__class__.__name__}: "
                                  f"{why}); get a fresh copy", str(path)) from None
     except Exception as e:
-        _rename_in(e, stage, path)
+        rename_in(e, stage, path)
         raise
     finally:
         shutil.rmtree(stage, ignore_errors=True)
@@ -279,41 +275,6 @@ def _extract(path: Path, header: Header, dest: Path) -> None:
         raise BundleCorruptError(f"{path}: damaged bundle: it holds no {MANIFEST}", str(path))
 
 
-# ------------------------------------------------------------------------------ damage, named for people
-
-
-def run_damage(run: Run, crash_tail: bool = True) -> list:
-    """The damage known cheaply of `run` (traces' Run.damage: headers, seals, missing leading
-    segments, a trace shorter than the finished run). `crash_tail`: leave out the torn last
-    record of a run that is not complete -- what a crash or a live writer leaves, not damage."""
-    found = getattr(run, "damage", None)
-    found = list(found() if callable(found) else found) if found is not None else list(run.trace.damage)
-    tail = run.trace.tail if crash_tail and run.status != "complete" else None
-    if tail is not None:
-        found = [d for d in found if (d.path, d.offset) != (str(tail[0]), tail[1])]
-    return found
-
-
-def describe_damage(run: Run, damage: list) -> str:
-    """One line naming the file, byte and step of the first damage, in the bundle's terms for a bundle."""
-    try:
-        from traces import describe_damage as describe
-    except ImportError:
-        from traces.trace import describe_damage as describe
-    return bundle_terms(run, describe(damage))
-
-
-def damage_error(run: Run, what: str, remedy: str, crash_tail: bool = True) -> DamagedRunError | None:
-    """The one-line refusal of a damaged `run` ("WHAT is damaged: ...; steps a..b are readable;
-    REMEDY"), or None when its trace is undamaged."""
-    damage = run_damage(run, crash_tail)
-    if not damage:
-        return None
-    trace = run.trace
-    readable = f"steps {trace.start}..{trace.end - 1} are readable" if len(trace) else "no step is readable"
-    return DamagedRunError(f"{what} is damaged: {describe_damage(run, damage)}; {readable}; {remedy}", shown_path(run))
-
-
 def _refuse_damaged_entries(run: Run, shown: Path) -> None:
     """A re-checksummed run.json whose "exported" or "example_store" entry is not as replay wrote it is
     refused by every command that opens the run, not only by those that replay from it: a bisect whose
@@ -326,38 +287,6 @@ def _refuse_damaged_entries(run: Run, shown: Path) -> None:
         raise traces.ManifestCorruptError(
             f"{shown}{':' if getattr(run, 'bundle', None) else '/'}{MANIFEST}: its \"{damage[0]}\" entry is damaged "
             f"({damage[1]}): run.json was changed after recording; restore it from a copy of the run", str(shown))
-
-
-def shown_path(run: Run) -> str:
-    """What to call `run` in a message: the bundle file for a bundle, else the run folder."""
-    return str(getattr(run, "bundle", None) or run.path)
-
-
-def bundle_terms(run: Run, text: str) -> str:
-    """`text` with a bundle's temporary folder replaced by the bundle file (BUNDLE:member)."""
-    bundle = getattr(run, "bundle", None)
-    return _in_terms(text, run.path, bundle) if bundle else text
-
-
-def _in_terms(text: str, root, bundle) -> str:
-    return text.replace(str(root) + os.sep, f"{bundle}:").replace(str(root), str(bundle))
-
-
-def _rename_in(e: BaseException, root, bundle) -> None:
-    """Rewrites the message of `e` (its first argument) in the bundle's terms."""
-    if e.args and isinstance(e.args[0], str):
-        e.args = (_in_terms(e.args[0], root, bundle),) + e.args[1:]
-
-
-@contextmanager
-def named_as_bundle(run: Run):
-    """Errors raised inside name the bundle file, not the temporary folder it was unpacked to."""
-    try:
-        yield
-    except Exception as e:
-        if getattr(run, "bundle", None):
-            _rename_in(e, run.path, run.bundle)
-        raise
 
 
 _TEMP_DIRS: list[str] = []
@@ -379,7 +308,7 @@ def open_run(path: str | os.PathLike, for_replay: bool = False) -> Run:
     if p.is_dir() or not p.exists():
         run = Run.open(p)
         run.bundle = None
-        from replay.code import is_bundle_run
+        from replay.engine.code import is_bundle_run
 
         refused = trust.manifest_problem(run.manifest) if is_bundle_run(run) else None  # a folder unpack wrote
         if refused is not None:

@@ -17,7 +17,8 @@ import zstandard
 import traces
 from replay.bundle.finding import _bisect_finding, _json_safe, _spike_finding
 from replay.bundle.format import (EXAMPLES, FORMAT_VERSION, HEADER_SIZE, REPORT, SUFFIX, ZSTD_LEVEL, PackError,
-                                  _encode_header, damage_error, open_run)
+                                  _encode_header, open_run)
+from replay.engine.damage import damage_error
 from replay.bundle.report import render_report
 from traces import Run
 from traces.run import COMPLETE, MANIFEST, TRACE_DIR, write_json_atomic, write_manifest
@@ -167,7 +168,7 @@ def _without_code(manifest: dict, info: dict) -> dict:
     """The run's manifest as a bundle carries it: naming no code but replay's own factory (a bundle
     never chooses code, replay/bundle/trust.py): no folder of code, and a loop's own
     factory (a legacy "replayable", only ever in a --lite bundle) kept in `info` as a fact, unused."""
-    from replay.code import OWN_FACTORIES
+    from replay.engine.code import OWN_FACTORIES
 
     out = {k: v for k, v in manifest.items() if k not in ("replayable_path", "entrypoint_path")}
     if out.get("replayable") not in (None, *OWN_FACTORIES):
@@ -187,7 +188,7 @@ def _checkpoint_for(run: Run, run_path, first: int) -> int:
         why = pack_refusal(run.manifest)
         if why:
             raise PackError(f"{run_path}: a full bundle cannot be packed: {why}; pack it with --lite (trace and report)")
-    from replay.engine import checkpoint_steps, latest_checkpoint
+    from replay.engine.engine import checkpoint_steps, latest_checkpoint
 
     have = checkpoint_steps(run)
     start = latest_checkpoint(have, first)

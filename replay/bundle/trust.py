@@ -8,9 +8,9 @@ sha256, its crcs and the manifest's own checksum included).
   (the batch rows, the exported program, the example store), so nothing replay reads;
 - `manifest_problem`: a manifest that does not describe a bundle, or names code (`code_problem`):
   a bundle never chooses the code that replays it;
-- `mark`: replay.code.MARKER, written by `unpack` into the folder it fills before the first
+- `mark`: replay.engine.code.MARKER, written by `unpack` into the folder it fills before the first
   member: replay's own mark on the user's machine, which keeps the folder a bundle's for every
-  command (replay.code.is_bundle_run) whatever its manifest says; a member of that name is refused.
+  command (replay.engine.code.is_bundle_run) whatever its manifest says; a member of that name is refused.
 
 Each returns the reason as text (None: nothing wrong); replay/bundle/format.py raises it.
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from pathlib import Path, PurePosixPath
 
-from replay.code import ALLOW_FLAG, API_FACTORY, MARKER, OWN_FACTORIES, is_spec
+from replay.engine.code import ALLOW_FLAG, API_FACTORY, MARKER, OWN_FACTORIES, is_spec
 from traces.run import MANIFEST
 
 MEMBERS = frozenset({MANIFEST, "COMPLETE", "REPORT.md", "trace", "data", "checkpoints", "program", "examples"})

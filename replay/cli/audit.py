@@ -46,7 +46,8 @@ def audit(
 ) -> None:
     """Audit a run's data order from its per-example hashes: which examples came back early, and where."""
     from replay import audit as lib
-    from replay.bundle import damage_error, open_run
+    from replay.bundle import open_run
+    from replay.engine.damage import damage_error
 
     opened = open_run(run)  # a run folder, a bundle file, or a folder a bundle was unpacked to (checked as one)
     damaged = damage_error(opened, f"{run}: its trace", "restore the run's files from a copy (audit never passes a "

@@ -35,8 +35,9 @@ def bisect(
     the answer needs that fails is an error (after the trace scan's report), not a note.
     """
     from replay.bisect import bisect as run_bisect
-    from replay.bundle import named_as_bundle, open_run
-    from replay.code import allowing
+    from replay.bundle import open_run
+    from replay.engine.damage import named_as_bundle
+    from replay.engine.code import allowing
 
     if run_a.exists() and run_b.exists() and run_a.resolve() == run_b.resolve():
         console.fail(f"{run_a} and {run_b} are the same run; bisect compares two different runs "
@@ -79,7 +80,7 @@ def bisect(
 def _check_comparable(a, b, allow_incomplete: bool, allow_damaged: bool, names: bool = True) -> None:
     """Bad input for a bisect: one line, exit 2."""
     from replay.bisect import comparability_problem
-    from replay.bundle import damage_error, shown_path
+    from replay.engine.damage import damage_error, shown_path
 
     for name, run in (("A", a), ("B", b)):
         if run.status == "crashed" and not allow_incomplete:

@@ -27,8 +27,8 @@ def pack(
 ) -> None:
     """Pack steps A..B of a run into one file: manifest, trace, checkpoint, batch data and REPORT.md."""
     from replay import bundle
-    from replay.code import allowing
-    from replay.engine import parse_steps
+    from replay.engine.code import allowing
+    from replay.engine.engine import parse_steps
 
     rng = parse_steps(steps) if steps is not None else None
     with allowing(allow_code):  # --from-bisect and --spike replay the run with its own code

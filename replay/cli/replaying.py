@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 from replay import plugins
-from replay.contract import config_of
+from replay.engine.contract import config_of
 from replay.cli import console
 
 
@@ -31,11 +31,11 @@ def load_replayable(target, path: Path, data: str | None, allow_data_change: boo
     from the checkpoint folder (before compiling, for trainer runs), then from the replayable.
     A damaged trace is refused first (one line naming the damage, then `damaged_remedy`), unless
     `damaged_remedy` is None (the command was told to replay what can be read). `allow_code`:
-    the command's --allow-code (replay/code.py: which of the run's code may run)."""
-    from replay import contract as contractlib
-    from replay.bundle import damage_error
-    from replay.engine import checkpoint_steps
-    from replay.protocol import LEGACY_DEFAULT_FACTORY, load
+    the command's --allow-code (replay/engine/code.py: which of the run's code may run)."""
+    from replay.engine import contract as contractlib
+    from replay.engine.damage import damage_error
+    from replay.engine.engine import checkpoint_steps
+    from replay.engine.protocol import LEGACY_DEFAULT_FACTORY, load
 
     damaged = damage_error(target, str(path), damaged_remedy) if damaged_remedy is not None else None
     if damaged:

@@ -33,9 +33,10 @@ def run(
                                              "checkout, never a bundle's or the run's own folder.")] = False,
 ) -> None:
     """Replay steps A..B of a run and compare every recorded field with the trace."""
-    from replay.bundle import default_steps, describe_damage, named_as_bundle, open_run, run_damage
+    from replay.bundle import default_steps, open_run
+    from replay.engine.damage import describe_damage, named_as_bundle, run_damage
     from replay.cli.replaying import load_replayable, prepare_process, replay_notes, replay_progress
-    from replay.engine import check_range, parse_steps, replay
+    from replay.engine.engine import check_range, parse_steps, replay
 
     target = open_run(path, for_replay=True)  # a run folder, or a bundle unpacked to a temporary folder
     with named_as_bundle(target):  # errors name the bundle file, not the temporary folder

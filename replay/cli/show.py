@@ -60,7 +60,8 @@ def show(
 
 def summarize(path: str | Path, verify: bool = False) -> dict[str, Any]:
     """Everything `show` reports, as JSON-ready data. Raises traces.TraceError on bad input."""
-    from replay.bundle import bundle_terms, open_run, run_damage
+    from replay.bundle import open_run
+    from replay.engine.damage import bundle_terms, run_damage
 
     run = open_run(path)  # a run folder, or a bundle (`replay pack`) unpacked to a temporary folder
     manifest = run.manifest

@@ -57,7 +57,7 @@ def _spike(target, path: Path, step: int | None, window: int, threshold: float, 
 
     check_metric(target, metric)  # before anything is replayed: names the metrics the run has
     if step is None:
-        from replay.bundle import damage_error
+        from replay.engine.damage import damage_error
 
         # A scan of a damaged trace would find spikes in what is left and exit 0 (--step refuses it in
         # load_replayable); a crashed run's torn last record is not damage: what was recorded is scanned.
@@ -113,13 +113,13 @@ def _spike_step(target, path: Path, step: int, window: int, threshold: float, to
         console.print_json(report.to_json())
     else:
         _render_step(report)
-    if not report.exact and report.replay.contract.expect_bits:
+    if not report.exact and report.replay.engine.contract.expect_bits:
         raise typer.Exit(EXIT_DIVERGED)
 
 
 def _named_as_bundle(target):
     try:
-        from replay.bundle import named_as_bundle
+        from replay.engine.damage import named_as_bundle
     except ImportError:  # no bundles: nothing to rename
         import contextlib
 
@@ -128,7 +128,7 @@ def _named_as_bundle(target):
 
 
 def _bundle_terms(target, text: str) -> str:
-    from replay.bundle.format import bundle_terms
+    from replay.engine.damage import bundle_terms
 
     return bundle_terms(target, text)
 

@@ -17,7 +17,7 @@ def unpack(
 ) -> None:
     """Verify a bundle and write its files to DIR: a run folder you can show, run or bisect."""
     from replay import bundle
-    from replay.code import MARKER
+    from replay.engine.code import MARKER
     from traces import Run
 
     header = bundle.unpack(file, dest)

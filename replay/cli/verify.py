@@ -23,7 +23,7 @@ def verify(
     or a recorded step is reproduced by no re-execution."""
     from replay.bundle import open_run
     from replay.cli.replaying import load_replayable, prepare_process, replay_notes
-    from replay.engine import check_range, parse_steps
+    from replay.engine.engine import check_range, parse_steps
     from replay.verify import VerifyInputError, refusal, too_few_devices
     from replay.verify import verify as run_verify
 

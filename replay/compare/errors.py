@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from replay.engine import ReplayInputError
+from replay.engine.engine import ReplayInputError
 
 
 class CompareInputError(ReplayInputError):

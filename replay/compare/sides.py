@@ -1,6 +1,6 @@
 """One run of a compared pair, evaluated with its own framework's code.
 
-A JAX run is evaluated through its replayable (replay.replayer.open_replayable, any loop): its
+A JAX run is evaluated through its replayable (replay.engine.replayer.open_replayable, any loop): its
 checkpoint restored onto the run's layout by the replayable's `restore` (the trainer's verifies
 it against the fingerprint recorded at save), each row's loss by the loop's optional
 `evaluate(state, batch)` capability. A replay.torch run is evaluated with a PyTorch model of it
@@ -62,7 +62,7 @@ class JaxSide:
     framework = "jax"
 
     def __init__(self, run: Run):
-        from replay.replayer import open_replayable
+        from replay.engine.replayer import open_replayable
 
         self.run, self.path = run, run.path
         self.rep = None  # a run that saved no checkpoint has nothing to evaluate: steps() says so
@@ -132,7 +132,8 @@ class TorchSide:
 def open_side(path: str | Path) -> JaxSide | TorchSide:
     """The run at `path` as one side of a comparison; a damaged run is refused (one line, exit 2)
     even though only its checkpoints are evaluated: its manifest and trace are what name them."""
-    from replay.bundle import damage_error, open_run
+    from replay.bundle import open_run
+    from replay.engine.damage import damage_error
 
     run = open_run(path)  # a folder a bundle was unpacked to is checked as one
     damaged = damage_error(run, f"{path}: its trace", "compare its checkpoints once the run's files are restored "

@@ -76,7 +76,7 @@ class IteratorFeed:
     """
 
     def __init__(self, make: Callable[[], Any], checkpoint_steps: Callable[[], list[int]], load: Callable[[int], Any]):
-        from replay.code import call_user
+        from replay.engine.code import call_user
 
         self._make, self._list_steps, self._load, self._call = make, checkpoint_steps, load, call_user
         self._steps: list[int] | None = None  # listed once: a replay opens the run read-only
@@ -109,7 +109,7 @@ class IteratorFeed:
         newest = max((c for c in self._steps if c <= step), default=None)
         if self.position is None or step < self.position or (newest is not None and newest > self.position):
             if newest is None:
-                from replay.replayer import ReplayUnavailable
+                from replay.engine.replayer import ReplayUnavailable
 
                 raise ReplayUnavailable(f"no checkpoint at or before step {step} holds the data iterator's state, so "
                                         "its batch cannot be found")
@@ -123,16 +123,16 @@ class IteratorFeed:
 
 
 def next_batch(it: Any, where: str = "before its first batch") -> Any:
-    """next(it), through replay.code.call_user (an exception there is the user's); an iterator
+    """next(it), through replay.engine.code.call_user (an exception there is the user's); an iterator
     that ends is a run the Loop's data cannot replay."""
-    from replay.code import UserCodeError, call_user
+    from replay.engine.code import UserCodeError, call_user
 
     try:
         return call_user(it.__next__)
     except UserCodeError as e:
         if not isinstance(e.original, StopIteration):
             raise
-        from replay.replayer import ReplayUnavailable
+        from replay.engine.replayer import ReplayUnavailable
 
         raise ReplayUnavailable(f"the Loop's data iterator ended {where}") from None
 

@@ -1,7 +1,7 @@
 """What this machine is, for the run manifest and for the replay engine's contract check.
 
 Everything here can change the bits a step computes, so all of it is recorded; which of it
-`replay.contract` compares depends on the backend. XLA:CPU results depend on the CPU (its ISA
+`replay.engine.contract` compares depends on the backend. XLA:CPU results depend on the CPU (its ISA
 decides vector widths and FMA; Eigen blocks a matmul by the caches of the model) and on the
 intra-op pool size, which is max(PJRT_NPROC or the schedulable CPUs, local devices)
 (trainer/invariant.py pins it). On GPU the driver, CUDA runtime, cuDNN and the libraries the plugin

@@ -4,7 +4,7 @@
 
 - a bundle: the exported program, always (nothing shipped in or named by a bundle runs);
 - a run folder: the user's code when its entry point can be imported under the code policy
-  (replay/code.py); the exported program when it cannot (not installed, or in a folder that
+  (replay/engine/code.py); the exported program when it cannot (not installed, or in a folder that
   needs --allow-code) and the run recorded one;
 - the report says which, in its notes: "replayed from the exported program ..." or
   "replayed with your code ...".
@@ -111,7 +111,7 @@ class ExportedReplay:
         import jax
         from jax import export as jexport
 
-        from replay.bundle.format import shown_path
+        from replay.engine.damage import shown_path
         from replay.record.replayable import _checkpoint_dir, _unavailable
 
         if data is not None:
@@ -263,7 +263,7 @@ def key_words(x: Any, spec: dict | None, where: str) -> Any:
 
 def choose(run, with_code, **options: Any) -> Any:
     """The replayable for an API run: `with_code(run, **options)` (LoopReplay) or ExportedReplay."""
-    from replay.code import CodeNotAllowed, is_bundle_run
+    from replay.engine.code import CodeNotAllowed, is_bundle_run
 
     why = usable(run.manifest, manifest_shown(run))
     if is_bundle_run(run) and why is None:

@@ -1,7 +1,7 @@
 """The replay side, declared once: `@replay.entrypoint def make(config) -> replay.Loop`.
 
 The manifest names the factory ("module:function"); `replay run` imports it under the code
-policy of replay/code.py, calls it with the recorded config, wraps `Loop.step` exactly as
+policy of replay/engine/code.py, calls it with the recorded config, wraps `Loop.step` exactly as
 `run.step` wrapped it while training, restores checkpoints onto the Loop's state and feeds
 `batch_at(k)`, or, for a loop whose data is an iterator checkpointed with the state, the
 iterator from `data()` restored to the state saved with the checkpoint it starts from

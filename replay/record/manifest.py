@@ -21,7 +21,7 @@ def entrypoint_spec(entrypoint: str | Callable) -> tuple[str, str | None]:
     A string is taken as is (the module is installed). A function gives its module and name; a
     function of a script run as `python path/train.py` (module __main__) is named by the file's
     stem, with the script's folder recorded: replaying imports from that folder only when asked
-    (`--allow-code`), never from a bundle (replay/code.py)."""
+    (`--allow-code`), never from a bundle (replay/engine/code.py)."""
     if isinstance(entrypoint, str):
         module, sep, attr = entrypoint.partition(":")
         if not sep or not module or not attr:

@@ -1,6 +1,6 @@
 """Recorded tensor names inside a pytree: a name is the path of a leaf, its keys joined by dots
 ("block_00.attn.q.kernel"), as the trainer names its parameters and gradients and as
-`tree_leaves` (replay/recompute.py) names a replay.init run's state. No JAX import.
+`tree_leaves` (replay/engine/recompute.py) names a replay.init run's state. No JAX import.
 """
 
 from __future__ import annotations

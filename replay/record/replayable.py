@@ -1,12 +1,12 @@
-"""The loop protocol (replay/protocol.py) for runs recorded through `replay.init`.
+"""The loop protocol (replay/engine/protocol.py) for runs recorded through `replay.init`.
 
 The manifest's "replayable" is this module's `from_run` (replay's own code, trusted); it
-imports the user's entry point the manifest names through replay.code.import_entrypoint (the
+imports the user's entry point the manifest names through replay.engine.code.import_entrypoint (the
 code policy: installed modules by name, a recorded folder only with --allow-code, never from a
 bundle), calls it with the recorded config, and wraps the Loop's step exactly as `run.step`
 did while recording (the recorded step options), so the program, its hash and its schema are
 the recorded ones when the code is. Every call into the user's code goes through
-replay.code.call_user: an exception there is the user's (exit 2), named.
+replay.engine.code.call_user: an exception there is the user's (exit 2), named.
 
 The batch of step k is `batch(k)`: the Loop's `batch_at(k)`, or the next batch of its data
 iterator, restored with the checkpoint the replay started from (replay/record/data_iterator.py:
@@ -31,7 +31,7 @@ from traces import Run
 
 
 def _unavailable(message: str) -> Exception:
-    from replay.replayer import ReplayUnavailable
+    from replay.engine.replayer import ReplayUnavailable
 
     return ReplayUnavailable(message)
 
@@ -39,7 +39,7 @@ def _unavailable(message: str) -> Exception:
 class LoopReplay:
     def __init__(self, run: Run, data: str | None = None, allow_data_change: bool = False, on_compile=None,
                  allow_code: bool = False):
-        from replay.code import call_user, function_name, import_entrypoint
+        from replay.engine.code import call_user, function_name, import_entrypoint
 
         if data is not None:
             raise _unavailable(f"{run.path}: this run's batches come from its loop (batch_at or its data iterator); "

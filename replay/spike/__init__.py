@@ -11,7 +11,7 @@ The median and MAD are robust: a spike inside the window barely moves them, and 
 loss (early training) only lowers scores. A non-finite loss is always a spike.
 
 Analysis (`analyze`) of one step S replays the steps from the nearest checkpoint at or before S
-through S with the replay engine (replay/engine.py: every recorded field of every replayed
+through S with the replay engine (replay/engine/engine.py: every recorded field of every replayed
 step compared bit for bit with the trace, as `replay run` does), then reports for S:
 
   * examples: each example's loss against the window's typical per-example loss (median

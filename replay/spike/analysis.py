@@ -17,7 +17,7 @@ from replay.spike.detect import (DECODE_TOKENS, DEFAULT_METRIC, DEFAULT_THRESHOL
 from traces import Run, StepRecord
 
 if TYPE_CHECKING:  # the engine imports JAX; `replay spike RUN` (detection only) never needs it
-    from replay.engine import ReplayReport, StepResult
+    from replay.engine.engine import ReplayReport, StepResult
 
 
 @dataclass
@@ -106,7 +106,7 @@ def check_step(run: Run, step: int, window: int, checkpoints: list[int]) -> int:
                 else f"a baseline needs at least {MIN_WINDOW} recorded steps before it")
         raise SpikeInputError(f"step {step} has {before} recorded steps before it, too few for a baseline of "
                               f"--window {window}: {hint}")
-    from replay.engine import latest_checkpoint
+    from replay.engine.engine import latest_checkpoint
 
     start = latest_checkpoint(checkpoints, step)
     if start is None:
@@ -211,7 +211,7 @@ def analyze(run: Run, replayable: Any, step: int, contract: Any, window: int = D
             on_step: Callable[[StepResult], None] | None = None, metric: str = DEFAULT_METRIC) -> SpikeReport:
     """Replays from the nearest checkpoint at or before `step` through `step` (verifying every
     field, as `replay run` does) and reports what drives the loss at `step`."""
-    from replay.engine import replay
+    from replay.engine.engine import replay
 
     check_window(window, threshold)
     loss_i = check_metric(run, metric)  # before replaying anything

@@ -27,7 +27,7 @@ from traces import Run, columns
 def shown(run: Run) -> str:
     """The run as messages name it: a bundle by its file (BUNDLE), never the temporary folder it
     was unpacked to; a run by its folder."""
-    from replay.bundle.format import shown_path
+    from replay.engine.damage import shown_path
 
     return shown_path(run)
 

@@ -5,7 +5,7 @@ In mesh-invariant mode each microbatch gradient has the same bits whichever devi
 A..B this restores the state entering it (the newest checkpoint at or before A, then the run's own
 steps replayed, faults included, as `replay run` does), and computes every microbatch's per-layer
 gradient fingerprints three times, with the work rotated by 0, K and 2K devices along the data
-axis: the run's replayable's `replica_fingerprints` capability (replay/protocol.py; the trainer's
+axis: the run's replayable's `replica_fingerprints` capability (replay/engine/protocol.py; the trainer's
 runs it through trainer/sdc.py `replica_lanes`: no reduction, no update). With the trace's own per-replica
 fingerprints (check.replicas=true) that is four values from three distinct devices per microbatch;
 replay/verify/classify.py votes and names the device that computed wrongly and the class.
@@ -36,11 +36,11 @@ from typing import Callable
 
 import numpy as np
 
-from replay.engine import ReplayInputError
+from replay.engine.engine import ReplayInputError
 from replay.verify.classify import Finding, classify, step_events, trace_findings
 from replay.verify.names import replica_name
 
-CAPABILITY = "replica_fingerprints"  # what verify asks of a run's replayable (replay/protocol.py)
+CAPABILITY = "replica_fingerprints"  # what verify asks of a run's replayable (replay/engine/protocol.py)
 
 
 class VerifyInputError(ReplayInputError):
@@ -90,9 +90,9 @@ def refusal(run) -> str | None:
     command refuses before anything compiles or prints. Verify re-computes each microbatch's
     gradients on other devices through the trainer's mesh-invariant step (trainer/sdc.py); a loop
     recorded with replay.init (or the legacy protocol, or replay.torch) has no such step yet."""
-    from replay.bundle.format import shown_path
-    from replay.contract import config_of
-    from replay.protocol import LEGACY_DEFAULT_FACTORY
+    from replay.engine.damage import shown_path
+    from replay.engine.contract import config_of
+    from replay.engine.protocol import LEGACY_DEFAULT_FACTORY
 
     manifest, shown = run.manifest, shown_path(run)
     factory = manifest.get("replayable", LEGACY_DEFAULT_FACTORY)
@@ -120,7 +120,7 @@ def too_few_devices(devices: int) -> str | None:
 
 def recorded_differences(run, replayable, step: int, metrics, hashes) -> list[str]:
     """The fields of the trace's record of `step` that the re-run's (metrics, hashes) differ in,
-    in causal order, compared as `replay run` compares (replay/engine.py)."""
+    in causal order, compared as `replay run` compares (replay/engine/engine.py)."""
     import jax
 
     from replay.record.recorder import to_record
@@ -133,12 +133,12 @@ def recorded_differences(run, replayable, step: int, metrics, hashes) -> list[st
 def verify(run, replayable, first: int, last: int, rotate: int = 1,
            on_step: Callable[[int], None] | None = None, environment: str | None = None) -> VerifyReport:
     """Verify steps first..last of `run`, re-executed through `replayable`'s capabilities
-    replica_layout, layer_groups and replica_fingerprints (replay/protocol.py), each step's re-run
+    replica_layout, layer_groups and replica_fingerprints (replay/engine/protocol.py), each step's re-run
     as recorded compared with the trace (its `rerun_step` where it has one). `environment`: the
     contract's line when it does not promise bits here (the trace's differences are then named as
     the environment's), None when it does."""
-    from replay.bundle.format import shown_path
-    from replay.engine import check_range
+    from replay.engine.damage import shown_path
+    from replay.engine.engine import check_range
 
     why = refusal(run)
     fingerprints = getattr(replayable, CAPABILITY, None)

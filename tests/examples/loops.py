@@ -50,8 +50,8 @@ def check_replay_from_a_checkpoint(run: Path) -> None:
 def check_replay_without_code(run: Path) -> None:
     """The run's exported program and example store replay 12..25 bit for bit, no user code used
     (the fresh-process, module-not-importable form is tests/replay/test_exported*.py's)."""
-    from replay.contract import evaluate
-    from replay.engine import replay as run_replay
+    from replay.engine.contract import evaluate
+    from replay.engine.engine import replay as run_replay
     from replay.record.exported import ExportedReplay
 
     r = Run.open(run)

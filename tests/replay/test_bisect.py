@@ -173,7 +173,7 @@ def test_without_checkpoints_the_replay_starts_from_the_initial_state(runs, tmp_
 
 @pytest.mark.slow
 def test_run_that_cannot_be_replayed_is_an_error_after_the_trace_scan(runs, tmp_path):
-    from replay.replayer import ReplayUnavailable
+    from replay.engine.replayer import ReplayUnavailable
     from traces.run import write_manifest
 
     moved = tmp_path / "data-gone"

@@ -51,7 +51,7 @@ def pair(tmp_path_factory):
 
 
 def test_a_100_step_clean_pair_agrees_within_the_noise_floor_at_every_step(pair, monkeypatch):
-    import replay.replayer
+    import replay.engine.replayer
     from replay.bisect import bisect
     from traces import Run
 
@@ -61,7 +61,7 @@ def test_a_100_step_clean_pair_agrees_within_the_noise_floor_at_every_step(pair,
         replays.append(a)
         raise AssertionError("the cross bisect replayed a run that records sketches")
 
-    monkeypatch.setattr(replay.replayer.Replayer, "__init__", refuse)
+    monkeypatch.setattr(replay.engine.replayer.Replayer, "__init__", refuse)
     report = bisect(Run.open(pair["torch"]), Run.open(pair["jax"]))
     assert report.source == "traces" and replays == [], (report.source, replays)
     assert report.within_noise, report.to_json()
@@ -72,8 +72,8 @@ def test_a_100_step_clean_pair_agrees_within_the_noise_floor_at_every_step(pair,
 def _tensors_by_step(run_path, steps: int, names: list[str]) -> list[dict[str, np.ndarray]]:
     """Every recorded tensor of a JAX trainer run at steps 0..steps-1, recomputed by replay."""
     from replay.bisect.cross_distance import _jax_tensors
-    from replay.recompute import _Side
-    from replay.replayer import Replayer
+    from replay.engine.recompute import _Side
+    from replay.engine.replayer import Replayer
     from traces import Run
 
     r = Replayer("A", Run.open(run_path))

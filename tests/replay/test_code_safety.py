@@ -1,4 +1,4 @@
-"""Which code replays a run (replay/code.py): nothing inside a bundle runs, a folder the manifest
+"""Which code replays a run (replay/engine/code.py): nothing inside a bundle runs, a folder the manifest
 names runs only with --allow-code, an installed module runs by name, and two runs whose loops
 share a module name each replay with their own code.
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from replay import code
+from replay.engine import code
 from tests.cli_util import assert_error_line, invoke
 from tests.replay.tinyruns import copy_loop, load_copy, record
 from traces import Run, Schema
@@ -200,7 +200,7 @@ def test_a_module_imported_earlier_from_a_folder_no_longer_on_sys_path_is_not_in
 def test_two_loops_with_one_module_name_each_replay_with_their_own_code(loops):
     """Old behaviour: both resolved to the module imported first, so B replayed with a's SCALE
     and differed from its own trace."""
-    from replay.protocol import load
+    from replay.engine.protocol import load
 
     ra, rb = load(Run.open(loops["a"]), allow_code=True), load(Run.open(loops["b"]), allow_code=True)
     ma, mb = sys.modules[type(ra.inner).__module__], sys.modules[type(rb.inner).__module__]

@@ -1,4 +1,4 @@
-"""The determinism contract's backend-specific keys (replay/contract.py) and what
+"""The determinism contract's backend-specific keys (replay/engine/contract.py) and what
 replay/record/environment.py records for them. Pure dicts, no training."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from replay.contract import (BACKEND_KEYS, COMMON_KEYS, GPU_NUMERIC_FLAGS, NOT_RECORDED, contract_keys,
+from replay.engine.contract import (BACKEND_KEYS, COMMON_KEYS, GPU_NUMERIC_FLAGS, NOT_RECORDED, contract_keys,
                              environment_differences, evaluate)
 
 VERSIONS = {"jax": "0.10.2", "jaxlib": "0.10.2", "flax": "0.12", "optax": "0.2", "numpy": "2.1"}
@@ -166,7 +166,7 @@ def test_gpu_description_reads_jaxlib_versions_and_survives_without_them(monkeyp
 
 
 def test_a_run_resumed_on_another_process_count_is_not_promised_bits_by_its_first_environment():
-    from replay.contract import recorded_environment
+    from replay.engine.contract import recorded_environment
 
     same = {"environment": CPU, "resumes": [{"step": 40, "process_count": 1, "device_count": 1}]}
     assert recorded_environment(same) == CPU and evaluate(recorded_environment(same), CPU, "p", "p").expect_bits

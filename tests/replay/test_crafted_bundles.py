@@ -38,7 +38,7 @@ import zstandard
 
 import traces
 from replay.bundle import format as fmt
-from replay.code import MARKER
+from replay.engine.code import MARKER
 from tests.cli_util import assert_one_line_error, invoke
 from tests.replay.test_exported import record
 from traces.run import write_manifest

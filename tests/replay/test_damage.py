@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from replay.bundle.pack import _write_bundle
-from replay.engine import ReplayReport, StepResult
+from replay.engine.engine import ReplayReport, StepResult
 from tests.cli_util import assert_one_line_error, dir_digest, invoke
 from tests.traces.helpers import make_record, make_schema
 from traces import FieldDiff, Run
@@ -240,7 +240,7 @@ def test_a_bug_in_the_refinement_replay_exits_3(tmp_path, monkeypatch):
         raise ZeroDivisionError("boom")
 
     monkeypatch.setattr(replay.bisect.refine, "search_first_divergence", broken)
-    monkeypatch.setattr("replay.replayer.open_replayable", lambda run: object())
+    monkeypatch.setattr("replay.engine.replayer.open_replayable", lambda run: object())
     schema = make_schema(layer=False)
     a, b = make_run(tmp_path / "A", schema), make_run(tmp_path / "B", schema)
     result = invoke("bisect", str(a), str(b))
@@ -264,7 +264,7 @@ def test_a_damaged_checkpoint_in_the_refinement_is_named_as_itself(tmp_path, mon
 
 
 def test_replayer_lets_a_damaged_checkpoint_and_a_bug_through(tmp_path, monkeypatch):
-    from replay import replayer
+    from replay.engine import replayer
     from replay.record.orbax_io import CheckpointDamagedError
 
     class Rep:
@@ -280,7 +280,7 @@ def test_replayer_lets_a_damaged_checkpoint_and_a_bug_through(tmp_path, monkeypa
     r._rep = Rep()
     with pytest.raises(CheckpointDamagedError):
         r.restore(10)
-    monkeypatch.setattr("replay.protocol.load", lambda run: 1 / 0)
+    monkeypatch.setattr("replay.engine.protocol.load", lambda run: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         replayer.open_replayable(Run.open(tmp_path / "A"))
 
@@ -304,7 +304,7 @@ def test_unjudged_noise_floor_is_an_error(tmp_path):
 
 
 def test_run_json_encodes_non_finite_values():
-    from replay.contract import Contract
+    from replay.engine.contract import Contract
 
     diff = FieldDiff("loss", "loss", a=1.5, b=math.nan, distance={"abs": None, "rel": None, "ulp": None, "nan": True})
     inf = FieldDiff("backward", "grad_norm", a=math.inf, b=2.0, distance={"abs": math.inf, "rel": math.nan, "ulp": 7})

@@ -1,4 +1,4 @@
-"""The model side of the loop protocol: refine (replay/bisect/refine.py, replay/recompute.py) and
+"""The model side of the loop protocol: refine (replay/bisect/refine.py, replay/engine/recompute.py) and
 `compare --eval` (replay/compare/sides.py) ask a run's replayable -- or, for a PyTorch run, a
 plugin's `torch_reference(run)` -- for what they need, never the trainer.
 
@@ -21,16 +21,16 @@ import traces
 from replay import plugins
 from replay.bisect.refine import refine_step
 from replay.record.names import get_path
-from replay.recompute import recomputes
-from replay.replayer import Replayer, ReplayUnavailable
+from replay.engine.recompute import recomputes
+from replay.engine.replayer import Replayer, ReplayUnavailable
 from tests.cli_util import assert_one_line_error, invoke
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, STEP = 4, 10  # refined at a step the trace does not hold: nothing to check it against
-MODULES = ["replay/recompute.py", "replay/bisect/refine.py", "replay/bisect/cross_distance.py",
+MODULES = ["replay/engine/recompute.py", "replay/bisect/refine.py", "replay/bisect/cross_distance.py",
            "replay/bisect/cross.py", "replay/bisect/cross_floor.py", "replay/bisect/first_op.py",
            "replay/compare/sides.py", "replay/compare/floor.py", "replay/compare/__init__.py",
-           "replay/tensor_distance.py", "replay/plugins.py", "replay/record/names.py"]
+           "replay/engine/tensor_distance.py", "replay/plugins.py", "replay/record/names.py"]
 
 
 def _write(path: Path, manifest: dict) -> traces.Run:
@@ -159,7 +159,7 @@ def test_a_loop_without_recompute_step_is_refused_in_one_line_naming_it(tmp_path
 def test_compare_eval_of_a_loop_without_evaluate_names_the_field_to_add(tmp_path, monkeypatch):
     a = _write(tmp_path / "a", {"config": {"steps": STEPS}, "replayable": "tests.replay.no_such_loop:factory"})
     b = _write(tmp_path / "b", {"config": {"steps": STEPS}, "replayable": "tests.replay.no_such_loop:factory"})
-    monkeypatch.setattr("replay.replayer.open_replayable", lambda run: Loop())
+    monkeypatch.setattr("replay.engine.replayer.open_replayable", lambda run: Loop())
     result = invoke("compare", str(a.path), str(b.path), "--eval")
     assert_one_line_error(result, str(a.path), "evaluate(state, batch)", "replay.Loop(evaluate=...)")
 

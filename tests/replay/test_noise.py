@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from replay.noise import DEFAULT_FACTOR, floor_by_replay, judge
+from replay.engine.noise import DEFAULT_FACTOR, floor_by_replay, judge
 from traces import Run, compare
 from trainer.config import apply_overrides, get_preset
 from trainer.loop import train

@@ -120,7 +120,7 @@ def test_lite_bundle_holds_the_trace_bit_for_bit_and_show_reads_it(lite, tmp_pat
     dest = tmp_path / "u"
     result = invoke("unpack", out, dest)
     assert result.exit_code == 0, result.stderr
-    # FROM_BUNDLE.json: unpack's mark that the folder came from a bundle (replay/code.py)
+    # FROM_BUNDLE.json: unpack's mark that the folder came from a bundle (replay/engine/code.py)
     assert sorted(p.name for p in dest.iterdir()) == ["COMPLETE", "FROM_BUNDLE.json", "REPORT.md", "run.json", "trace"]
     original, unpacked = traces.Run.open(run), traces.Run.open(dest)
     assert unpacked.status == "complete" and (unpacked.trace.start, unpacked.trace.end) == (5, 25)

@@ -1,4 +1,4 @@
-"""The loop protocol's core (replay/protocol.py): replay's engine, verify and noise floor ask a run's
+"""The loop protocol's core (replay/engine/protocol.py): replay's engine, verify and noise floor ask a run's
 replayable for what they need, never the trainer, so they work for any loop that provides it.
 
 Each test uses a replayable written here (numpy and a few tiny jnp ops, nothing compiled of any
@@ -20,7 +20,7 @@ import pytest
 import traces
 from replay.record.hashing import batch_hash
 from replay import errors
-from replay.replayer import Replayer, ReplayUnavailable, open_replayable
+from replay.engine.replayer import Replayer, ReplayUnavailable, open_replayable
 from replay.verify import VerifyInputError, verify
 from replay.verify.classify import owner
 from replay.verify.names import replica_layers, replica_name
@@ -170,7 +170,7 @@ def test_a_loops_own_input_error_is_bad_input_and_cannot_be_replayed_here(tmp_pa
     def load(run, **options):
         raise BadSource("the data file is gone")
 
-    monkeypatch.setattr("replay.protocol.load", load)
+    monkeypatch.setattr("replay.engine.protocol.load", load)
     with pytest.raises(ReplayUnavailable, match=r"cannot be replayed here \(BadSource: the data file is gone\)"):
         open_replayable(run)
 
@@ -191,7 +191,7 @@ def test_the_exit_table_names_no_trainer_class_and_the_trainers_errors_are_input
 
 
 def test_the_noise_floor_nudges_a_state_that_names_no_parameters(tmp_path):
-    from replay.noise import floor_by_replay
+    from replay.engine.noise import floor_by_replay
 
     run = _write(tmp_path / "run", {"config": {}, "data": {}}, loss=1.0)  # Loop's loss: mean of ones
     floors, replays = floor_by_replay(run, 0, 3, replayable=Loop())
@@ -202,8 +202,8 @@ def test_the_noise_floor_nudges_a_state_that_names_no_parameters(tmp_path):
 # ------------------------------------------------------------------------------ the layers
 
 
-CORE = ("replay/protocol.py", "replay/replayer.py", "replay/engine.py", "replay/cli/replaying.py",
-        "replay/bundle/finding.py", "replay/noise.py", "replay/verify/", "replay/bisect/replica.py", "replay/errors.py")
+CORE = ("replay/engine/protocol.py", "replay/engine/replayer.py", "replay/engine/engine.py", "replay/cli/replaying.py",
+        "replay/bundle/finding.py", "replay/engine/noise.py", "replay/verify/", "replay/bisect/replica.py", "replay/errors.py")
 
 
 def test_the_protocol_core_imports_nothing_from_trainer():

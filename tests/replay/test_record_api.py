@@ -19,7 +19,7 @@ from replay.record.hashing import example_hashes
 from traces import Run
 from traces.fingerprint import fingerprint
 from trainer.data import example_hashes as trainer_example_hashes
-from replay.protocol import load
+from replay.engine.protocol import load
 
 B = 8
 
@@ -66,8 +66,8 @@ def record(path, steps: int = 6, scale: float = 1.0, every: int = 3, finish: boo
 
 
 def replay_all(path, first: int, last: int) -> dict:
-    from replay.contract import evaluate
-    from replay.engine import replay as run_replay
+    from replay.engine.contract import evaluate
+    from replay.engine.engine import replay as run_replay
 
     run = Run.open(path)
     rep = load(run)

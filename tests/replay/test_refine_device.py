@@ -1,4 +1,4 @@
-"""Refinement compares where the tensors live (replay/tensor_distance.py DeviceDiff): fingerprints
+"""Refinement compares where the tensors live (replay/engine/tensor_distance.py DeviceDiff): fingerprints
 first, statistics on device for the leaves that differ, and one leaf pair fetched to the host --
 not every parameter and gradient of both runs. End to end (a bisect of a bitflip run fetches one
 leaf pair): tests/replay/test_bisect.py's bitflip test, on the runs that file trains anyway."""
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from replay.bisect.refine import _walk
-from replay.tensor_distance import DeviceDiff, compare_tensors
+from replay.engine.tensor_distance import DeviceDiff, compare_tensors
 
 
 @pytest.fixture

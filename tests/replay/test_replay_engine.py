@@ -11,8 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from replay.cli.app import app
-from replay.contract import evaluate
-from replay.engine import ReplayInputError, check_range, parse_steps, replay
+from replay.engine.contract import evaluate
+from replay.engine.engine import ReplayInputError, check_range, parse_steps, replay
 from traces import Run
 from trainer import rng
 from trainer.checkpoint import Checkpointer

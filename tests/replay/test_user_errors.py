@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from replay import code
-from replay.replayer import _copy, first_state_difference, state_fingerprints
+from replay.engine import code
+from replay.engine.replayer import _copy, first_state_difference, state_fingerprints
 from tests.cli_util import assert_error_line, invoke
 from tests.replay.tinyruns import copy_loop, load_copy, record
 from traces import Schema

@@ -3,7 +3,7 @@ for test_code_safety.py and test_user_errors.py).
 
 Each copy is loaded for recording under a name of its own, never as `tinyloop`, so nothing
 the tests record makes `tinyloop` importable by name: replay has to find each run's code the
-way the policy in replay/code.py allows.
+way the policy in replay/engine/code.py allows.
 """
 
 from __future__ import annotations

@@ -109,7 +109,7 @@ def runs():
 
 @pytest.fixture
 def no_replay(monkeypatch):
-    import replay.replayer
+    import replay.engine.replayer
 
     replays = []
 
@@ -117,7 +117,7 @@ def no_replay(monkeypatch):
         replays.append(a)
         raise AssertionError("the cross bisect replayed a run that records sketches")
 
-    monkeypatch.setattr(replay.replayer.Replayer, "__init__", refuse)
+    monkeypatch.setattr(replay.engine.replayer.Replayer, "__init__", refuse)
     return replays
 
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from replay.contract import evaluate
+from replay.engine.contract import evaluate
 from trainer import invariant
 from trainer.config import ConfigError, apply_overrides, get_preset
 from trainer.mesh import MeshError

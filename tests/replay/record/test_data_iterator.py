@@ -15,7 +15,7 @@ import replay
 from replay.record import data_iterator
 from replay.record.errors import RecordError
 from traces import Run
-from replay.protocol import load
+from replay.engine.protocol import load
 
 B, EVERY = 4, 3
 
@@ -78,8 +78,8 @@ def record(path, steps: int = 8, finish: bool = True, seed: int = 5) -> None:
 
 
 def replay_range(path, first: int, last: int) -> dict:
-    from replay.contract import evaluate
-    from replay.engine import replay as run_replay
+    from replay.engine.contract import evaluate
+    from replay.engine.engine import replay as run_replay
 
     run = Run.open(path)
     rep = load(run)
@@ -203,7 +203,7 @@ def test_a_bytes_state_comes_back_as_bytes():
 
 
 def test_a_loop_whose_data_cannot_serve_the_run_says_why(tmp_path, recorded, monkeypatch):
-    from replay.replayer import ReplayUnavailable
+    from replay.engine.replayer import ReplayUnavailable
 
     rep = load(Run.open(recorded))
     rep.restore(6)

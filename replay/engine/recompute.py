@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Protocol, Sequence
 import jax
 import numpy as np
 
-from replay.replayer import Replayer, ReplayUnavailable, _copy
+from replay.engine.replayer import Replayer, ReplayUnavailable, _copy
 
 CAPABILITY = "recompute_step"
 
@@ -79,7 +79,7 @@ class _Side:
         recompute = getattr(replayer.rep, CAPABILITY, None)
         if recompute is None:
             raise ReplayUnavailable(f"{replayer.label}: the run's loop does not provide {CAPABILITY}(state, step) "
-                                    "(a step recomputed with its intermediates, replay/recompute.py), which layer "
+                                    "(a step recomputed with its intermediates, replay/engine/recompute.py), which layer "
                                     "refinement needs")
         self.r, self.raw, self.step = replayer, raw_state, step
         self.rc: StepRecomputation = recompute(raw_state, step)
@@ -158,7 +158,7 @@ class _LoopSide:
         return fn, (_copy(self.raw), rep.batch(self.step))
 
     def _recompute_taps(self) -> list[tuple[str, str, Any]] | None:
-        from replay.code import call_user
+        from replay.engine.code import call_user
 
         rep = self.r.rep
         program, loop = getattr(rep, "program", None), getattr(rep, "loop", None)

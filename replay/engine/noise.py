@@ -86,8 +86,8 @@ def relative(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def floor_by_replay(run: Run, start: int, stop: int, replayable=None) -> tuple[dict[int, np.ndarray], int]:
     """Relative distances, per step in [checkpoint, stop), between A's trace and a replay of A
     whose parameters were nudged by one ULP at the checkpoint at or before `start`. `replayable`:
-    A's (default: the one its manifest names, replay.replayer.open_replayable)."""
-    from replay.replayer import open_replayable
+    A's (default: the one its manifest names, replay.engine.replayer.open_replayable)."""
+    from replay.engine.replayer import open_replayable
 
     rep = replayable or open_replayable(run)
     fields = _fields(run)

@@ -6,9 +6,9 @@ global per-example hashes of the batch it fed. The engine compares the result wi
 
 A run's manifest names the factory that builds its replayable ("replayable": "module:function",
 marked @replay.entrypoint; the legacy "replayable_path" names a folder to import it from, used
-only with --allow-code, never inside the run or a bundle: see replay/code.py); `load` calls
+only with --allow-code, never inside the run or a bundle: see replay/engine/code.py); `load` calls
 `function(run, data=..., allow_data_change=..., allow_code=...)` (allow_code only if the factory
-takes it) and uses what it returns, every call into it made through replay.code.call_user. A
+takes it) and uses what it returns, every call into it made through replay.engine.code.call_user. A
 bundle never chooses its factory: it replays with the trainer's or replay.init's, and one whose
 manifest names any other code is refused (replay/bundle/trust.py). Runs recorded by replay.init
 name replay.record.replayable:from_run; runs of the embedded trainer recorded so far name none
@@ -30,11 +30,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from replay.code import OWN_FACTORIES
+from replay.engine.code import OWN_FACTORIES
 from traces import Run, Schema
 
 # The factory of a run whose manifest names none: every run of trainer/ recorded before runs
-# named their factory. A string the manifest protocol resolves (replay.code.OWN_FACTORIES), not
+# named their factory. A string the manifest protocol resolves (replay.engine.code.OWN_FACTORIES), not
 # an import: replay reaches the trainer only as it reaches any loop, through its entry point.
 LEGACY_DEFAULT_FACTORY = OWN_FACTORIES[0]  # "trainer.replayable:from_run"
 
@@ -45,7 +45,7 @@ CAPABILITIES = (
     "initial_state",  # replay bisect: the state entering step 0 when the run saved no checkpoint 0
     "replica_layout", "layer_groups", "replica_fingerprints", "rerun_step",  # replay verify (silent data corruption)
     "fed_rows", "example_hashes", "decode_tokens", "injected_positions",  # replay spike (tokens, faults)
-    "recompute_step",  # bisect's refine and the cross-framework distance (replay/recompute.py)
+    "recompute_step",  # bisect's refine and the cross-framework distance (replay/engine/recompute.py)
     "evaluate",  # replay compare --eval (replay/compare/sides.py)
 )
 # Commands that must not compile (audit, pack, compare's held-out rows) reach a run's data through
@@ -119,7 +119,7 @@ class Replayable(Protocol):
 
     def recompute_step(self, state: Any, step: int) -> Any:
         """The step from `state` recomputed with every intermediate by its recorded name: a
-        replay.recompute.StepRecomputation (its contract there). Absent: bisect names the step and
+        replay.engine.recompute.StepRecomputation (its contract there). Absent: bisect names the step and
         the layer from the trace but not the op inside it, and says recompute_step would."""
 
     def evaluate(self, state: Any, batch: Any) -> np.ndarray:
@@ -131,17 +131,17 @@ def load(run: Run, *, allow_code: bool | None = None, **options: Any) -> Replaya
     """The replayable that the run's manifest names (LEGACY_DEFAULT_FACTORY when it names none).
 
     The manifest's "replayable" entry ("module:function", and the legacy "replayable_path"
-    folder) is resolved by replay.code.import_entrypoint: replay's and the trainer's own
+    folder) is resolved by replay.engine.code.import_entrypoint: replay's and the trainer's own
     factories import normally, an installed module by name, a folder the manifest names only
     with `allow_code` (None: the command's --allow-code) and never from a bundle. Any factory
     but the legacy default is called with `allow_code=` too when it takes it (it may resolve more
     code of its own); exceptions raised inside a user's factory and its replayable's methods
-    are the user's (replay.code.UserCodeError, exit 2), not replay's."""
+    are the user's (replay.engine.code.UserCodeError, exit 2), not replay's."""
     from replay.bundle.trust import manifest_problem
-    from replay.code import OWN_FACTORIES, CodeNotAllowed, call_user, code_allowed, import_entrypoint, is_bundle_run
-    from replay.replayer import ReplayUnavailable
+    from replay.engine.code import OWN_FACTORIES, CodeNotAllowed, call_user, code_allowed, import_entrypoint, is_bundle_run
+    from replay.engine.replayer import ReplayUnavailable
 
-    if allow_code is None:  # not passed down: the command's --allow-code (replay.code.allowing)
+    if allow_code is None:  # not passed down: the command's --allow-code (replay.engine.code.allowing)
         allow_code = code_allowed()
     if is_bundle_run(run):  # its manifest does not choose: the trainer's factory, or replay.init's
         refused = manifest_problem(run.manifest)  # (open_run refused it already; a Run opened otherwise is judged here)
@@ -167,7 +167,7 @@ def load(run: Run, *, allow_code: bool | None = None, **options: Any) -> Replaya
 
 class UserReplayable:
     """A user's replayable, with every protocol call (required or capability) made through
-    replay.code.call_user: an exception in the user's restore or step is reported as theirs
+    replay.engine.code.call_user: an exception in the user's restore or step is reported as theirs
     (exit 2), naming it."""
 
     def __init__(self, inner: Any):
@@ -176,7 +176,7 @@ class UserReplayable:
     def __getattr__(self, name: str) -> Any:
         value = getattr(self.inner, name)
         if name in REQUIRED + CAPABILITIES and callable(value):
-            from replay.code import call_user
+            from replay.engine.code import call_user
 
             return lambda *a, **kw: call_user(value, *a, **kw)
         return value

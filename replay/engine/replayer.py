@@ -52,14 +52,14 @@ _CACHE_SIZE = 6
 
 
 def open_replayable(run: Run) -> Any:
-    """The run's replayable (replay.protocol.load), reused while the run is unchanged: a
+    """The run's replayable (replay.engine.protocol.load), reused while the run is unchanged: a
     process that bisects several pairs against one run compiles its step once."""
     manifest = json.dumps(run.manifest, sort_keys=True, default=str).encode()
     key = (str(Path(run.path).resolve()), hashlib.sha256(manifest).hexdigest())
     if key in _CACHE:
         _CACHE.move_to_end(key)
         return _CACHE[key]
-    from replay.protocol import load
+    from replay.engine.protocol import load
 
     try:
         rep = load(run)
@@ -74,7 +74,7 @@ def open_replayable(run: Run) -> Any:
 
 
 def _shown(run: Run) -> str:
-    from replay.bundle.format import shown_path
+    from replay.engine.damage import shown_path
 
     return shown_path(run)
 
@@ -117,7 +117,7 @@ class Replayer:
         return self._rep
 
     def _initial_state(self) -> Any:
-        """The replayable's `initial_state` capability (replay/protocol.py), None without one."""
+        """The replayable's `initial_state` capability (replay/engine/protocol.py), None without one."""
         return getattr(self.rep, "initial_state", None)
 
     def checkpoints(self) -> list[int]:

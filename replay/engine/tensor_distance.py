@@ -116,7 +116,7 @@ class DeviceDiff:
     def fingerprints(self, values: list[Any]) -> list[int | None]:
         """64-bit fingerprints of the device arrays among `values` (None for the others), in
         one jitted call and one fetch."""
-        from replay.replayer import _device_fingerprints
+        from replay.engine.replayer import _device_fingerprints
 
         at = [i for i, v in enumerate(values) if _on_device(v)]
         out: list[int | None] = [None] * len(values)

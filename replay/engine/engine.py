@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from replay.bisect import finite_json
-from replay.contract import Contract
+from replay.engine.contract import Contract
 from traces import FieldDiff, Run, diff_records
 from traces.schema import METRIC_DTYPES
 from replay.record.recorder import to_record
@@ -114,7 +114,7 @@ def latest_checkpoint(checkpoints: list[int], step: int) -> int | None:
 
 def check_range(run: Run, first: int, last: int, checkpoints: list[int]) -> int:
     """The checkpoint to start from; raises ReplayInputError for a range the run cannot replay."""
-    from replay.bundle.format import describe_damage, run_damage, shown_path
+    from replay.engine.damage import describe_damage, run_damage, shown_path
 
     trace, name = run.trace, shown_path(run)
     if len(trace) == 0 or first < trace.start or last >= trace.end:
@@ -140,7 +140,7 @@ def check_range(run: Run, first: int, last: int, checkpoints: list[int]) -> int:
 def _check_records(run: Run, start: int, last: int) -> None:
     """Every record the replay will compare passes its checksums before anything is compiled, so
     damage inside the range is refused up front, never found halfway through a verdict."""
-    from replay.bundle.format import bundle_terms, shown_path
+    from replay.engine.damage import bundle_terms, shown_path
     from traces import TraceCorruptError
 
     try:
@@ -154,7 +154,7 @@ def _check_records(run: Run, start: int, last: int) -> None:
 def replay(run: Run, replayable: Any, first: int, last: int, contract: Contract,
            on_step: Callable[[StepResult], None] | None = None) -> ReplayReport:
     start = check_range(run, first, last, replayable.checkpoint_steps())
-    from replay.bundle.format import shown_path
+    from replay.engine.damage import shown_path
 
     report = ReplayReport(shown_path(run), first, last, start, contract, value_dtype=run.schema.metric_dtype)
     schema = run.schema

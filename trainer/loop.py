@@ -23,8 +23,9 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from replay.record.checkpointer import Checkpointer
+from replay.record.checkpoints import FINGERPRINTS_KEY, recorded_fingerprint
 from replay.record.environment import environment, peak_flops, program_hash
-from replay.record.fingerprint import state_fingerprint
 from replay.record.orbax_io import CheckpointDiskFullError
 from replay.record.gather import Timeline, gather_blocking, start_gather
 from replay.record.recorder import Recorder
@@ -32,7 +33,6 @@ from traces import Run, Schema, TraceWriter
 from traces.errors import DISK_FULL_ERRNOS, DiskFullError, disk_full_message
 from traces.run import LOCK, take_lock
 from trainer import data, invariant, mesh as meshlib, model, rng, sketches
-from trainer.checkpoint import FINGERPRINTS_KEY, Checkpointer, recorded_fingerprint
 from trainer.config import Config, ConfigError, MeshConfig, config_diff, from_dict, to_dict
 from trainer.faults import FaultPlan
 from trainer.optim import make_optimizer
@@ -287,7 +287,7 @@ def run_prepared(job: Prepared, on_step: Callable[[StepInfo], None] | None = Non
         elif not job.resume:
             _wait_for(job.out / "run.json")
         if ckpt is None:
-            ckpt = Checkpointer(job.out / "checkpoints", keep=job.built.cfg.checkpoint.keep, create=True)
+            ckpt = Checkpointer(job.out / "checkpoints", keep=job.built.cfg.checkpoint.keep, step_of=state_step)
         return _train_loop(job, run, ckpt, on_step)
     except BaseException:
         if ckpt is not None:
@@ -327,7 +327,7 @@ def _restore_newest(cfg: Config, out: Path) -> _Resumed:
     recorded = Run.open(out)
     manifest, recorded_end = recorded.manifest, recorded.trace.end  # every process: the same step
     complete = recorded.status == "complete"
-    ckpt = Checkpointer(out / "checkpoints", keep=cfg.checkpoint.keep, create=True)
+    ckpt = Checkpointer(out / "checkpoints", keep=cfg.checkpoint.keep, step_of=state_step)
     try:
         fingerprints = dict(manifest.get(FINGERPRINTS_KEY) or {})
         # Saves are asynchronous: a crash can land after a checkpoint is complete on disk and before
@@ -361,15 +361,14 @@ class _Saver:
         """Starts saving `state` (the write goes on while the next steps run: Checkpointer.save) and
         records the checkpoints complete so far; a checkpoint's fingerprint reaches the manifest only
         once it is complete. A failure of the save in flight surfaces here, at the next save."""
-        fingerprint = state_fingerprint(state)  # every process: a collective; before the next step donates it
-        try:
-            saved = self.ckpt.save(state, wait=wait)
+        try:  # every process: the fingerprint is a collective, taken before the next step donates the state
+            fingerprint = self.ckpt.save(done, state, wait=wait)
         except CheckpointDiskFullError as e:
             failed = getattr(e, "step", done)  # the save in flight, or this one
             last = self.writer.next_step - 1 if self.writer is not None and self.writer.next_step else done - 1
             raise DiskFullError(disk_full_message(self.ckpt.path / str(failed), f"saving checkpoint {failed}", last,
                                                   self.job.out), str(self.ckpt.path), last) from e
-        if saved:
+        if fingerprint is not None:  # None: checkpoint `done` was on disk already, and stands
             self.fingerprints[str(done)] = fingerprint
         self.record()
 
@@ -424,6 +423,15 @@ def _train_loop(job: Prepared, run: Run | None, ckpt: Checkpointer,
     return TrainResult(job.out, start, cfg.steps, recorder.rewritten, seconds, built.compile_seconds,
                        last.metric(built.schema, "loss") if last else None, ckpt.steps(),
                        resumed.notes if resumed else [])
+
+
+def state_step(state: Any) -> int:
+    """The step a TrainState is at (checkpoint k holds state.step == k). state.step is replicated;
+    in a multi-process run it is not fully addressable, so this reads this process's copy."""
+    s = state.step
+    if isinstance(s, jax.Array):
+        s = s.addressable_shards[0].data
+    return int(np.asarray(s))
 
 
 def _wait_for(path: Path, timeout: float = 120.0) -> None:

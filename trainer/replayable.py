@@ -28,10 +28,10 @@ class TrainerReplay(TrainerDataProtocol, TrainerModelProtocol):
     def __init__(self, run: Run, data: str | None = None, allow_data_change: bool = False,
                  on_compile=None):
         from trainer import data as datalib
-        from trainer.checkpoint import Checkpointer
+        from replay.record.checkpointer import Checkpointer
         from trainer.config import MeshConfig, from_dict
         from trainer.faults import FaultPlan
-        from trainer.loop import build
+        from trainer.loop import build, state_step
         from trainer.mesh import MeshError
 
         cfg = from_dict(run.manifest["config"])
@@ -63,7 +63,7 @@ class TrainerReplay(TrainerDataProtocol, TrainerModelProtocol):
             self.mesh_note = f"the recorded mesh does not fit {jax.device_count()} devices; replaying data-parallel"
         self.built = built
         self.schema = built.schema
-        self._ckpt = Checkpointer(run.checkpoint_dir, create=False)
+        self._ckpt = Checkpointer(run.checkpoint_dir, create=False, step_of=state_step)
         self._manifest = run.manifest
         self.unverified: list[int] = []  # checkpoints restored without a recorded fingerprint to check
         self.restore_notes: list[str] = []  # one line per unverified checkpoint, for the report
@@ -83,7 +83,7 @@ class TrainerReplay(TrainerDataProtocol, TrainerModelProtocol):
         """The state saved at `step`, verified on device against the fingerprint recorded when it
         was saved (CheckpointDamagedError on a mismatch or unreadable files). A checkpoint with
         no recorded fingerprint (older runs) is restored unverified and noted."""
-        from trainer.checkpoint import recorded_fingerprint
+        from replay.record.checkpoints import recorded_fingerprint
 
         expected = recorded_fingerprint(self._manifest, step)
         state = self._ckpt.restore(step, self.built.abstract_sharded, fingerprint=expected)

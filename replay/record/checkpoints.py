@@ -1,38 +1,71 @@
 """Checkpoints of a recorded run: orbax, checkpoint k = the state entering step k.
 
+The one checkpoint module for every loop (`replay.init`'s runs, the trainer's, and replay reading
+either): this file holds what reading one orbax step takes, used on any CheckpointManager (a
+run's own or the user's); replay/record/checkpointer.py holds `Checkpointer`, the writer and
+reader built on it (asynchronous saves that never overlap, keep-N pruning, read-only opening).
+
 The run's own manager saves into RUN/checkpoints (or the user's CheckpointManager, given to
 `replay.init(checkpoints=...)`, saves where it saves; the manifest records that folder). Every
-save records `state_fingerprint(state)` (replay/record/fingerprint.py: every leaf's path, dtype, shape
-and bits) in the manifest; every restore at replay recomputes it on device and refuses a state
-that differs (orbax stores chunks without checksums, so only this catches a flipped bit).
-Replay opens the folder read-only: nothing in the run changes.
+save records `state_fingerprint(state)` (replay/record/fingerprint.py: every leaf's path, dtype,
+shape and bits) in the manifest ("checkpoint_fingerprints"); every restore at replay or resume
+recomputes it on device and refuses a state that differs: orbax stores array chunks with no
+checksum (zstd without frame checksums), so a flipped bit in a chunk restores silently, and only
+this catches it. Unreadable chunk files (truncated, zeroed, missing) are CheckpointDamagedError
+too. Before any array is read, the target's leaves are checked against the checkpoint's metadata
+(a small JSON file): a state built from another config is one line naming the first leaf that
+differs, not orbax's error. Replay opens the folder read-only: nothing in the run changes.
+
+Restoring onto a layout (device count, mesh) other than the one saved needs a target with
+shardings (a tree of jax.ShapeDtypeStruct with `sharding=`); restored bytes are identical to the
+saved ones on any layout (tested 8 devices <-> 1).
 
 A checkpoint saved with the data iterator's state (`run.save(k, state, data=it)`,
 replay/record/data_iterator.py) is one orbax step of two items, as orbax users write it:
 `ocp.args.Composite(state=StandardSave(state), data=JsonSave(it.get_state()))`, i.e. the folders
 k/state and k/data; one saved without it is orbax's single item (k/default). `restore` reads the
 state of either; `restore_data` the iterator state, checked against its recorded fingerprint.
+Orbax reports through absl logging, asyncio and unraisable-exception hooks from its threads;
+all of that is kept off the terminal (replay/record/orbax_io.py): failures become one-line errors.
 """
 
 from __future__ import annotations
 
+import bisect
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-FINGERPRINTS_KEY = "checkpoint_fingerprints"  # run manifest: {"<step>": "<16 hex>"}; the trainer writes the same key
+from replay.record.orbax_io import (
+    _WHAT_TO_DO, CheckpointDamagedError, CheckpointError, _quiet_orbax, _read_failure,
+)
+
+FINGERPRINTS_KEY = "checkpoint_fingerprints"  # run manifest: {"<step>": "<16 hex>"}, of every loop's runs
 STATE, DATA = "state", "data"  # the items of a checkpoint that holds the data iterator's state
 
 
-def open_manager(path: Path, read_only: bool) -> Any:
+def recorded_fingerprint(manifest: dict, step: int) -> str | None:
+    """The state fingerprint recorded when checkpoint `step` was saved; None for runs (or
+    checkpoints) from before fingerprints were recorded."""
+    value = (manifest.get(FINGERPRINTS_KEY) or {}).get(str(step))
+    return value if isinstance(value, str) else None
+
+
+def open_manager(path: Path, read_only: bool, keep: int = 0) -> Any:
+    """An orbax CheckpointManager over `path`. The writer keeps the `keep` newest checkpoints (0:
+    all), may save asynchronously (each save says whether it waits), and leaves a crashed save's
+    temporary folder for people to inspect. Read-only never writes, creates or deletes anything:
+    no root directory, no metadata, no cleanup of temporary or old checkpoints."""
     import orbax.checkpoint as ocp
 
-    from replay.record.orbax_io import _quiet_orbax
-
+    if keep < 0:
+        raise CheckpointError(f"checkpoint keep={keep} must be >= 0 (0 keeps all)")
     if read_only:
         options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0,
                                                save_root_metadata=False, cleanup_tmp_directories=False)
     else:
-        options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False, save_interval_steps=1)
+        options = ocp.CheckpointManagerOptions(save_interval_steps=1, max_to_keep=keep or None, create=True,
+                                               cleanup_tmp_directories=False, save_root_metadata=True,
+                                               enable_async_checkpointing=True)
     with _quiet_orbax():  # orbax logs that read-only is read-only
         return ocp.CheckpointManager(Path(path).absolute(), options=options)
 
@@ -41,68 +74,77 @@ def directory_of(manager: Any) -> Path:
     return Path(str(manager.directory)).absolute()
 
 
-def save(manager: Any, step: int, state: Any, data: dict | None = None) -> str:
-    """Saves `state` (and `data`, an iterator state payload of replay/record/data_iterator.py, in
-    the same orbax step) as checkpoint `step`, waits until it is on disk, returns the state's
-    fingerprint."""
-    import orbax.checkpoint as ocp
-
-    from replay.record.orbax_io import CheckpointDiskFullError, _is_disk_full, _quiet_orbax, disk_of
-    from replay.record.fingerprint import state_fingerprint
-
-    fingerprint = state_fingerprint(state)  # before the save: the state may be donated to the next step
-    args = (ocp.args.StandardSave(state) if data is None else
-            ocp.args.Composite(**{STATE: ocp.args.StandardSave(state), DATA: ocp.args.JsonSave(data)}))
-    try:
-        with _quiet_orbax():
-            manager.save(step, args=args, force=True)
-            manager.wait_until_finished()
-    except Exception as e:
-        if _is_disk_full(e):
-            raise CheckpointDiskFullError(f"{disk_of(directory_of(manager))} is full: checkpoint {step} could not "
-                                          "be saved") from None
-        raise
-    return fingerprint
-
-
 def steps(manager: Any) -> list[int]:
-    from replay.record.orbax_io import _quiet_orbax
-
+    """Steps with a finished checkpoint, ascending (orbax writes into a temporary folder and
+    renames it when complete, so a save in flight or crashed is not listed)."""
     with _quiet_orbax():
-        manager.reload()
+        manager.reload()  # another process (the trainer) may have saved since it was opened
         return sorted(int(s) for s in manager.all_steps())
 
 
-def restore(manager: Any, step: int, abstract_state: Any, fingerprint: str | None) -> Any:
-    """Checkpoint `step` restored onto `abstract_state`, verified against `fingerprint`."""
+def latest_at_or_before(saved: list[int], step: int) -> int | None:
+    """The largest of the ascending `saved` steps <= `step`, or None if there is none."""
+    i = bisect.bisect_right(saved, step)
+    return saved[i - 1] if i else None
+
+
+def restore(manager: Any, step: int, abstract_state: Any, fingerprint: str | None,
+            step_of: Callable[[Any], int] | None = None) -> Any:
+    """Checkpoint `step` restored onto `abstract_state` (any device count or mesh its shardings
+    say), verified against `fingerprint` (None: unverified; the caller says so). step_of: reads
+    the step a state is at (a TrainState's .step); a checkpoint holding another is damaged.
+    All processes of a multi-process run must call it."""
     import orbax.checkpoint as ocp
 
-    from replay.record.orbax_io import _WHAT_TO_DO, CheckpointDamagedError, CheckpointError, _quiet_orbax, _read_failure
     from replay.record.fingerprint import state_fingerprint
 
     where = directory_of(manager) / str(step)
     have = steps(manager)
     if step not in have:
         raise CheckpointError(f"{directory_of(manager)}: no checkpoint at step {step} (saved steps: "
-                              f"{', '.join(map(str, have)) or 'none'})")
-    composite = is_composite(manager, step)
+                              f"{_list(have) if have else 'none'}); pick a saved step")
+    check_target(manager, step, abstract_state)  # before orbax starts reading arrays
     try:
         with _quiet_orbax():
-            if composite:
+            if is_composite(manager, step):
                 state = manager.restore(step, args=ocp.args.Composite(
                     **{STATE: ocp.args.StandardRestore(abstract_state)}))[STATE]
             else:
                 state = manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
-    except Exception as e:  # noqa: BLE001 - orbax wraps TensorStore's errors in bare Exceptions
-        raise CheckpointDamagedError(f"{where}: checkpoint {step} cannot be restored onto the loop's state "
-                                     f"({_read_failure(e)}); {_WHAT_TO_DO}, or check that the Loop builds the "
-                                     "state it was saved from") from None
+    except Exception as e:  # noqa: BLE001 - the target matched (checked above): the files are bad
+        # Orbax raises bare Exceptions wrapping TensorStore's ValueErrors (2 KB of spec).
+        raise CheckpointDamagedError(f"{where}: checkpoint {step} is damaged ({_read_failure(e)}); "
+                                     f"{_WHAT_TO_DO}") from None
+    if step_of is not None and step_of(state) != step:
+        raise CheckpointDamagedError(f"{where}: checkpoint {step} is damaged (it holds the state after "
+                                     f"step {step_of(state)}); {_WHAT_TO_DO}")
     if fingerprint is not None:
         actual = state_fingerprint(state)
         if actual != fingerprint:
             raise CheckpointDamagedError(f"{where}: checkpoint {step} is damaged (its state's fingerprint {actual} "
                                          f"differs from {fingerprint} recorded when it was saved); {_WHAT_TO_DO}")
     return state
+
+
+def check_target(manager: Any, step: int, abstract_state: Any) -> None:
+    """CheckpointError naming the first leaf whose presence, shape or dtype differs between
+    checkpoint `step` and the target. Reads the checkpoint's metadata only (one JSON file)."""
+    meta = state_metadata(manager, step)
+    if not meta:  # no readable metadata: the restore itself reports what is wrong
+        return
+    stored, target = _shapes(meta), _shapes(abstract_state)
+    problem = None
+    for name in list(target) + [n for n in stored if n not in target]:  # in state order
+        if name not in stored:
+            problem = f"the target has {name} {_fmt(target[name])}, the checkpoint does not"
+        elif name not in target:
+            problem = f"the checkpoint has {name} {_fmt(stored[name])}, the target does not"
+        elif not _same(stored[name], target[name]):
+            problem = f"{name} is {_fmt(stored[name])} in the checkpoint, {_fmt(target[name])} in the target"
+        if problem:
+            raise CheckpointError(f"{directory_of(manager)}: checkpoint {step} does not match the state to "
+                                  f"restore: {problem}; restore it onto the state it was saved from (the same "
+                                  "config and model)")
 
 
 def is_composite(manager: Any, step: int) -> bool:
@@ -120,8 +162,6 @@ def state_metadata(manager: Any, step: int) -> Any:
     either layout; None when orbax cannot read it (a restore then says why)."""
     import orbax.checkpoint as ocp
 
-    from replay.record.orbax_io import _quiet_orbax
-
     item = directory_of(manager) / str(step) / (STATE if is_composite(manager, step) else "default")
     try:
         with _quiet_orbax():
@@ -137,7 +177,6 @@ def restore_data(manager: Any, step: int, fingerprint: str | None) -> Any:
     import orbax.checkpoint as ocp
 
     from replay.record import data_iterator
-    from replay.record.orbax_io import _WHAT_TO_DO, CheckpointDamagedError, _quiet_orbax, _read_failure
 
     where = directory_of(manager) / str(step) / DATA
     if not has_data(manager, step):
@@ -159,3 +198,39 @@ def restore_data(manager: Any, step: int, fingerprint: str | None) -> Any:
                                      f"fingerprint {data_iterator.fingerprint(stored)} differs from {fingerprint} "
                                      f"recorded when it was saved); {_WHAT_TO_DO}")
     return data_iterator.state_of(stored)
+
+
+def _shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str | None]]:
+    """{"opt_state.1.count": (shape, dtype)} for a state, its abstract target or orbax's
+    metadata of it (which stores NamedTuples as dicts of their fields)."""
+    import jax
+    import numpy as np
+
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        parts = [str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path]
+        shape = tuple(int(d) for d in getattr(leaf, "shape", np.shape(leaf)))
+        dtype = getattr(leaf, "dtype", None)
+        try:
+            name = str(np.dtype(dtype)) if dtype is not None else type(leaf).__name__
+        except TypeError:  # an extended dtype (a typed PRNG key): orbax stores it in its own form
+            name = None
+        out[".".join(parts)] = (shape, name)
+    return out
+
+
+def _same(stored: tuple[tuple[int, ...], str | None], target: tuple[tuple[int, ...], str | None]) -> bool:
+    if stored[1] is None or target[1] is None:  # an extended dtype: orbax's restore checks it
+        return True
+    return stored == target
+
+
+def _fmt(shape_dtype: tuple[tuple[int, ...], str | None]) -> str:
+    shape, dtype = shape_dtype
+    return f"{dtype}{list(shape)}"
+
+
+def _list(saved: list[int], most: int = 12) -> str:
+    if len(saved) <= most:
+        return ", ".join(map(str, saved))
+    return ", ".join(map(str, saved[:most // 2])) + ", ..., " + ", ".join(map(str, saved[-most // 2:]))

@@ -1,7 +1,7 @@
 """What goes wrong reading and writing orbax checkpoints, said in one line, and orbax kept quiet.
 
-Shared by the recording API's checkpoints (replay/record/checkpoints.py, exported.py) and the
-trainer's Checkpointer (trainer/checkpoint.py): one class per failure, so an exit code (the
+Shared by the checkpoint module (replay/record/checkpoints.py, checkpointer.py: every loop's
+checkpoints, the trainer's too) and exported.py: one class per failure, so an exit code (the
 table in replay/errors.py) and an `except` mean the same thing whichever loop saved.
 
 Orbax reports through absl logging, asyncio and unraisable-exception hooks from its threads;

@@ -10,6 +10,9 @@
 
 A loop fed by a data iterator (grain's get_state/set_state) saves its state with each
 checkpoint, `run.save(k, state, data=it)`, and resumes with `run.restore(like, k, data=it)`.
+`run.save(k, state, wait=False)` writes in the background while the next steps run, and
+`replay.init(..., keep_checkpoints=N)` keeps the N newest (replay/record/checkpointer.py, the
+trainer's checkpoints too).
 
 The run directory is the one traces/run.py defines. Its trace schema is derived from the
 step's outputs on the first call, so run.json is written with a placeholder schema at init
@@ -24,6 +27,7 @@ from typing import Any, Callable
 
 from replay.record import checkpoints as ckpts
 from replay.record import data_iterator
+from replay.record.checkpointer import Checkpointer
 from replay.record.errors import RecordError
 from replay.record.options import StepOptions
 from traces import Run, Schema
@@ -36,7 +40,7 @@ class RecordingRun:
 
     def __init__(self, path: str | os.PathLike, *, config: Any = None, entrypoint: str | Callable | None = None,
                  dataset_size: int | None = None, checkpoints: Any = None, resume: bool = False,
-                 store_examples: bool = False):
+                 store_examples: bool = False, keep_checkpoints: int = 0):
         from replay.record import manifest as manifestlib
         from traces.errors import TraceError
 
@@ -69,8 +73,12 @@ class RecordingRun:
             self._run = Run.create(self.path, _PENDING, manifest)
         where = self._run.manifest.get("checkpoint_dir", "checkpoints")
         self._ckpt_dir = (self.path / where) if not Path(where).is_absolute() else Path(where)
-        self._manager = checkpoints if checkpoints is not None else ckpts.open_manager(self._ckpt_dir, read_only=False)
-        self._own_manager = checkpoints is None
+        if checkpoints is not None and keep_checkpoints:
+            self._run.close()
+            raise RecordError("replay.init(checkpoints=manager, keep_checkpoints=N): your CheckpointManager keeps what "
+                              "its own max_to_keep says; set it there")
+        self._ckpt = (Checkpointer(manager=checkpoints) if checkpoints is not None else
+                      Checkpointer(self._ckpt_dir, keep=keep_checkpoints))
         self._fingerprints: dict = dict(self._run.manifest.get(ckpts.FINGERPRINTS_KEY) or {})
         self._data_fingerprints: dict = dict(self._run.manifest.get(data_iterator.DATA_FINGERPRINTS_KEY) or {})
         self._store_examples, self._examples = bool(store_examples), None  # replay/record/examples_store.py
@@ -159,13 +167,17 @@ class RecordingRun:
 
     # ---------------------------------------------------------------------------- checkpoints
 
-    def save(self, step: int, state: Any, data: Any = None) -> None:
+    def save(self, step: int, state: Any, data: Any = None, wait: bool = True) -> None:
         """Checkpoint `step` = the state entering step `step` (before the step runs on it).
 
         data: the data iterator (grain's protocol: get_state()/set_state(state)) positioned at
           the batch of step `step`; its state is saved in the same orbax step and fingerprinted,
           so replay and `run.restore(..., data=it)` resume it there. Give it to every save of a
-          run or to none (replay/record/data_iterator.py)."""
+          run or to none (replay/record/data_iterator.py).
+        wait: False returns once orbax holds a host copy of the state (the step may donate it at
+          once) and writes it while the next steps run; the next save, restore or finish waits
+          for it (saves never overlap) and raises its failure. Its fingerprint reaches the
+          manifest once it is complete on disk."""
         if self.finished:
             raise RecordError(f"{self.path}: the run is finished; save checkpoints before run.finish()")
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
@@ -180,16 +192,27 @@ class RecordingRun:
             data_iterator.check_iterator(data, f"run.save({step}, state, data=...)")
             _one_process(f"run.save({step}, state, data=...)")
         self._check_data_style(step, data is not None)
-        if step in ckpts.steps(self._manager):
+        self._ckpt.wait()  # the save in flight first: a failure is its, and it may be this step
+        if step in self._ckpt.steps():
             return  # the state entering a step is a pure function of the run: the saved one stands
         if self._step is None:
             self.next_step = step
         stored = None if data is None else data_iterator.payload(data)
-        self._fingerprints[str(step)] = ckpts.save(self._manager, step, state, stored)
-        entries = {ckpts.FINGERPRINTS_KEY: self._fingerprints, "checkpoints": ckpts.steps(self._manager)}
+        self._fingerprints[str(step)] = self._ckpt.save(step, state, stored, wait=wait)
         if stored is not None:
             self._data_fingerprints[str(step)] = data_iterator.fingerprint(stored)
-            entries[data_iterator.DATA_FINGERPRINTS_KEY] = self._data_fingerprints
+        self._record_checkpoints()
+
+    def _record_checkpoints(self, final: bool = False) -> None:
+        """The manifest's checkpoints and their fingerprints: those complete on disk (an
+        asynchronous save's once it is; none that `keep_checkpoints` pruned)."""
+        listed = self._ckpt.steps()
+        done = [k for k in self._fingerprints if int(k) in listed]
+        entries = {ckpts.FINGERPRINTS_KEY: {k: self._fingerprints[k] for k in done},
+                   "checkpoints": sorted(int(k) for k in done) if final else listed}
+        if self._data_fingerprints:
+            entries[data_iterator.DATA_FINGERPRINTS_KEY] = {k: v for k, v in self._data_fingerprints.items()
+                                                             if int(k) in listed}
         self._run.update_manifest(**entries)
 
     def _check_data_style(self, step: int, with_data: bool) -> None:
@@ -210,22 +233,23 @@ class RecordingRun:
         the checkpoint (required when the checkpoint holds one, so the resumed run is fed from there)."""
         from replay.record.program import spec
 
-        have = ckpts.steps(self._manager)
+        self._ckpt.wait()
+        have = self._ckpt.steps()
         if not have:
             raise RecordError(f"{self.path}: no checkpoint to restore")
         step = have[-1] if step is None else step
         if data is not None:
             data_iterator.check_iterator(data, f"run.restore(like, {step}, data=...)")
-        if step in have and ckpts.is_composite(self._manager, step) != (data is not None):
+        if step in have and self._ckpt.is_composite(step) != (data is not None):
             raise RecordError(f"run.restore(like, {step}, data=it): checkpoint {step} holds the data iterator's state; "
                               "pass the iterator so it resumes there" if data is None else
                               f"run.restore(like, {step}, data=...): checkpoint {step} was saved without data=, so it "
                               "holds no data iterator state to restore")
         import jax
 
-        state = ckpts.restore(self._manager, step, jax.tree.map(spec, like), self._fingerprints.get(str(step)))
+        state = self._ckpt.restore(step, jax.tree.map(spec, like), self._fingerprints.get(str(step)))
         if data is not None:
-            data.set_state(ckpts.restore_data(self._manager, step, self._data_fingerprints.get(str(step))))
+            data.set_state(self._ckpt.restore_data(step, self._data_fingerprints.get(str(step))))
         self.next_step = step
         return state
 
@@ -238,8 +262,9 @@ class RecordingRun:
         if self._step is not None:
             self._step.flush()
         self._close_examples()
-        self._close_manager()
-        self._run.update_manifest(checkpoints=sorted(int(k) for k in self._fingerprints))
+        self._ckpt.wait()
+        self._record_checkpoints(final=True)
+        self._ckpt.close()
         self._run.finish()
         self.finished = True
 
@@ -252,19 +277,13 @@ class RecordingRun:
                 self._step.flush()
         finally:
             self._close_examples()
-            self._close_manager()
-            self._run.close()
-            self.finished = True
-
-    def _close_manager(self) -> None:
-        if self._own_manager:
-            from replay.record.orbax_io import _quiet_orbax
-
-            with _quiet_orbax():
-                self._manager.wait_until_finished()
-                self._manager.close()
-        else:
-            self._manager.wait_until_finished()
+            try:
+                if self._ckpt.wait() is not None:  # an asynchronous save completed: its fingerprint counts
+                    self._record_checkpoints()
+            finally:
+                self._ckpt.close()
+                self._run.close()
+                self.finished = True
 
     def __enter__(self) -> "RecordingRun":
         return self
@@ -288,12 +307,16 @@ def _inside(path: Path, folder: Path) -> bool:
 
 def init(path: str | os.PathLike, *, config: Any = None, entrypoint: str | Callable | None = None,
          dataset_size: int | None = None, checkpoints: Any = None, resume: bool = False,
-         store_examples: bool = False) -> RecordingRun:
+         store_examples: bool = False, keep_checkpoints: int = 0) -> RecordingRun:
     """Starts recording a run into `path` (a new or empty folder), or resumes a crashed one.
 
     store_examples: keep every distinct example's rows in the run (RUN/examples/rows.bin) so a
       replay needs no user code. Off by default: its disk is the distinct examples fed, which for
       a pretraining run is the dataset itself (terabytes at a million steps); turn it on for runs
-      you will replay elsewhere or pack into bug reports."""
+      you will replay elsewhere or pack into bug reports.
+    keep_checkpoints: the newest N checkpoints kept on disk (older ones deleted after a save; the
+      steps before the oldest kept one can no longer be replayed); 0 keeps all. With your own
+      `checkpoints=` manager its max_to_keep decides instead."""
     return RecordingRun(path, config=config, entrypoint=entrypoint, dataset_size=dataset_size,
-                        checkpoints=checkpoints, resume=resume, store_examples=store_examples)
+                        checkpoints=checkpoints, resume=resume, store_examples=store_examples,
+                        keep_checkpoints=keep_checkpoints)

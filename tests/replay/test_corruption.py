@@ -279,7 +279,7 @@ def _restored_leaves(run: Path, step: int):
     import numpy as np
 
     from trainer import mesh as M
-    from trainer.checkpoint import Checkpointer
+    from replay.record.checkpointer import Checkpointer
     from trainer.config import from_dict
 
     cfg = from_dict(json.loads((run / "run.json").read_text())["config"])

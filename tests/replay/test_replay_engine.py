@@ -15,7 +15,7 @@ from replay.engine.contract import evaluate
 from replay.engine.engine import ReplayInputError, check_range, parse_steps, replay
 from traces import Run
 from trainer import rng
-from trainer.checkpoint import Checkpointer
+from replay.record.checkpointer import Checkpointer
 from trainer.config import apply_overrides, get_preset
 from trainer.data import Batcher, open_source, write_token_file
 from trainer.loop import train
@@ -82,7 +82,7 @@ def test_a_flipped_parameter_bit_in_a_checkpoint_is_caught(recorded, tmp_path):
     """A checkpoint whose state is not the one saved is named as damaged (exit 2), never "a real
     divergence"; the same state with its own fingerprint recorded is caught by the trace (exit 1)."""
     from traces.run import write_manifest
-    from trainer.checkpoint import FINGERPRINTS_KEY
+    from replay.record.checkpoints import FINGERPRINTS_KEY
     from replay.record.fingerprint import state_fingerprint
 
     path, _, cfg = recorded
@@ -95,7 +95,7 @@ def test_a_flipped_parameter_bit_in_a_checkpoint_is_caught(recorded, tmp_path):
     state.params["block_01"]["mlp"]["up"]["kernel"].view(np.uint32)[2, 3] ^= 1 << 4
     shutil.rmtree(copy / "checkpoints" / "20")
     with Checkpointer(copy / "checkpoints") as ckpt:
-        ckpt.save(state)
+        ckpt.save(20, state)
     damaged = CliRunner().invoke(app, ["run", str(copy), "--steps", "21:24", "--json"])
     assert damaged.exit_code == 2, damaged.output
     errors = [line for line in damaged.stderr.splitlines() if line.startswith("error: ")]  # after the status lines

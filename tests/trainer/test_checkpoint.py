@@ -1,4 +1,4 @@
-"""trainer/checkpoint.py: bit-identical round trips (also 8 devices <-> 1), step lookup,
+"""replay/record/checkpointer.py with the trainer's TrainState: bit-identical round trips (also 8 devices <-> 1), step lookup,
 retention, and a read-only Checkpointer that changes nothing on disk.
 
 The pytest process has one CPU device; 8-device parts run in a child process with XLA_FLAGS
@@ -20,9 +20,10 @@ import pytest
 from trainer import mesh as M
 from trainer import step
 from replay.record.orbax_io import CheckpointError
-from trainer.checkpoint import Checkpointer
+from replay.record.checkpointer import Checkpointer
 from trainer.config import apply_overrides, get_preset
 from replay.record.fingerprint import state_fingerprint
+from trainer.loop import state_step
 
 ROOT = Path(__file__).resolve().parents[2]
 CFG = apply_overrides(get_preset("tiny"), ["model.n_layers=1"])  # every kind of leaf; compiles faster
@@ -47,6 +48,11 @@ def make_batch(cfg, seed: int = 0) -> dict[str, np.ndarray]:
     tokens = np.random.default_rng(seed).integers(
         0, cfg.model.vocab_size, (cfg.data.global_batch_size, cfg.model.seq_len + 1), dtype=np.int32)
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+def save(ck, state, **kwargs):
+    """Checkpoint state.step (checkpoint k holds the TrainState with step == k, as the trainer saves)."""
+    return ck.save(state_step(state), state, **kwargs)
 
 
 def copy_state(state):
@@ -84,9 +90,9 @@ def test_round_trip_is_bit_identical_and_trains(tmp_path, trained):
     mesh, fn, state = trained
     state = copy_state(state)
     with Checkpointer(tmp_path / "ck", keep=3) as ck:
-        assert ck.save(state) is True
+        assert save(ck, state) == state_fingerprint(state)
         assert ck.steps() == [1]
-        assert ck.save(state) is False  # already saved: the existing checkpoint stands
+        assert save(ck, state) is None  # already saved: the existing checkpoint stands
         back = ck.restore(1, M.sharded_abstract_state(CFG, mesh))
     assert bit_differences(state, back) == []
     assert isinstance(back, step.TrainState)
@@ -113,7 +119,7 @@ def test_steps_latest_and_missing(tmp_path, trained):
     ck = Checkpointer(tmp_path / "ck", keep=0)
     assert ck.steps() == [] and ck.latest_at_or_before(5) is None
     for k in (0, 3, 6):
-        ck.save(state._replace(step=jax.numpy.asarray(k, jax.numpy.int32)))
+        save(ck, state._replace(step=jax.numpy.asarray(k, jax.numpy.int32)))
     assert ck.steps() == [0, 3, 6]
     assert [ck.latest_at_or_before(s) for s in (-1, 0, 2, 3, 5, 6, 100)] == [None, 0, 0, 3, 3, 6, 6]
     assert int(ck.restore(3, M.sharded_abstract_state(CFG, mesh)).step) == 3  # checkpoint k holds state.step == k
@@ -128,7 +134,7 @@ def test_steps_latest_and_missing(tmp_path, trained):
 def test_restore_with_another_config_is_one_line(tmp_path, trained, capfd):
     mesh, _, state = trained
     with Checkpointer(tmp_path / "ck") as ck:
-        ck.save(state)
+        save(ck, state)
         for override, words in ((["model.d_model=128"], ["params.block_00.attn.k.kernel is float32[64, 32] in the checkpoint", "[128, 64] in the target"]),
                                 (["model.n_layers=3"], ["the target has params.block_01"])):
             other = apply_overrides(CFG, override)
@@ -144,11 +150,11 @@ def test_keep_zero_keeps_all_and_keep_n_prunes(tmp_path, trained):
     at = lambda k: state._replace(step=jax.numpy.asarray(k, jax.numpy.int32))  # noqa: E731
     with Checkpointer(tmp_path / "all", keep=0) as ck:
         for k in range(5):
-            ck.save(at(k))
+            save(ck, at(k))
         assert ck.steps() == [0, 1, 2, 3, 4]
     with Checkpointer(tmp_path / "two", keep=2) as ck:
         for k in range(5):
-            ck.save(at(k))
+            save(ck, at(k))
         assert ck.steps() == [3, 4]
     assert sorted(p.name for p in (tmp_path / "two").iterdir() if p.name.isdigit()) == ["3", "4"]
 
@@ -157,15 +163,15 @@ def test_read_only_changes_nothing(tmp_path, trained):
     mesh, _, state = trained
     path = tmp_path / "ck"
     with Checkpointer(path, keep=0) as ck:
-        ck.save(state)
-        ck.save(state._replace(step=jax.numpy.asarray(5, jax.numpy.int32)))
+        save(ck, state)
+        save(ck, state._replace(step=jax.numpy.asarray(5, jax.numpy.int32)))
     before = tree_hash(path)
     ro = Checkpointer(path, create=False)
     assert ro.steps() == [1, 5] and ro.latest_at_or_before(4) == 1
     back = ro.restore(1, M.sharded_abstract_state(CFG, mesh))
     assert bit_differences(state, back) == []
     with pytest.raises(CheckpointError, match="read-only"):
-        ro.save(state._replace(step=jax.numpy.asarray(9, jax.numpy.int32)))
+        save(ro, state._replace(step=jax.numpy.asarray(9, jax.numpy.int32)))
     with pytest.raises(CheckpointError):
         ro.restore(2, M.sharded_abstract_state(CFG, mesh))
     ro.close()
@@ -186,7 +192,7 @@ _EIGHT = r"""
 import json, sys
 import jax, numpy as np
 from trainer import mesh as M, step
-from trainer.checkpoint import Checkpointer
+from replay.record.checkpointer import Checkpointer
 from trainer.config import apply_overrides, get_preset
 from replay.record.fingerprint import state_fingerprint
 root = sys.argv[1]
@@ -216,7 +222,7 @@ restore["loss_finite"] = bool(np.isfinite(float(metrics["loss"])))
 state, _ = fn(M.init_sharded_state(cfg, mesh), batch(0))
 np.savez(f"{root}/want8.npz", **leaves(state))
 with Checkpointer(f"{root}/ck8", keep=0) as ck:
-    ck.save(state)
+    ck.save(1, state)
     save["steps"] = ck.steps()
 x = state.params["lm_head"]["kernel"]
 save["shard"], save["shape"] = list(x.addressable_shards[0].data.shape), list(x.shape)
@@ -232,7 +238,7 @@ def eight(trained, tmp_path_factory) -> tuple[Path, dict]:
     _, _, state = trained
     root = tmp_path_factory.mktemp("eight")
     with Checkpointer(root / "ck1", keep=0) as ck:
-        ck.save(state)
+        save(ck, state)
     np.savez(root / "want1.npz", **{k: np.asarray(x) for k, x in (
         (jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0])})
     flags = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()

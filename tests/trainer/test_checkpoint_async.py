@@ -1,4 +1,4 @@
-"""Asynchronous checkpoint saves (trainer/checkpoint.py, save(state, wait=False)).
+"""Asynchronous checkpoint saves (replay/record/checkpointer.py, save(k, state, wait=False)).
 
 The write to disk is held back (orbax's host-to-storage coroutine waits for an event), so every
 claim is checked at a known moment rather than by timing: save() returns while the write is
@@ -21,9 +21,9 @@ from orbax.checkpoint._src.serialization import serialization
 
 from replay.record.fingerprint import state_fingerprint
 from replay.record.orbax_io import CheckpointDiskFullError
-from tests.trainer.test_checkpoint import CFG, copy_state, leaf_bytes
+from tests.trainer.test_checkpoint import CFG, copy_state, leaf_bytes, save
 from trainer import mesh as M
-from trainer.checkpoint import Checkpointer
+from replay.record.checkpointer import Checkpointer
 
 SAFETY_S = 120  # a save that blocked on the held write would hang the test without it
 
@@ -68,12 +68,12 @@ def test_an_async_save_returns_before_its_write_and_a_crash_then_leaves_the_earl
     ck = Checkpointer(tmp_path / "ck", keep=1)
     first = at(state, 1)
     release.set()
-    ck.save(first)  # on disk before the writes are held
+    save(ck, first)  # on disk before the writes are held
     release.clear()
     try:
         second = at(state, 2)
         want = leaf_bytes(at(state, 2))  # of a copy: reading `second` to the host would pin its buffers
-        assert ck.save(second, wait=False) is True
+        assert save(ck, second, wait=False) is not None
         assert not release.is_set()  # it returned while its bytes were held back from the disk
         assert ck.pending == 2 and ck.steps() == [1]
         # The step loop donates the state to the next step at once: the checkpoint must not care.
@@ -119,8 +119,8 @@ def test_a_save_starts_only_once_the_previous_one_is_complete(tmp_path, initial,
 
     ck._manager.save, ck._manager.wait_until_finished = save, wait_until_finished
     try:
-        ck.save(at(state, 3), wait=False)
-        second = threading.Thread(target=ck.save, args=(at(state, 4),), kwargs={"wait": False})
+        ck.save(3, at(state, 3), wait=False)
+        second = threading.Thread(target=ck.save, args=(4, at(state, 4)), kwargs={"wait": False})
         second.start()
         assert waiting.wait(SAFETY_S)
         assert second.is_alive() and started == [(3, [])]  # waiting for 3, orbax not yet asked for 4
@@ -140,10 +140,10 @@ def test_a_failed_async_save_surfaces_at_the_next_save_naming_its_step(tmp_path,
     ck = Checkpointer(tmp_path / "ck", keep=0)
     fail.set()
     try:
-        assert ck.save(at(state, 5), wait=False) is True
+        assert save(ck, at(state, 5), wait=False) is not None
         release.set()
         with pytest.raises(CheckpointDiskFullError) as e:
-            ck.save(at(state, 6), wait=False)
+            save(ck, at(state, 6), wait=False)
         assert e.value.step == 5 and "checkpoint 5 could not be saved" in str(e.value) and "\n" not in str(e.value)
         assert ck.steps() == [] and ck.pending is None
     finally:

@@ -108,7 +108,7 @@ def commands(devices: int, *jobs: tuple[list[str], bool]) -> list[dict]:
 def _checkpoint_leaves(path: Path, step: int) -> list[tuple[str, bytes]]:
     """Every array of checkpoint `step`, restored on this process's one device, as raw bytes."""
     from trainer import mesh as meshlib
-    from trainer.checkpoint import Checkpointer
+    from replay.record.checkpointer import Checkpointer
 
     cfg = from_dict(Run.open(path).manifest["config"])
     target = meshlib.sharded_abstract_state(cfg, meshlib.make_mesh(cfg.mesh))

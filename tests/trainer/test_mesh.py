@@ -192,7 +192,7 @@ pid, port, ckdir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid)
 import jax.numpy as jnp, numpy as np
 from trainer import mesh as M
-from trainer.checkpoint import Checkpointer
+from replay.record.checkpointer import Checkpointer
 from trainer.config import apply_overrides, get_preset
 assert jax.device_count() == 4 and jax.local_device_count() == 2
 cfg = apply_overrides(get_preset("tiny"), ["mesh.data=2", "mesh.fsdp=2", "data.global_batch_size=8"])
@@ -203,7 +203,7 @@ g = M.global_batch({"inputs": full[start:stop]}, mesh)["inputs"]
 rows = jax.jit(lambda x: jnp.sum(x, axis=1), out_shardings=M.replicated(mesh))(g)
 state = M.init_sharded_state(cfg, mesh)
 ck = Checkpointer(ckdir, keep=0)
-ck.save(state)
+ck.save(0, state)
 back = ck.restore(0, M.sharded_abstract_state(cfg, mesh))
 same = all(np.array_equal(np.asarray(a.addressable_shards[i].data), np.asarray(b.addressable_shards[i].data))
            for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(back)) for i in range(len(a.addressable_shards)))

@@ -29,19 +29,25 @@ def _num(x: float) -> str:
 
 
 def compare(
-    run_a: Annotated[Path, typer.Argument(help="The reference run (a trainer run, or a replay.torch run).")],
+    run_a: Annotated[Path, typer.Argument(help="The reference run (a trainer run, a replay.torch run, or a JAX "
+                                               "loop's run).")],
     run_b: Annotated[Path, typer.Argument(help="The run to compare with it.")],
     eval_: Annotated[bool, typer.Option("--eval", help="Evaluate both runs' checkpoints on the same held-out rows, "
                                                        "each with its own framework's code.")] = False,
     steps: Annotated[Optional[str], typer.Option("--steps", help="Checkpoint steps to evaluate, comma-separated "
                                                                  "(default: early, middle and late).")] = None,
-    examples: Annotated[int, typer.Option("--examples", help="Held-out rows to evaluate on.")] = 64,
+    examples: Annotated[Optional[int], typer.Option("--examples", help="Held-out rows to evaluate on (default 64; "
+                                                    "a JAX loop's are its eval_batches).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    allow_code: Annotated[bool, typer.Option("--allow-code", help="Run the training-loop code the run's manifest "
+                                             "names from a folder it names (never from inside a bundle).")] = False,
 ) -> None:
     """Whether two runs' checkpoints agree: the eval-loss difference at early, middle and late
     checkpoints against the float32 noise floor measured on the runs' own weights.
     Exit 0 agree, 1 differ, 2 bad input."""
     from replay.compare import compare_eval
+    from replay.compare.floor import RULES
+    from replay.engine.code import allowing
 
     if not eval_:
         console.fail("replay compare needs --eval (the only comparison it makes so far); for where two runs part, "
@@ -51,7 +57,8 @@ def compare(
             console.fail(f"{path}: no such run; pass the folder a training run wrote")
     if run_a.resolve() == run_b.resolve():
         console.fail(f"{run_a} and {run_b} are the same run; compare two different runs")
-    report = compare_eval(run_a, run_b, steps=_parse_steps(steps), examples=examples)
+    with allowing(allow_code):  # a JAX loop's runs are evaluated with the loop's own code
+        report = compare_eval(run_a, run_b, steps=_parse_steps(steps), examples=examples)
     if json_out:
         j = report.to_json()
         for row in j["steps"]:  # JSON has no NaN: a diverged loss is a string
@@ -65,8 +72,9 @@ def compare(
         console.print_table(rows, columns=("step", f"eval loss A ({report.framework_a})",
                                            f"eval loss B ({report.framework_b})", "B - A", "tolerance", ""),
                             title=f"replay compare --eval: {report.examples} held-out rows, each run with its own code")
-        console.print_text("tolerance = max(4 x (e_A + e_B), 1 ulp of the loss); e_X = mean |float32 - float64 eval "
-                           "loss| of the reference at run X's weights (the float32 noise floor)")
+        console.print_text(f"tolerance ({report.floor} floor) = {RULES[report.floor]}")
+        for note in report.notes:
+            console.print_text(f"note: {note}")
         if report.agree:
             n = len(report.rows)
             console.print_text(f"agree within the noise floor at {n} checkpoint{'s' if n != 1 else ''}", style="green")

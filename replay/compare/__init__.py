@@ -3,7 +3,9 @@
 Evaluates both runs' checkpoints at early, middle and late steps on the same held-out rows
 (heldout.py), each run with its own framework's code (sides.py: the JAX trainer, or the torch
 reference), and judges each step's eval-loss difference against the float32 noise floor measured
-on the pair's own weights (floor.py). JAX vs JAX, torch vs JAX and torch vs torch.
+on the pair's own weights (floor.py). JAX vs JAX, torch vs JAX and torch vs torch. Two runs of a
+JAX loop no plugin gives a PyTorch reference for are evaluated with the loop's own `evaluate` on
+its `eval_batches`, the floor measured by moving their weights one ulp (jaxloop.py).
 
     report = compare_eval("runs/ref", "runs/port")           # steps: early, middle, late
     report.agree, report.rows[0].difference, report.to_json()
@@ -20,7 +22,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from replay.compare.errors import CompareInputError
-from replay.compare.floor import GROWTH, tolerance
+from replay.compare.floor import RULES, TORCH_FLOAT64, tolerance
 from replay.compare.heldout import held_out_rows
 from replay.compare.sides import open_side
 
@@ -53,6 +55,8 @@ class EvalComparison:
     examples: int
     skipped_trained: int  # candidate rows left out because a run trained on them
     rows: list[EvalRow] = field(default_factory=list)
+    floor: str = TORCH_FLOAT64  # the floor rule (floor.RULES)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def agree(self) -> bool:
@@ -66,8 +70,7 @@ class EvalComparison:
         return {"run_a": self.run_a, "run_b": self.run_b, "framework_a": self.framework_a,
                 "framework_b": self.framework_b, "examples": self.examples, "skipped_trained": self.skipped_trained,
                 "agree": self.agree, "first_disagreement": self.first_disagreement,
-                "tolerance_rule": f"max({GROWTH:g} * (e_A + e_B), ulp(loss_a)); e_X = mean |loss32 - loss64| of the "
-                                  "reference at run X's weights",
+                "floor": self.floor, "tolerance_rule": RULES[self.floor], "notes": self.notes,
                 "steps": [{**asdict(r), "agree": r.agree} for r in self.rows]}
 
 
@@ -93,11 +96,25 @@ def _listing(steps: list[int], most: int = 10) -> str:
     return shown + (f", ... ({len(steps)} in all)" if len(steps) > most else "")
 
 
-def compare_eval(path_a, path_b, *, steps: list[int] | None = None, examples: int = DEFAULT_EXAMPLES,
+def compare_eval(path_a, path_b, *, steps: list[int] | None = None, examples: int | None = None,
                  on_step=None) -> EvalComparison:
-    """Evaluates both runs at `steps` (default early/middle/late of their common checkpoints)."""
+    """Evaluates both runs at `steps` (default early/middle/late of their common checkpoints) on
+    `examples` held-out rows (default DEFAULT_EXAMPLES; a JAX loop's are its eval_batches)."""
+    from replay.compare.jaxloop import LoopSide, check_same_state, compare_loops
+
     a, b = open_side(path_a), open_side(path_b)
-    if _shape(a.cfg.model) != _shape(b.cfg.model):
+    loops = [isinstance(s, LoopSide) for s in (a, b)]
+    if any(loops) and not all(loops):
+        other, loop = (a, b) if loops[1] else (b, a)
+        raise CompareInputError(f"{other.path} is compared through a PyTorch reference of its model and {loop.path} "
+                                "(a JAX loop's run) has none; compare --eval compares two runs of one loop, or runs a "
+                                "plugin's reference covers")
+    if all(loops):
+        if examples is not None:
+            raise CompareInputError(f"--examples {examples}: a JAX loop's held-out examples are the ones its "
+                                    "eval_batches() gives; drop --examples")
+        check_same_state(a, b)
+    elif _shape(a.cfg.model) != _shape(b.cfg.model):
         raise CompareInputError(f"{a.path} and {b.path} are different models (sizes differ); compare --eval compares "
                                 "two runs of the same model")
     common = sorted(set(a.steps()) & set(b.steps()))
@@ -106,6 +123,9 @@ def compare_eval(path_a, path_b, *, steps: list[int] | None = None, examples: in
                                 f"{_listing(b.steps())}) have no checkpoint step in common; save checkpoints at the "
                                 "same steps in both runs")
     chosen = pick_steps(common, steps)
+    if all(loops):
+        return compare_loops(a, b, chosen, on_step)
+    examples = DEFAULT_EXAMPLES if examples is None else examples
     if examples < 1:
         raise CompareInputError(f"--examples {examples}: evaluate at least one example")
     rows, skipped = held_out_rows([a, b], examples, before_step=max(chosen))

@@ -22,6 +22,14 @@ AdamW epsilon inside the square root 1.8e-3 at step 10 and 2.5e-3 at 100, RMSNor
 for 1e-6 8.8e-3 at step 1: 1,000x the tolerance or more.
 
 Cost: two more forward passes of the reference (float32, float64) per run and evaluated step.
+
+A pair of JAX loops with no PyTorch reference (replay/compare/jaxloop.py) measures its floor on
+itself instead (WEIGHTS_ULP): e_X = mean over the held-out examples of |evaluate(w) - evaluate(w')|
+at run X's weights w, where w' moves every floating-point element of the state by one ulp
+(jnp.nextafter towards +inf or -inf, the direction of each element drawn from a fixed key named
+"compare/floor", so the floor is the same every time): how far rounding the weights alone moves
+the eval loss. Same tolerance rule. Cost: one more state in memory and one more evaluation pass
+per run and evaluated step; nothing grows with the run's length.
 """
 
 from __future__ import annotations
@@ -31,6 +39,15 @@ from typing import Any
 import numpy as np
 
 GROWTH = 4.0
+TORCH_FLOAT64, WEIGHTS_ULP = "torch-float64", "weights-ulp"  # the floor rules, as the report names them
+RULES = {
+    TORCH_FLOAT64: f"max({GROWTH:g} * (e_A + e_B), ulp(loss_a)); e_X = mean |loss32 - loss64| of the reference at run "
+                   "X's weights",
+    WEIGHTS_ULP: f"max({GROWTH:g} * (e_A + e_B), ulp(loss_a)); e_X = mean |evaluate(w) - evaluate(w')| over the "
+                 "held-out examples at run X's weights w, w' = w with every float moved one ulp (signs from the key "
+                 "'compare/floor')",
+}
+FLOOR_KEY = "compare/floor"
 
 
 def rounding_error(reference: Any, weights: dict[str, np.ndarray], rows: np.ndarray) -> float:
@@ -63,3 +80,24 @@ def reference_losses(model: Any, rows: np.ndarray, batch: int) -> np.ndarray:
 
 def tolerance(e_a: float, e_b: float, loss: float) -> float:
     return max(GROWTH * (e_a + e_b), float(np.spacing(np.float32(abs(loss)))))
+
+
+def one_ulp_away(state: Any) -> Any:
+    """`state` with every floating-point element moved one ulp (jnp.nextafter), towards +inf or
+    -inf as a fixed key (FLOOR_KEY, folded with the leaf's index) draws it; other leaves (integers,
+    PRNG keys) as they are. Deterministic: the same state gives the same bits every time."""
+    import jax
+    import jax.numpy as jnp
+    import xxhash
+
+    root = jax.random.key(xxhash.xxh32_intdigest(FLOOR_KEY.encode()) & 0x7FFFFFFF, impl="threefry2x32")
+    leaves, tree = jax.tree.flatten(state)
+    moved = []
+    for i, x in enumerate(leaves):
+        if isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.floating):
+            up = jax.random.bernoulli(jax.random.fold_in(root, i), 0.5, x.shape)
+            if isinstance(x, jax.Array):  # laid out as the leaf is (a sharded state stays sharded)
+                up = jax.device_put(up, x.sharding)
+            x = jnp.nextafter(x, jnp.where(up, jnp.inf, -jnp.inf).astype(x.dtype))
+        moved.append(x)
+    return jax.tree.unflatten(tree, moved)

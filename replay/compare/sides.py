@@ -61,7 +61,7 @@ def _reference(run: Run, why: str) -> TorchReference:
 class JaxSide:
     framework = "jax"
 
-    def __init__(self, run: Run):
+    def __init__(self, run: Run, reference: TorchReference | None = None):
         from replay.engine.replayer import open_replayable
 
         self.run, self.path = run, run.path
@@ -72,7 +72,7 @@ class JaxSide:
                 raise CompareInputError(f"{run.path}: replay compare --eval needs the run's loop to provide "
                                         f"{EVALUATE}(state, batch) -> float32 per-example losses "
                                         f"(replay.Loop({EVALUATE}=...)); its loop gives none")
-        self.reference = _reference(run, "to measure the float32 noise floor at its weights")
+        self.reference = reference or _reference(run, "to measure the float32 noise floor at its weights")
         self.cfg = self.reference.cfg
         self._last: tuple[int, Any] | None = None
 
@@ -129,10 +129,14 @@ class TorchSide:
         return rounding_error(self.reference, self.hf_weights(step), rows)
 
 
-def open_side(path: str | Path) -> JaxSide | TorchSide:
+def open_side(path: str | Path) -> Any:
     """The run at `path` as one side of a comparison; a damaged run is refused (one line, exit 2)
-    even though only its checkpoints are evaluated: its manifest and trace are what name them."""
+    even though only its checkpoints are evaluated: its manifest and trace are what name them.
+    A JAX run no plugin gives a PyTorch reference for is a JAX loop's (replay/compare/jaxloop.py:
+    its own evaluate and held-out batches, a floor measured with its own evaluate)."""
+    from replay import plugins
     from replay.bundle import open_run
+    from replay.compare.jaxloop import LoopSide
     from replay.engine.damage import damage_error
 
     run = open_run(path)  # a folder a bundle was unpacked to is checked as one
@@ -140,4 +144,7 @@ def open_side(path: str | Path) -> JaxSide | TorchSide:
                            "from a copy")
     if damaged:
         raise damaged
-    return TorchSide(run) if framework_of(run) == "torch" else JaxSide(run)
+    if framework_of(run) == "torch":
+        return TorchSide(run)
+    reference = plugins.first_answer(HOOK, run)
+    return LoopSide(run) if reference is None else JaxSide(run, reference)

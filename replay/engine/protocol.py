@@ -46,7 +46,7 @@ CAPABILITIES = (
     "replica_layout", "layer_groups", "replica_fingerprints", "rerun_step",  # replay verify (silent data corruption)
     "fed_rows", "example_hashes", "decode_tokens", "injected_positions",  # replay spike (tokens, faults)
     "recompute_step",  # bisect's refine and the cross-framework distance (replay/engine/recompute.py)
-    "evaluate",  # replay compare --eval (replay/compare/sides.py)
+    "evaluate", "eval_batches",  # replay compare --eval (replay/compare/sides.py, replay/compare/jaxloop.py)
 )
 # Commands that must not compile (audit, pack, compare's held-out rows) reach a run's data through
 # its factory's data-only entry instead: replay/rundata.py.
@@ -124,7 +124,14 @@ class Replayable(Protocol):
 
     def evaluate(self, state: Any, batch: Any) -> np.ndarray:
         """float32 [n]: each row's loss of `state` on `batch` (for the trainer, int32 token rows
-        [n, L+1], the mean next-token loss). Absent: `replay compare --eval` refuses in one line."""
+        [n, L+1], the mean next-token loss), deterministic (no dropout), `state` left intact.
+        Absent: `replay compare --eval` refuses in one line."""
+
+    def eval_batches(self) -> Any:
+        """A fresh finite iterable of held-out batches (each shaped as the step's, examples along
+        the recorded batch axis), the same on every call: what a loop without a PyTorch reference
+        is compared on (run A's, for both runs). Absent: `replay compare --eval` of such a loop
+        refuses in one line (the trainer draws held-out rows from its data instead)."""
 
 
 def load(run: Run, *, allow_code: bool | None = None, **options: Any) -> Replayable:

@@ -31,6 +31,11 @@ class Loop:
         the state saved with the checkpoint it starts from and takes next(it) for each step.
     init: () -> the initial state; or abstract_state: its shapes and dtypes (a tree of
       jax.ShapeDtypeStruct). Checkpoints are restored onto it, so give one of the two.
+    For `replay compare A B --eval` (optional; without them it refuses in one line naming the field):
+      evaluate: (state, batch) -> float32 [n], each of the batch's n examples' loss under `state`
+        as the loop defines it, deterministic (no dropout), without changing or donating `state`;
+      eval_batches: () -> a fresh finite iterable of held-out batches (examples training never
+        feeds), the same on every call and for both runs compared (run A's are used for both).
     """
 
     step: Callable[[Any, Any], tuple[Any, Any]]
@@ -38,6 +43,8 @@ class Loop:
     init: Callable[[], Any] | None = None
     abstract_state: Any = None
     data: Callable[[], Any] | None = None
+    evaluate: Callable[[Any, Any], Any] | None = None
+    eval_batches: Callable[[], Any] | None = None
 
     def __post_init__(self):
         if not callable(self.step):
@@ -56,6 +63,13 @@ class Loop:
                               "(its jax.ShapeDtypeStructs): checkpoints are restored onto it")
         if self.init is not None and not callable(self.init):
             raise RecordError("replay.Loop(init=...): must be a function () -> state")
+        if self.evaluate is not None and not callable(self.evaluate):
+            raise RecordError("replay.Loop(evaluate=...): must be a function (state, batch) -> float32 [n], each "
+                              "example's loss")
+        if self.eval_batches is not None and not callable(self.eval_batches):
+            raise RecordError(f"replay.Loop(eval_batches=...): must be a function () -> a fresh iterable of held-out "
+                              f"batches, not the {type(self.eval_batches).__name__} itself (e.g. eval_batches=lambda: "
+                              "[batch_at(k) for k in held_out_steps])")
 
     def state_shapes(self) -> Any:
         """The abstract state (jax.ShapeDtypeStruct leaves, on this machine's first device when the

@@ -114,6 +114,35 @@ class LoopReplay:
         state, _, record = self.program(state, batch)
         return state, record, hashes
 
+    # replay compare --eval: capabilities only where the Loop gives them. A property that raises
+    # AttributeError reads as absent to getattr(rep, NAME, None), so commands say which field to add.
+    @property
+    def evaluate(self) -> Any:
+        """(state, batch) -> float32 [n]: the Loop's `evaluate` (replay.engine.protocol.Replayable)."""
+        fn = self.loop.evaluate
+        if fn is None:
+            raise AttributeError("the run's replay.Loop gives no evaluate")
+        return lambda state, batch: np.asarray(self._call(fn, state, batch))
+
+    @property
+    def eval_batches(self) -> Any:
+        """() -> iterable of held-out batches: the Loop's `eval_batches` (replay.engine.protocol.Replayable)."""
+        fn = self.loop.eval_batches
+        if fn is None:
+            raise AttributeError("the run's replay.Loop gives no eval_batches")
+        import functools
+
+        @functools.wraps(fn)  # an error while iterating is named as the user's eval_batches
+        def listed() -> list:
+            return list(fn())
+
+        return lambda: self._call(listed)
+
+    def state_shapes(self) -> Any:
+        """The state's abstract tree (jax.ShapeDtypeStruct leaves), as checkpoints are restored onto it."""
+        return self._abstract
+
+
 
 def _checkpoint_dir(run: Run):
     from pathlib import Path

@@ -8,7 +8,9 @@ The lines that exist only for replay end in `# replay`. The model is split once 
 `eqx.partition(model, eqx.is_array)`: its arrays travel in the state (a tree of arrays only,
 what a checkpoint and a fingerprint need), its static part is bound into the step, which
 `eqx.combine`s them again. Dropout keys are fold_in(base key, step) from raw uint32 words in the
-state; batches are a pure function of (seed, step), as in examples/optax_loop.py.
+state; batches are a pure function of (seed, step), as in examples/optax_loop.py. `evaluate`
+(dropout off) and `eval_batches` (a seed stream training never draws from) are for
+`replay compare A B --eval`.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class Config:
     checkpoint_every: int = 10
     lr_bump_at: int = -1  # an injected bug: step at which the learning rate is doubled (-1: never)
     refeed_at: int = -1  # an injected bug: step that is fed the batch of step refeed_at - 5 (-1: never)
+    poison_at: int = -1  # an injected bug: step whose example POISONED gets a huge target (64), its loss a spike
 
 
 class MLP(eqx.Module):
@@ -52,8 +55,8 @@ class MLP(eqx.Module):
         self.drop = eqx.nn.Dropout(cfg.dropout)
         self.out = eqx.nn.Linear(cfg.hidden, 1, key=k1)
 
-    def __call__(self, x: jax.Array, key: jax.Array) -> jax.Array:
-        h = self.drop(jax.nn.gelu(self.dense_0(x)), key=key)
+    def __call__(self, x: jax.Array, key: jax.Array | None) -> jax.Array:
+        h = self.drop(jax.nn.gelu(self.dense_0(x)), key=key, inference=key is None)  # key None: no dropout
         return self.out(h)
 
 
@@ -64,15 +67,21 @@ class State(NamedTuple):
     key: jax.Array  # uint32[2]: raw words of the dropout base key
 
 
+POISONED = 3  # the batch position poison_at replaces
+EVAL_STREAM = 3  # held-out batches' seed stream: training draws stream 2, the teacher stream 1
+
+
 # Exact arithmetic (small integers scaled by powers of two): a batch's bytes cannot depend on the machine.
-def batch_at(cfg: Config, step: int) -> dict:
-    if step == cfg.refeed_at:
+def batch_at(cfg: Config, step: int, stream: int = 2) -> dict:
+    if step == cfg.refeed_at and stream == 2:  # the injected bugs are in training's stream only
         step -= 5
     teacher = np.random.default_rng([cfg.seed, 1])
     w1, w2 = teacher.integers(-3, 4, (cfg.d_in, 8)), teacher.integers(-3, 4, (8, 1))
-    rng = np.random.default_rng([cfg.seed, 2, step])
+    rng = np.random.default_rng([cfg.seed, stream, step])
     x = rng.integers(-8, 9, (cfg.batch, cfg.d_in))
     y = np.abs(x @ w1) @ w2 + rng.integers(-4, 5, (cfg.batch, 1))
+    if step == cfg.poison_at and stream == 2:
+        y[POISONED] = 64 * 256
     return {"x": (x / 4).astype(np.float32), "y": (y / 256).astype(np.float32)}
 
 
@@ -111,11 +120,20 @@ def train_step(state: State, batch: dict, static: Any, cfg: Config) -> tuple[Sta
     return State(state.step + 1, params, opt_state, state.key), metrics
 
 
+def evaluate(state: State, batch: dict, static: Any) -> jax.Array:
+    """float32 [batch]: each example's loss, without dropout."""
+    model = eqx.combine(state.params, static)
+    return jnp.mean(jnp.square(jax.vmap(lambda x: model(x, None))(batch["x"]) - batch["y"]), axis=-1)
+
+
 @replay.entrypoint  # replay
 def make(config: dict) -> replay.Loop:
     cfg = Config(**config)
-    step = eqx.filter_jit(functools.partial(train_step, static=split_model(cfg)[1], cfg=cfg), donate="all")
-    return replay.Loop(step=step, batch_at=functools.partial(batch_at, cfg), init=functools.partial(init_state, cfg))
+    static = split_model(cfg)[1]
+    step = eqx.filter_jit(functools.partial(train_step, static=static, cfg=cfg), donate="all")
+    return replay.Loop(step=step, batch_at=functools.partial(batch_at, cfg), init=functools.partial(init_state, cfg),
+                       evaluate=eqx.filter_jit(functools.partial(evaluate, static=static)),
+                       eval_batches=lambda: [batch_at(cfg, i, stream=EVAL_STREAM) for i in range(4)])
 
 
 def train(cfg: Config, out: str) -> str:

@@ -16,6 +16,8 @@ as streaming loops do; its state is checkpointed by orbax with the train state:
 `run.save(k, state, data=it)` saves `it.get_state()` in checkpoint k's orbax step, and replay
 restores it with the checkpoint it starts from (`replay.Loop(data=...)`). Batch i of the stream
 is a pure function of (seed, i): token rows drawn from a generator seeded with (seed, i).
+`evaluate` (each row's mean next-token loss) and `eval_batches` (rows of a seed stream training
+never draws from) are for `replay compare A B --eval`.
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ class Config:
     checkpoint_every: int = 10
     lr_bump_at: int = -1  # an injected bug: step at which the learning rate is doubled (-1: never)
     refeed_at: int = -1  # an injected bug: step that is fed the batch of step refeed_at - 5 (-1: never)
+    # An injected bug: at this step example POISONED's targets are ids past the vocabulary (a tokenizer that does
+    # not match the model). JAX's gather fills NaN there, so that example's loss (and the step's) is NaN.
+    poison_at: int = -1
 
 
 class State(NamedTuple):
@@ -96,13 +101,20 @@ def sharding(*spec: str) -> NamedSharding:
     return NamedSharding(Mesh(np.array(jax.devices()), ("batch",)), PartitionSpec(*spec))
 
 
+POISONED = 3  # the batch position poison_at replaces
+EVAL_STREAM = 3  # held-out rows' seed stream: training draws stream 2
+
+
 # A copy task: each row is 9 random tokens followed by its first 8 again, so the last half of
 # every row is predictable from the first. 64**9 possible rows: no two batches share a row by chance.
-def batch_rows(cfg: Config, index: int) -> dict:
-    rng = np.random.default_rng([cfg.seed, 2, index])
+def batch_rows(cfg: Config, index: int, stream: int = 2) -> dict:
+    rng = np.random.default_rng([cfg.seed, stream, index])
     half = rng.integers(0, cfg.vocab, (cfg.batch, cfg.seq // 2 + 1))
     rows = np.concatenate([half, half[:, : cfg.seq // 2]], axis=1).astype(np.int32)
-    return {"inputs": rows[:, :-1], "targets": rows[:, 1:]}
+    targets = rows[:, 1:].copy()
+    if index == cfg.poison_at and stream == 2:
+        targets[POISONED] = cfg.vocab
+    return {"inputs": rows[:, :-1], "targets": targets}
 
 
 def dataset(cfg: Config) -> grain.IterDataset:
@@ -133,11 +145,14 @@ def init_state(cfg: Config) -> State:
     return jax.device_put(state, sharding())
 
 
+def example_losses(params: Any, batch: dict, cfg: Config) -> jax.Array:
+    logits = LM(cfg).apply(params, batch["inputs"])
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]), axis=-1)
+
+
 def train_step(state: State, batch: dict, cfg: Config) -> tuple[State, dict]:
     def loss_fn(params):
-        logits = LM(cfg).apply(params, batch["inputs"])
-        token_loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-        example_loss = jnp.mean(token_loss, axis=-1)
+        example_loss = example_losses(params, batch, cfg)
         return jnp.mean(example_loss), example_loss
 
     (loss, example_loss), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
@@ -154,7 +169,9 @@ def make(config: dict) -> replay.Loop:
     cfg = Config(**config)
     step = jax.jit(functools.partial(train_step, cfg=cfg), donate_argnums=0)
     init = jax.jit(functools.partial(init_state, cfg))  # one compile, not one per initializer op run eagerly
-    return replay.Loop(step=step, data=lambda: iter(dataset(cfg)), init=init)
+    evaluate = jax.jit(lambda state, batch: example_losses(state.params, batch, cfg))
+    return replay.Loop(step=step, data=lambda: iter(dataset(cfg)), init=init, evaluate=evaluate,
+                       eval_batches=lambda: [batch_rows(cfg, i, stream=EVAL_STREAM) for i in range(4)])
 
 
 METRIC_KINDS = {"grad_norm": "backward", "lr": "update"}

@@ -9,7 +9,9 @@ the model and optimizer travel as `nnx.split`'s (graphdef, state); the jitted st
 trains in place, and returns `nnx.state(...)`, the new state. What the recorder sees entering
 the step is that state tree (parameters, BatchNorm statistics, the Dropout stream's typed key
 and counter, the optimizer's moments), so checkpoints, fingerprints and RNG words need nothing
-NNX-specific. Batches are a pure function of (seed, step), as in examples/optax_loop.py.
+NNX-specific. Batches are a pure function of (seed, step), as in examples/optax_loop.py, and so
+are `evaluate` (eval mode: BatchNorm's running statistics, no dropout) and `eval_batches` (a seed
+stream training never draws from) for `replay compare A B --eval`.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class Config:
     checkpoint_every: int = 10
     lr_bump_at: int = -1  # an injected bug: step at which the learning rate is doubled (-1: never)
     refeed_at: int = -1  # an injected bug: step that is fed the batch of step refeed_at - 5 (-1: never)
+    poison_at: int = -1  # an injected bug: step whose example POISONED gets a huge target (64), its loss a spike
 
 
 class MLP(nnx.Module):
@@ -52,15 +55,21 @@ class MLP(nnx.Module):
         return self.out(self.drop(nnx.gelu(self.norm(self.dense_0(x)))))
 
 
+POISONED = 3  # the batch position poison_at replaces
+EVAL_STREAM = 3  # held-out batches' seed stream: training draws stream 2, the teacher stream 1
+
+
 # Exact arithmetic (small integers scaled by powers of two): a batch's bytes cannot depend on the machine.
-def batch_at(cfg: Config, step: int) -> dict:
-    if step == cfg.refeed_at:
+def batch_at(cfg: Config, step: int, stream: int = 2) -> dict:
+    if step == cfg.refeed_at and stream == 2:  # the injected bugs are in training's stream only
         step -= 5
     teacher = np.random.default_rng([cfg.seed, 1])
     w1, w2 = teacher.integers(-3, 4, (cfg.d_in, 8)), teacher.integers(-3, 4, (8, 1))
-    rng = np.random.default_rng([cfg.seed, 2, step])
+    rng = np.random.default_rng([cfg.seed, stream, step])
     x = rng.integers(-8, 9, (cfg.batch, cfg.d_in))
     y = np.abs(x @ w1) @ w2 + rng.integers(-4, 5, (cfg.batch, 1))
+    if step == cfg.poison_at and stream == 2:
+        y[POISONED] = 64 * 256
     return {"x": (x / 4).astype(np.float32), "y": (y / 256).astype(np.float32)}
 
 
@@ -90,12 +99,21 @@ def train_step(state: nnx.State, batch: dict, graphdef: nnx.GraphDef) -> tuple[n
     return nnx.state((model, opt)), metrics
 
 
+def evaluate(state: nnx.State, batch: dict, graphdef: nnx.GraphDef) -> jax.Array:
+    """float32 [batch]: each example's loss in eval mode (running statistics, no dropout)."""
+    model, _ = nnx.merge(graphdef, state)
+    model.eval()
+    return jnp.mean(jnp.square(model(batch["x"]) - batch["y"]), axis=-1)
+
+
 @replay.entrypoint  # replay
 def make(config: dict) -> replay.Loop:
     cfg = Config(**config)
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: create(cfg)))
     step = jax.jit(functools.partial(train_step, graphdef=graphdef), donate_argnums=0)
-    return replay.Loop(step=step, batch_at=functools.partial(batch_at, cfg), init=lambda: nnx.split(create(cfg))[1])
+    return replay.Loop(step=step, batch_at=functools.partial(batch_at, cfg), init=lambda: nnx.split(create(cfg))[1],
+                       evaluate=jax.jit(functools.partial(evaluate, graphdef=graphdef)),
+                       eval_batches=lambda: [batch_at(cfg, i, stream=EVAL_STREAM) for i in range(4)])
 
 
 def train(cfg: Config, out: str) -> str:

@@ -7,6 +7,8 @@
 The lines that exist only for replay end in `# replay`. Everything else is an ordinary loop:
 batches are a pure function of (seed, step) (`batch_at`), the dropout key of step k is
 fold_in(base key, k), and `make(config)` builds the loop for training and for replay alike.
+`evaluate` and `eval_batches` (each example's loss without dropout, on batches of a seed stream
+training never draws from) let `replay compare A B --eval` compare two runs' checkpoints.
 (`--allow-code`: the run names this script's folder, which replay imports from only when
 asked; install the module instead and no flag is needed.)
 """
@@ -39,6 +41,7 @@ class Config:
     checkpoint_every: int = 10
     lr_bump_at: int = -1  # an injected bug: step at which the learning rate is doubled (-1: never)
     refeed_at: int = -1  # an injected bug: step that is fed the batch of step refeed_at - 5 (-1: never)
+    poison_at: int = -1  # an injected bug: step whose example POISONED gets a huge target (64), its loss a spike
 
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
@@ -52,20 +55,26 @@ class State(NamedTuple):
     key: jax.Array  # uint32[2]: raw words of the dropout base key
 
 
+POISONED = 3  # the batch position poison_at replaces
+EVAL_STREAM = 3  # held-out batches' seed stream: training draws stream 2, the teacher stream 1
+
+
 def layer_names(cfg: Config) -> list[str]:
     return [f"dense_{i}" for i in range(len(cfg.hidden))] + ["out"]
 
 
 # Data: exact arithmetic (small integers scaled by powers of two), so a batch's bytes cannot
 # depend on the CPU's BLAS or SIMD width: the same (seed, step) gives the same bytes anywhere.
-def batch_at(cfg: Config, step: int) -> dict:
-    if step == cfg.refeed_at:
+def batch_at(cfg: Config, step: int, stream: int = 2) -> dict:
+    if step == cfg.refeed_at and stream == 2:  # the injected bugs are in training's stream only
         step -= 5
     teacher = np.random.default_rng([cfg.seed, 1])
     w1, w2 = teacher.integers(-3, 4, (cfg.d_in, 8)), teacher.integers(-3, 4, (8, 1))
-    rng = np.random.default_rng([cfg.seed, 2, step])
+    rng = np.random.default_rng([cfg.seed, stream, step])
     x = rng.integers(-8, 9, (cfg.batch, cfg.d_in))
     y = np.abs(x @ w1) @ w2 + rng.integers(-4, 5, (cfg.batch, 1))  # int64: exact
+    if step == cfg.poison_at and stream == 2:
+        y[POISONED] = 64 * 256
     return {"x": (x / 4).astype(np.float32), "y": (y / 256).astype(np.float32)}
 
 
@@ -88,12 +97,13 @@ def init_state(cfg: Config) -> State:
     return State(jnp.zeros((), jnp.int32), params, optimizer(cfg).init(params), jax.random.key_data(dropout_key))
 
 
-def forward(cfg: Config, params: dict, x: jax.Array, key: jax.Array) -> tuple[jax.Array, dict]:
+def forward(cfg: Config, params: dict, x: jax.Array, key: jax.Array | None) -> tuple[jax.Array, dict]:
     acts, h = {}, x
     for i, name in enumerate(layer_names(cfg)[:-1]):
-        h = jax.nn.gelu(h @ params[name]["w"] + params[name]["b"])
-        keep = jax.random.bernoulli(jax.random.fold_in(key, i), 1.0 - cfg.dropout, h.shape)
-        acts[name] = h = jnp.where(keep, h / (1.0 - cfg.dropout), 0.0)
+        acts[name] = h = jax.nn.gelu(h @ params[name]["w"] + params[name]["b"])
+        if key is not None:  # None: no dropout (evaluation)
+            keep = jax.random.bernoulli(jax.random.fold_in(key, i), 1.0 - cfg.dropout, h.shape)
+            acts[name] = h = jnp.where(keep, h / (1.0 - cfg.dropout), 0.0)
     acts["out"] = out = h @ params["out"]["w"] + params["out"]["b"]
     return out, acts
 
@@ -117,11 +127,18 @@ def train_step(state: State, batch: dict, cfg: Config) -> tuple[State, dict]:
     return State(state.step + 1, params, opt_state, state.key), metrics
 
 
+def evaluate(state: State, batch: dict, cfg: Config) -> jax.Array:
+    """float32 [batch]: each example's loss under `state`, without dropout."""
+    return jnp.mean(jnp.square(forward(cfg, state.params, batch["x"], None)[0] - batch["y"]), axis=-1)
+
+
 @replay.entrypoint  # replay
 def make(config: dict) -> replay.Loop:
     cfg = Config.from_dict(config)
     step = jax.jit(functools.partial(train_step, cfg=cfg), donate_argnums=0)
-    return replay.Loop(step=step, batch_at=functools.partial(batch_at, cfg), init=functools.partial(init_state, cfg))
+    return replay.Loop(step=step, batch_at=functools.partial(batch_at, cfg), init=functools.partial(init_state, cfg),
+                       evaluate=jax.jit(functools.partial(evaluate, cfg=cfg)),
+                       eval_batches=lambda: [batch_at(cfg, i, stream=EVAL_STREAM) for i in range(4)])
 
 
 METRIC_KINDS = {"grad_norm": "backward", "lr": "update"}

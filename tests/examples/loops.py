@@ -1,6 +1,7 @@
-"""What every example's tests check, shared: each example records four runs once per module
+"""What every example's tests check, shared: each example records five runs once per module
 (clean, clean again, the learning rate doubled at LR_AT, step REFEED_AT fed the batch of
-REFEED_AT - 5), and the CLI replays and bisects them in-process."""
+REFEED_AT - 5, example POISONED of step POISON_AT replaced by a degenerate one), and the CLI
+replays, bisects, compares and spikes them in-process."""
 
 from __future__ import annotations
 
@@ -12,21 +13,22 @@ from types import ModuleType
 
 import numpy as np
 
-from tests.cli_util import dir_digest, invoke
+from tests.cli_util import assert_one_line_error, dir_digest, invoke
 from traces import Run
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 if str(EXAMPLES) not in sys.path:
     sys.path.insert(0, str(EXAMPLES))  # the examples are "installed": their modules import by name
 
-STEPS, EVERY, LR_AT, REFEED_AT = 30, 10, 17, 23
-BUGS = {"clean": {}, "clean2": {}, "lr": {"lr_bump_at": LR_AT}, "refeed": {"refeed_at": REFEED_AT}}
+STEPS, EVERY, LR_AT, REFEED_AT, POISON_AT = 30, 10, 17, 23, 14
+BUGS = {"clean": {}, "clean2": {}, "lr": {"lr_bump_at": LR_AT}, "refeed": {"refeed_at": REFEED_AT},
+        "poison": {"poison_at": POISON_AT}}
 
 
-def record_runs(example: ModuleType, root: Path, steps: int = STEPS, **sizes) -> dict[str, Path]:
-    return {name: Path(example.train(example.Config(steps=steps, checkpoint_every=EVERY, **sizes, **bug),
+def record_runs(example: ModuleType, root: Path, steps: int = STEPS, names=tuple(BUGS), **sizes) -> dict[str, Path]:
+    return {name: Path(example.train(example.Config(steps=steps, checkpoint_every=EVERY, **sizes, **BUGS[name]),
                                      str(root / name)))
-            for name, bug in BUGS.items()}
+            for name in names}
 
 
 def replay_lines(example: ModuleType) -> list[str]:
@@ -154,3 +156,54 @@ def check_spike_names_what_the_loop_does_not_provide(run: Path, tmp: Path) -> No
     assert last.startswith("error: ") and "fed_rows(step) -> int32 [B, L+1]" in last and "--save-batch" in last, last
     assert "to step 15" not in saved.stderr
     assert not (tmp / "b.npy").exists()
+
+
+def check_compare_eval_of_identical_runs(runs: dict[str, Path]) -> dict:
+    """Two runs of one config agree at early, middle and late checkpoints, bit for bit, with a
+    floor measured on their weights (the loop's evaluate at weights one ulp away), not assumed."""
+    result = invoke("compare", str(runs["clean"]), str(runs["clean2"]), "--eval", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["agree"] and report["first_disagreement"] is None and report["floor"] == "weights-ulp", report
+    assert [r["step"] for r in report["steps"]] == [EVERY, 2 * EVERY, 3 * EVERY], report["steps"]
+    for row in report["steps"]:
+        assert row["difference"] == 0.0 and row["agree"], row
+        assert 0 < row["noise_a"] == row["noise_b"] < 1e-3 * abs(row["loss_a"]), row  # measured, and small
+    assert report["examples"] > 0 and report["notes"] == [], report
+    return report
+
+
+def check_compare_eval_finds_the_learning_rate_change(runs: dict[str, Path]) -> dict:
+    """The learning rate doubled at LR_AT: the checkpoint before it agrees, the first after it differs (exit 1)."""
+    result = invoke("compare", str(runs["clean"]), str(runs["lr"]), "--eval", "--json")
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.stdout)
+    first_after = min(k for k in (EVERY, 2 * EVERY, 3 * EVERY) if k > LR_AT)
+    assert not report["agree"] and report["first_disagreement"] == first_after, report
+    before, at = report["steps"][0], report["steps"][1]
+    assert before["step"] < LR_AT and before["agree"] and before["difference"] == 0.0, before
+    assert at["step"] == first_after and abs(at["difference"]) > 10 * at["tolerance"] > 0, at
+    return report
+
+
+def check_compare_eval_names_the_loop_field_to_add(runs: dict[str, Path], monkeypatch) -> None:
+    """A loop without evaluate (or, for run A, eval_batches) is one line, exit 2, naming the field."""
+    import dataclasses as dc
+
+    from replay.engine.replayer import open_replayable
+
+    rep = open_replayable(Run.open(runs["clean"]))  # the cached one compare opens
+    for field in ("evaluate", "eval_batches"):
+        with monkeypatch.context() as m:
+            m.setattr(rep, "loop", dc.replace(rep.loop, **{field: None}))
+            result = invoke("compare", str(runs["clean"]), str(runs["clean2"]), "--eval")
+        assert_one_line_error(result, str(runs["clean"]), f"replay.Loop({field}=...)")
+
+
+def check_spike_names_the_poisoned_example(runs: dict[str, Path], poisoned: int) -> dict:
+    """`replay spike RUN --step POISON_AT` ranks the poisoned example first among the batch's examples."""
+    result = invoke("spike", str(runs["poison"]), "--step", str(POISON_AT), "--window", "5", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["examples"][0]["position"] == poisoned, report["examples"]
+    return report

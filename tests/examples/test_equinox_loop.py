@@ -57,3 +57,19 @@ def test_bisect_of_identical_runs_exits_0(runs):
 
 def test_the_recorded_entering_state_is_the_initial_state(runs):
     loops.check_entering_state_is_the_state_entering(runs["clean"], equinox_loop, PARAM)
+
+
+def test_compare_eval_of_identical_runs_agrees(runs):
+    loops.check_compare_eval_of_identical_runs(runs)
+
+
+def test_compare_eval_finds_the_learning_rate_change_at_the_next_checkpoint(runs):
+    loops.check_compare_eval_finds_the_learning_rate_change(runs)
+
+
+def test_compare_eval_of_a_loop_without_evaluate_names_the_field(runs, monkeypatch):
+    loops.check_compare_eval_names_the_loop_field_to_add(runs, monkeypatch)
+
+
+def test_spike_attributes_the_poisoned_example(runs):
+    loops.check_spike_names_the_poisoned_example(runs, equinox_loop.POISONED)

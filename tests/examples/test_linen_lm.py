@@ -124,3 +124,19 @@ def test_a_damaged_iterator_state_is_refused(runs, tmp_path, damage):
     result = invoke("run", str(copy), "--steps", "12:13", "--json")
     assert result.exit_code == 2, result.output
     assert "data iterator state of checkpoint 10" in result.output, result.output
+
+
+def test_compare_eval_of_identical_runs_agrees(runs):
+    loops.check_compare_eval_of_identical_runs(runs)
+
+
+def test_compare_eval_finds_the_learning_rate_change_at_the_next_checkpoint(runs):
+    loops.check_compare_eval_finds_the_learning_rate_change(runs)
+
+
+def test_compare_eval_of_a_loop_without_evaluate_names_the_field(runs, monkeypatch):
+    loops.check_compare_eval_names_the_loop_field_to_add(runs, monkeypatch)
+
+
+def test_spike_attributes_the_poisoned_example(runs):
+    loops.check_spike_names_the_poisoned_example(runs, linen_lm.POISONED)

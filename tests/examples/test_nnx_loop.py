@@ -97,3 +97,19 @@ def test_a_step_that_updates_its_input_in_place_is_not_recorded_as_truth(tmp_pat
     fp = loops.fingerprints(tmp_path / "aliased", 0)
     assert loops.entering(fp) == init_fps
     assert fp[f"state/{PARAM}"] != fp[f"update/{PARAM}"]
+
+
+def test_compare_eval_of_identical_runs_agrees(runs):
+    loops.check_compare_eval_of_identical_runs(runs)
+
+
+def test_compare_eval_finds_the_learning_rate_change_at_the_next_checkpoint(runs):
+    loops.check_compare_eval_finds_the_learning_rate_change(runs)
+
+
+def test_compare_eval_of_a_loop_without_evaluate_names_the_field(runs, monkeypatch):
+    loops.check_compare_eval_names_the_loop_field_to_add(runs, monkeypatch)
+
+
+def test_spike_attributes_the_poisoned_example(runs):
+    loops.check_spike_names_the_poisoned_example(runs, nnx_loop.POISONED)

@@ -40,6 +40,24 @@ class TrainerModelProtocol:
     # ---------------------------------------------------------------- replay verify (silent data corruption)
     # (replay/verify/__init__.py; the recorded names are replay/verify/names.py's)
 
+    def rotated_step(self, state: Any, step: int, rotate: int) -> Any:
+        """(new state, metrics) of `step` from `state` (not consumed) with the mesh's devices rotated
+        by `rotate` (replay/engine/placement.py): the run's step program compiled for the rotated
+        shardings (compile_step keeps it), fed the state and the batch as run_step feeds them (the
+        run's faults before the step, the batch it was fed, a faulty config's program), moved to the
+        rotated devices. For `replay verify` on runs that are not mesh-invariant."""
+        from replay.engine.placement import rotated, rotated_sharding
+        from trainer.step import compile_step
+
+        built = self.built
+        plan = built.faults
+        seen = plan.before(state, step, built._init_opt_state) if plan else state  # rotated() copies it
+        arrays, _ = built.device_batch(plan.batch_step(step) if plan else step, fed_at=step)
+        step_cfg = (plan.model_cfg(step) if plan else None) or built.cfg
+        shardings = jax.tree.map(lambda a: rotated_sharding(a.sharding, rotate), built.abstract_sharded)
+        program = compile_step(step_cfg, built.level(step), shardings, rotated_sharding(built.batch_sharding, rotate))
+        return program(rotated(seen, rotate), rotated(arrays, rotate))
+
     def replica_layout(self) -> tuple[int, int] | None:
         """(devices, microbatches) of the step as replayed here; None unless mesh-invariant, the
         only mode that computes each microbatch's gradient apart, on one device."""

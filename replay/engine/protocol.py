@@ -43,6 +43,7 @@ REQUIRED = ("environment", "program_hash", "checkpoint_steps", "restore", "step"
 # Optional capabilities, by the command that asks for them (add yours, with its contract below):
 CAPABILITIES = (
     "initial_state",  # replay bisect: the state entering step 0 when the run saved no checkpoint 0
+    "rotated_step",  # replay verify, any loop: a step re-run on rotated devices (replay/verify/rotation.py)
     "replica_layout", "layer_groups", "replica_fingerprints", "rerun_step",  # replay verify (silent data corruption)
     "fed_rows", "example_hashes", "decode_tokens", "injected_positions",  # replay spike (tokens, faults)
     "recompute_step",  # bisect's refine and the cross-framework distance (replay/engine/recompute.py)
@@ -81,6 +82,12 @@ class Replayable(Protocol):
     def initial_state(self) -> Any:
         """The state entering step 0, rebuilt exactly as training built it (for runs that saved no
         checkpoint 0). Absent: a replay or bisect can start only from a saved checkpoint."""
+
+    def rotated_step(self, state: Any, step: int, rotate: int) -> Any:
+        """(new state, metrics) of `step` from `state` (not consumed), with every array of the state
+        and the batch on the device `rotate` places further (replay.engine.placement.rotated: mesh
+        shape and partition specs kept), the arrays returned where they were computed. The same
+        program for every rotation. Absent (and no replicas): `replay verify` refuses in one line."""
 
     def replica_layout(self) -> tuple[int, int] | None:
         """(devices, microbatches) the step's microbatch gradients are spread over, each computed by

@@ -61,6 +61,7 @@ class LoopReplay:
         self._manager = ckpts.open_manager(_checkpoint_dir(run), read_only=True)
         self.restore_notes: list[str] = []
         self._abstract = call_user(loop.state_shapes)
+        self._abstract = _as_saved(self._abstract, loop, self._manager)
         self._feed = None if loop.data is None else IteratorFeed(loop.data, self.checkpoint_steps, self._restore_data)
         # The step compiles for the batches' shapes: a fresh iterator's first batch has them.
         batch = call_user(loop.batch_at, run.first_step or 0) if self._feed is None else next_batch(self._feed.fresh())
@@ -114,6 +115,16 @@ class LoopReplay:
         state, _, record = self.program(state, batch)
         return state, record, hashes
 
+    def rotated_step(self, state: Any, step: int, rotate: int) -> Any:
+        """(new state, metrics) of the Loop's own step at `step` from `state` (not consumed), every
+        array of the state and the batch moved `rotate` devices further (replay/engine/placement.py):
+        for `replay verify`'s shard-by-shard comparison. The Loop's step as written, without the
+        record's program around it, so the three rotations run one program."""
+        from replay.engine.placement import rotated
+
+        batch = self.batch(step)
+        return self._call(self.loop.step, rotated(state, rotate), rotated(batch, rotate))
+
     # replay compare --eval: capabilities only where the Loop gives them. A property that raises
     # AttributeError reads as absent to getattr(rep, NAME, None), so commands say which field to add.
     @property
@@ -142,6 +153,17 @@ class LoopReplay:
         """The state's abstract tree (jax.ShapeDtypeStruct leaves), as checkpoints are restored onto it."""
         return self._abstract
 
+
+def _as_saved(abstract: Any, loop: Loop, manager: Any) -> Any:
+    """The state's shapes with each leaf the Loop does not place where the newest checkpoint saved
+    it (replay/record/saved_layout.py), so the step compiles for the layout the run trained on."""
+    from replay.record import saved_layout
+
+    saved = ckpts.steps(manager)
+    if not saved:
+        return abstract
+    layout = saved_layout.saved_shardings(ckpts.state_metadata(manager, saved[-1]))
+    return saved_layout.with_saved_shardings(abstract, saved_layout.given_shardings(loop.abstract_state), layout)
 
 
 def _checkpoint_dir(run: Run):

@@ -1,5 +1,13 @@
 """`replay verify`: re-run recorded steps with the work on other devices and name a bad chip.
 
+Two methods, chosen by what the run's loop provides (replay/engine/protocol.py):
+
+    shards    any loop (`rotated_step`: replay.Loop runs, the trainer's runs that are not
+              mesh-invariant): each step re-run three times with every array moved 0, K and 2K
+              devices further, the program unchanged, and compared shard by shard
+              (replay/verify/rotation.py, which says what it can and cannot see)
+    replicas  the trainer's mesh-invariant mode (`replica_fingerprints`), stronger: below
+
 In mesh-invariant mode each microbatch gradient has the same bits whichever device computes it
 (trainer/microbatches.py), so one device's work can be checked against another's. For each step
 A..B this restores the state entering it (the newest checkpoint at or before A, then the run's own
@@ -18,7 +26,8 @@ that no device explains, is a finding of class "trace": the trace, not a device 
 one out (a transient fault in training, which without per-replica fingerprints cannot be pinned
 to a device, or a changed environment per the contract), never "clean".
 
-Cost: per verified step three forward+backward passes besides the replayed step; the re-run as
+Cost: per verified step three forward+backward passes (shards: three whole steps, their output
+shards hashed on the host) besides the replayed step; the re-run as
 recorded is that replayed step itself (the one that carries the state to the next step), so
 comparing it costs a fetch of its metrics and fingerprints to the host (one sync a step, a few
 hundred bytes; nothing accumulates), not another step. Only where the run's loop simulates a
@@ -62,18 +71,25 @@ class VerifyReport:
     steps_verified: int = 0
     trace_differs: list[int] = field(default_factory=list)  # steps whose re-run as recorded differs from the trace
     notes: list[str] = field(default_factory=list)
+    mode: str = "replicas"  # "replicas": microbatch gradients re-computed apart; "shards": rotated re-runs
+    shards: int = 0  # shards mode: output shards compared a step ("LEAF[index]", shard_names)
+    shard_names: list[str] = field(default_factory=list)
+    devices_used: int = 0  # shards mode: distinct devices that computed some shard
 
     @property
     def clean(self) -> bool:
         return not self.findings and not self.unresolved
 
     def to_json(self) -> dict:
-        return {"run": self.run, "steps": [self.first, self.last], "rotate": self.rotate, "devices": self.devices,
-                "microbatches": self.microbatches, "checkpoint": self.checkpoint,
+        unit = "microbatch" if self.mode == "replicas" else "shard"
+        return {"run": self.run, "mode": self.mode, "steps": [self.first, self.last], "rotate": self.rotate,
+                "devices": self.devices, "microbatches": self.microbatches, "shards": self.shards,
+                "devices_used": self.devices_used, "checkpoint": self.checkpoint,
                 "trace_replicas": self.trace_replicas, "steps_verified": self.steps_verified,
                 "trace_differs": self.trace_differs,
                 "clean": self.clean, "findings": [f.to_json() for f in self.findings],
-                "unresolved": [{"step": s, "microbatch": i} for s, i in self.unresolved], "notes": self.notes}
+                "unresolved": [{"step": s, unit: i if self.mode == "replicas" else self.shard_names[i]}
+                               for s, i in self.unresolved], "notes": self.notes}
 
 
 def trace_replicas(schema, record, m: int, layers: list[str]) -> np.ndarray | None:
@@ -87,27 +103,14 @@ def trace_replicas(schema, record, m: int, layers: list[str]) -> np.ndarray | No
 
 def refusal(run) -> str | None:
     """Why `replay verify` cannot check `run`, from its manifest alone (None: it can), so the
-    command refuses before anything compiles or prints. Verify re-computes each microbatch's
-    gradients on other devices through the trainer's mesh-invariant step (trainer/sdc.py); a loop
-    recorded with replay.init (or the legacy protocol, or replay.torch) has no such step yet."""
+    command refuses before anything compiles or prints. A run of a PyTorch loop (replay.torch) has
+    no JAX program to re-run; every other run is re-run through its replayable, whose capabilities
+    decide the method (`verify`)."""
     from replay.engine.damage import shown_path
-    from replay.engine.contract import config_of
-    from replay.engine.protocol import LEGACY_DEFAULT_FACTORY
 
-    manifest, shown = run.manifest, shown_path(run)
-    factory = manifest.get("replayable", LEGACY_DEFAULT_FACTORY)
-    if factory != LEGACY_DEFAULT_FACTORY or manifest.get("recorded_by") == "replay.torch":
-        from replay.record.manifest import FACTORY
-
-        who = ("recorded with replay.init" if factory == FACTORY else "recorded by replay.torch"
-               if manifest.get("recorded_by") == "replay.torch" else f"recorded by their own loop ({str(factory)[:80]})")
-        return (f"{shown}: replay verify needs the trainer's mesh-invariant mode (each microbatch's gradient "
-                f"re-computed on other devices, bit for bit); it is not yet available for runs {who}: "
-                "replay the steps with `replay run`, or compare two runs with `replay bisect`")
-    mesh = config_of(manifest).get("mesh")
-    if not (isinstance(mesh, dict) and mesh.get("mesh_invariant") is True):
-        return (f"{shown} is not a mesh-invariant run: only then is one device's work comparable bit for bit "
-                "with another's; train with --set mesh.mesh_invariant=true")
+    if run.manifest.get("recorded_by") == "replay.torch":
+        return (f"{shown_path(run)}: recorded by a PyTorch loop (replay.torch), which has no JAX program to re-run "
+                "on other devices; compare it with `replay bisect`")
     return None
 
 
@@ -132,45 +135,60 @@ def recorded_differences(run, replayable, step: int, metrics, hashes) -> list[st
 
 def verify(run, replayable, first: int, last: int, rotate: int = 1,
            on_step: Callable[[int], None] | None = None, environment: str | None = None) -> VerifyReport:
-    """Verify steps first..last of `run`, re-executed through `replayable`'s capabilities
-    replica_layout, layer_groups and replica_fingerprints (replay/engine/protocol.py), each step's re-run
-    as recorded compared with the trace (its `rerun_step` where it has one). `environment`: the
-    contract's line when it does not promise bits here (the trace's differences are then named as
-    the environment's), None when it does."""
+    """Verify steps first..last of `run` through `replayable` (replay/engine/protocol.py): by its
+    replicas where it computes them apart (replica_layout, layer_groups, replica_fingerprints: the
+    trainer's mesh-invariant mode), else by re-running each step on rotated devices and comparing
+    shard by shard (rotated_step: replay/verify/rotation.py); each step's re-run as recorded is
+    compared with the trace (its `rerun_step` where it has one). `environment`: the contract's line
+    when it does not promise bits here (the trace's differences are then named as the
+    environment's), None when it does."""
+    import jax
+
     from replay.engine.damage import shown_path
     from replay.engine.engine import check_range
+    from replay.verify import rotation
 
     why = refusal(run)
-    fingerprints = getattr(replayable, CAPABILITY, None)
-    if why is None and fingerprints is None:
-        why = (f"{shown_path(run)}: replay verify needs the run's loop to provide {CAPABILITY}(state, step, rotate) "
-               "-> uint64[microbatches, layers] (each microbatch's gradient fingerprints with the work rotated by "
-               "`rotate` devices), with replica_layout() and layer_groups(); the replayable this run loaded has none")
-    layout = replayable.replica_layout() if why is None else None
-    if why is None and layout is None:  # the manifest said mesh-invariant, the step as replayed is not
-        why = f"{shown_path(run)} is not a mesh-invariant run as replayed; train with --set mesh.mesh_invariant=true"
+    layout = replayable.replica_layout() if why is None and getattr(replayable, "replica_layout", None) else None
+    fingerprints = getattr(replayable, CAPABILITY, None) if layout is not None else None
+    rotated_step = getattr(replayable, rotation.CAPABILITY, None)
+    if why is None and layout is not None and fingerprints is None:
+        why = (f"{shown_path(run)}: the run's loop computes replicas apart (replica_layout) but provides no "
+               f"{CAPABILITY}(state, step, rotate) -> uint64[microbatches, layers] to re-compute them")
+    if why is None and layout is None and rotated_step is None:
+        why = (f"{shown_path(run)}: replay verify re-runs steps on other devices through the run's loop, and the loop "
+               f"this run loaded provides no {rotation.CAPABILITY}(state, step, rotate) (a replay.Loop run replayed "
+               "from its exported program has none: install the loop's module, or pass --allow-code as for replay run)")
+    n = layout[0] if layout is not None else jax.local_device_count()
     if why is None:
-        why = too_few_devices(layout[0])
+        why = too_few_devices(n)
     if why:
         raise VerifyInputError(why)
-    n, m = layout
+    m = layout[1] if layout is not None else 0
     rotations = sorted({0, rotate % n, (2 * rotate) % n})
     if len(rotations) < 3:
         raise VerifyInputError(f"--rotate {rotate}: rotations 0, {rotate} and {2 * rotate} must put the work on three "
                                f"different devices of {n}; pick a rotation that is not a multiple of {n // 2 or 1}")
     start = check_range(run, first, last, replayable.checkpoint_steps())
-    layers = list(replayable.layer_groups())
-    report = VerifyReport(shown_path(run), first, last, rotate, n, m, start, False)
+    layers = list(replayable.layer_groups()) if layout is not None else []
+    report = VerifyReport(shown_path(run), first, last, rotate, n, m, start, False,
+                          mode="replicas" if layout is not None else "shards")
 
     rerun = getattr(replayable, "rerun_step", None)
     events, differing, state = [], {}, replayable.restore(start)
     for step in range(start, last + 1):
         again = None
         if step >= first:
-            runs = {k: np.asarray(fingerprints(state, step, k), np.uint64) for k in rotations}
-            trace = trace_replicas(run.schema, run.trace.read(step), m, layers)
-            report.trace_replicas = report.trace_replicas or trace is not None
-            step_ev, unresolved = step_events(step, trace, runs, n)
+            if layout is not None:
+                runs = {k: np.asarray(fingerprints(state, step, k), np.uint64) for k in rotations}
+                trace = trace_replicas(run.schema, run.trace.read(step), m, layers)
+                report.trace_replicas = report.trace_replicas or trace is not None
+                step_ev, unresolved = step_events(step, trace, runs, n)
+            else:
+                runs = {k: rotation.shard_fingerprints(rotated_step(state, step, k)) for k in rotations}
+                step_ev, unresolved, layers = rotation.step_events(step, runs)
+                report.shards = len(layers)
+                report.devices_used = max(report.devices_used, rotation.devices_used(runs))
             events += step_ev
             report.unresolved += [(step, i) for i in unresolved]
             report.steps_verified += 1
@@ -186,7 +204,12 @@ def verify(run, replayable, first: int, last: int, rotate: int = 1,
     report.findings = classify(events, layers)
     report.findings += trace_findings(differing, events, report.findings, report.unresolved, environment)
     report.findings.sort(key=lambda f: (f.step, f.kind))
-    if not report.trace_replicas:
+    if layout is None:
+        report.shard_names = layers
+        report.notes.append("re-run on rotated devices and compared shard by shard: a chip is named when its damage "
+                            "shows in its own shards; damage a reduction spread to every device leaves shards "
+                            "unresolved (the trainer's mesh-invariant mode, check.replicas=true, names those chips)")
+    elif not report.trace_replicas:
         report.notes.append("the trace holds no per-replica fingerprints (train with --set check.replicas=true): a "
                             "transient fault in training is found as a recorded step no re-execution reproduces, "
                             "without the device it hit")

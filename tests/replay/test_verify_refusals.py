@@ -1,8 +1,12 @@
-"""`replay verify` refuses what it cannot check from the manifest alone, before it loads (and
-compiles) anything or prints a line: a run that is not mesh-invariant, a run of a user's own loop
-(replay.init, the legacy protocol, replay.torch). Before issue 30 it compiled the train step and
-printed the contract line first, and a user loop's run was an AttributeError (exit 3).
-Runs are written with the traces API alone: nothing here trains or compiles.
+"""`replay verify` refuses what it cannot check before it loads (and compiles) anything or prints
+a line: a run of a PyTorch loop (replay.torch: no JAX program), from its manifest; any other run
+(the trainer's, mesh-invariant or not, replay.init's, a legacy loop's) in a process with fewer than
+three devices, which cannot out-vote a bad one. Before issue 30 it compiled the train step and
+printed the contract line first, and a user loop's run was an AttributeError (exit 3); before
+issue 31's general method, runs that were not mesh-invariant trainer runs were refused outright.
+Runs are written with the traces API alone: nothing here trains or compiles (this process has
+one device; the four examples' and the trainer's runs are verified on four:
+tests/examples/test_verify_loops.py).
 """
 
 from __future__ import annotations
@@ -16,14 +20,15 @@ import traces
 from replay.cli import replaying
 from tests.cli_util import assert_one_line_error, invoke
 
+FEW_DEVICES = ("needs at least 3 devices", "this process has 1", "xla_force_host_platform_device_count")
 MANIFESTS = {
     "not mesh-invariant": ({"config": {"mesh": {"mesh_invariant": False, "n_microbatches": 1}}, "data": {}},
-                           ("is not a mesh-invariant run", "mesh.mesh_invariant=true")),
-    "no mesh section": ({"config": {"model": {"seq_len": 4}}, "data": {}}, ("is not a mesh-invariant run",)),
+                           FEW_DEVICES),
+    "no mesh section": ({"config": {"model": {"seq_len": 4}}, "data": {}}, FEW_DEVICES),
     "replay.init": ({"config": {"mesh": {"mesh_invariant": True}}, "replayable": "replay.record.replayable:from_run",
-                     "recorded_by": "replay"}, ("recorded with replay.init", "not yet available", "mesh-invariant")),
-    "legacy loop": ({"config": {}, "replayable": "tinyloop:replayable"}, ("their own loop (tinyloop:replayable)",)),
-    "replay.torch": ({"config": {}, "recorded_by": "replay.torch"}, ("recorded by replay.torch",)),
+                     "recorded_by": "replay"}, FEW_DEVICES),
+    "legacy loop": ({"config": {}, "replayable": "tinyloop:replayable"}, FEW_DEVICES),
+    "replay.torch": ({"config": {}, "recorded_by": "replay.torch"}, ("recorded by a PyTorch loop (replay.torch)",)),
 }
 
 

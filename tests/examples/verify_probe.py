@@ -1,0 +1,107 @@
+"""`replay verify` on every example loop and on the trainer's `tiny`, in one fresh 4-device process.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m tests.examples.verify_probe OUT
+
+(4 devices must be set before JAX starts, so this runs apart from the suite's process.) For each
+loop it records a clean run and a run with the learning rate changed, and runs the CLI in-process:
+
+    clean    verify --steps 6:8 of the clean run: expected clean, exit 0
+    chip     the same with one chip made faulty: every shard that device computes comes back with
+             one bit flipped, at the one place results leave the devices
+             (replay.verify.rotation.shard_fingerprints): expected exit 1 naming that device
+    trace    the clean run's code and checkpoints with the other run's trace (a recorded step that no
+             re-execution reproduces: what a fault in training alone leaves): expected exit 1, a
+             "trace" finding at the first step the traces differ
+
+and writes every report to OUT/results.json for tests/examples/test_verify_loops.py to judge.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+STEPS, EVERY, CHANGED_AT, BAD_DEVICE = 12, 5, 7, 1
+EXAMPLES = ("optax_loop", "nnx_loop", "equinox_loop", "linen_lm")
+
+
+def _mixed(clean: Path, other: Path, out: Path) -> Path:
+    """The clean run's manifest, checkpoints and code with `other`'s trace."""
+    shutil.copytree(clean, out)
+    shutil.rmtree(out / "trace")
+    shutil.copytree(other / "trace", out / "trace")
+    return out
+
+
+def _record_example(name: str, root: Path) -> dict[str, Path]:
+    import importlib
+
+    example = importlib.import_module(name)
+    runs = {}
+    for label, bug in (("clean", {}), ("lr", {"lr_bump_at": CHANGED_AT})):
+        cfg = example.Config(steps=STEPS, checkpoint_every=EVERY, **bug)
+        runs[label] = Path(example.train(cfg, str(root / f"{name}-{label}")))
+    return runs
+
+
+def _record_trainer(root: Path) -> dict[str, Path]:
+    from tests.cli_util import invoke
+
+    runs = {}
+    for label, sets in (("clean", []), ("lr", ["--set", "optimizer.lr=0.00101"])):
+        out = root / f"tiny-{label}"
+        result = invoke("train", "--preset", "tiny", "--steps", str(STEPS), "--out", str(out),
+                        "--set", f"checkpoint.every_steps={EVERY}", *sets)
+        assert result.exit_code == 0, result.output
+        runs[label] = out
+    return runs
+
+
+def _verify(run: Path, *extra: str) -> dict:
+    from tests.cli_util import invoke
+
+    result = invoke("verify", str(run), "--steps", "6:8", "--json", *extra)
+    lines = result.stdout.strip().splitlines()
+    return {"exit": result.exit_code, "report": json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None,
+            "stderr": result.stderr[-2000:]}
+
+
+def _with_bad_chip(device: int):
+    """shard_fingerprints as a chip `device` that returns every result with its low bit flipped."""
+    from replay.verify import rotation
+
+    honest = rotation.shard_fingerprints
+
+    def faulty(outputs):
+        return {key: [(d, fp ^ 1 if d == device else fp) for d, fp in values]
+                for key, values in honest(outputs).items()}
+
+    return faulty
+
+
+def main(out: Path) -> None:
+    import jax
+
+    from replay.verify import rotation
+
+    assert jax.device_count() == 4, jax.devices()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    results = {}
+    for name in EXAMPLES + ("tiny",):
+        runs = _record_trainer(out) if name == "tiny" else _record_example(name, out)
+        clean = _verify(runs["clean"])
+        honest = rotation.shard_fingerprints
+        rotation.shard_fingerprints = _with_bad_chip(BAD_DEVICE)
+        try:
+            chip = _verify(runs["clean"])
+        finally:
+            rotation.shard_fingerprints = honest
+        trace = _verify(_mixed(runs["clean"], runs["lr"], out / f"{name}-mixed"))
+        results[name] = {"clean": clean, "chip": chip, "trace": trace}
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -44,6 +44,12 @@ class RecordingRun:
         from replay.record import manifest as manifestlib
         from traces.errors import TraceError
 
+        if isinstance(keep_checkpoints, bool) or not isinstance(keep_checkpoints, int) or keep_checkpoints < 0:
+            raise RecordError(f"replay.init(keep_checkpoints={keep_checkpoints!r}): the newest checkpoints to keep, an "
+                              "int >= 0 (0 keeps all)")
+        if checkpoints is not None and keep_checkpoints:  # before the run's folder is touched
+            raise RecordError("replay.init(checkpoints=manager, keep_checkpoints=N): your CheckpointManager keeps what "
+                              "its own max_to_keep says; set it there")
         self.path = Path(path)
         self.finished = False
         self.next_step = 0
@@ -73,10 +79,6 @@ class RecordingRun:
             self._run = Run.create(self.path, _PENDING, manifest)
         where = self._run.manifest.get("checkpoint_dir", "checkpoints")
         self._ckpt_dir = (self.path / where) if not Path(where).is_absolute() else Path(where)
-        if checkpoints is not None and keep_checkpoints:
-            self._run.close()
-            raise RecordError("replay.init(checkpoints=manager, keep_checkpoints=N): your CheckpointManager keeps what "
-                              "its own max_to_keep says; set it there")
         self._ckpt = (Checkpointer(manager=checkpoints) if checkpoints is not None else
                       Checkpointer(self._ckpt_dir, keep=keep_checkpoints))
         self._fingerprints: dict = dict(self._run.manifest.get(ckpts.FINGERPRINTS_KEY) or {})

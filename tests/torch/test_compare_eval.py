@@ -21,7 +21,8 @@ pytest.importorskip("transformers")
 from replay.compare import EvalComparison, EvalRow, compare_eval, pick_steps  # noqa: E402
 from replay.compare.errors import CompareInputError  # noqa: E402
 from tests.cli_util import invoke  # noqa: E402
-from tests.torch.reference_pair import DEMO_STEPS, demo, port_run  # noqa: E402
+from tests.torch.reference_pair import DEMO_STEPS, demo, demo_config, port_run  # noqa: E402
+from traces import Run  # noqa: E402
 
 STEPS, EVERY = DEMO_STEPS, 2  # checkpoints 0, 2, 4, 6, 8
 READS_SHARED_RUNS = True  # tests/conftest.py orders this file after the one that makes them
@@ -123,3 +124,40 @@ def test_a_damaged_torch_checkpoint_is_exit_2(pair, tmp_path):
     f.write_bytes(bytes(data))
     r = invoke("compare", str(copy), str(pair["jax"]), "--eval", "--steps", "4")
     assert r.exit_code == 2 and "damaged" in r.output, r.output
+
+
+# ------------------------------------------------------------------ issue 31: two `replay train --preset tiny` runs
+
+# `replay train --preset tiny` with these is the demo's config (trainer.demo_reference.demo_config),
+# whose JAX run the session already trained; the lr run below differs from it in optimizer.lr only
+# (and in steps, which the schedule does not read: decay_steps is set). The training is a fresh
+# compile (the learning rate is a constant of the step program), the test's main cost.
+DEMO_SETS = ("model.dropout=0.0", "trace.sketches=true", "optimizer.z_loss=0.0001", f"optimizer.decay_steps={STEPS}",
+             f"checkpoint.every_steps={EVERY}", "checkpoint.keep=0")
+
+
+@slow
+def test_cli_on_tiny_runs_exit_0_when_identical_and_1_on_a_learning_rate_change(pair, tmp_path):
+    from trainer.config import to_dict
+
+    base = pair["jax"]
+    twin = shutil.copytree(base, tmp_path / "twin")
+    same = invoke("compare", str(base), str(twin), "--eval")
+    assert same.exit_code == 0 and "Traceback" not in same.output, same.output
+    assert same.stdout.strip().splitlines()[-1] == "agree within the noise floor at 3 checkpoints", same.stdout
+
+    lr_run, lr = tmp_path / "lr", 2 * demo_config().optimizer.lr
+    sets = [a for s in (*DEMO_SETS, f"optimizer.lr={lr}") for a in ("--set", s)]
+    trained = invoke("train", "--preset", "tiny", "--steps", str(EVERY), "--out", str(lr_run), *sets)  # checkpoints 0, 2
+    assert trained.exit_code == 0, trained.output
+    changed = dataclasses.replace(demo_config(), steps=EVERY,
+                                  optimizer=dataclasses.replace(demo_config().optimizer, lr=lr))
+    assert Run.open(base).manifest["config"] == to_dict(demo_config())
+    assert Run.open(lr_run).manifest["config"] == to_dict(changed)
+
+    differ = invoke("compare", str(base), str(lr_run), "--eval", "--json")
+    assert differ.exit_code == 1 and "Traceback" not in differ.output, differ.output
+    j = json.loads(differ.stdout)
+    # The learning rate acts from the first update: 2 is the first common checkpoint after it.
+    assert j["agree"] is False and j["first_disagreement"] == EVERY, j
+    assert [r["step"] for r in j["steps"]] == [EVERY] and abs(j["steps"][0]["difference"]) > 10 * j["steps"][0]["tolerance"] > 0, j

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from replay.engine.code import code_allowed, is_bundle_run
 from traces import Run
 
 
@@ -53,9 +54,13 @@ _CACHE_SIZE = 6
 
 def open_replayable(run: Run) -> Any:
     """The run's replayable (replay.engine.protocol.load), reused while the run is unchanged: a
-    process that bisects several pairs against one run compiles its step once."""
+    process that bisects several pairs against one run compiles its step once. Keyed by all that
+    chooses which replayable `load` returns: the run (folder and manifest), whether it is a
+    bundle's, and the --allow-code in force. Without the last, a command with --allow-code got the
+    exported program an earlier one opened (and was refused what needs the loop's code), and one
+    without it got the loop's code an earlier --allow-code had loaded."""
     manifest = json.dumps(run.manifest, sort_keys=True, default=str).encode()
-    key = (str(Path(run.path).resolve()), hashlib.sha256(manifest).hexdigest())
+    key = (str(Path(run.path).resolve()), hashlib.sha256(manifest).hexdigest(), is_bundle_run(run), code_allowed())
     if key in _CACHE:
         _CACHE.move_to_end(key)
         return _CACHE[key]

@@ -329,3 +329,46 @@ def test_fresh_process_elsewhere_replays_the_example_from_its_exported_program(t
     assert packed["code"] == 0, packed["stderr"]
     assert from_bundle["code"] == 0, from_bundle["stderr"]
     assert json.loads(from_bundle["stdout"])["all_bit_exact"]
+
+
+def _run_of_a_checkout(runs, tmp_path: Path) -> Path:
+    """A copy of the clean run whose manifest names its loop in a folder that is not on sys.path
+    (as a user's checkout is): its code imports only with --allow-code."""
+    from traces.run import write_manifest
+
+    module = "issue31_cached_loop"
+    folder = tmp_path / "checkout"
+    if not folder.exists():
+        folder.mkdir()
+        shutil.copy(EXAMPLES / "optax_loop.py", folder / f"{module}.py")
+    run = tmp_path / f"run{len(list(tmp_path.glob('run*')))}"
+    shutil.copytree(runs["clean"], run)
+    manifest = json.loads((run / "run.json").read_text())
+    manifest.update(entrypoint=f"{module}:make", entrypoint_path=str(folder))
+    write_manifest(run / "run.json", manifest)
+    return run
+
+
+def test_each_command_opens_a_run_with_the_code_its_own_allow_code_allows(runs, tmp_path):
+    """One process running commands in turn (a script or a notebook calling the CLI) gets for each
+    the replayable its own --allow-code gives, not the one an earlier command opened and
+    replay.engine.replayer.open_replayable keeps: compare --eval (which needs the loop's evaluate)
+    works with --allow-code after a compare without it opened the exported program, and is refused
+    without it after a compare with it loaded the loop's code."""
+    from tests.cli_util import assert_one_line_error
+
+    def compare(a: Path, b: Path, *flags: str):
+        return invoke("compare", str(a), str(b), "--eval", "--json", *flags)
+
+    def refused(result) -> None:
+        assert_one_line_error(result, "loop's own code", "--allow-code")
+
+    def agrees(result) -> None:
+        assert result.exit_code == 0 and json.loads(result.stdout)["agree"], result.output
+
+    first, second = _run_of_a_checkout(runs, tmp_path), _run_of_a_checkout(runs, tmp_path)
+    refused(compare(first, second))
+    agrees(compare(first, second, "--allow-code"))
+    third, fourth = _run_of_a_checkout(runs, tmp_path), _run_of_a_checkout(runs, tmp_path)
+    agrees(compare(third, fourth, "--allow-code"))
+    refused(compare(third, fourth))

@@ -105,10 +105,20 @@ def test_verify_re_executes_through_the_replayables_capabilities_and_names_the_c
 
 def test_verify_refuses_a_replayable_without_the_capability_in_one_line(tmp_path):
     run = _write(tmp_path / "run", MESH_INVARIANT)
-    with pytest.raises(VerifyInputError, match=r"provide replica_fingerprints\(state, step, rotate\)"):
+    """Neither method is available: no replicas computed apart and no rotated_step (the general
+    method, replay/verify/rotation.py); or replicas laid out without the fingerprints to compare."""
+    with pytest.raises(VerifyInputError, match=r"provides no rotated_step\(state, step, rotate\)"):
         verify(run, Loop(), 1, 2)
-    with pytest.raises(VerifyInputError, match="is not a mesh-invariant run as replayed"):
-        verify(run, Replicas(bad=None, layout=None), 1, 2)
+    with pytest.raises(VerifyInputError, match=r"provides no rotated_step\(state, step, rotate\)"):
+        verify(run, Replicas(bad=None, layout=None), 1, 2)  # not mesh-invariant as replayed, no general method
+
+    class LayoutOnly(Loop):
+        def replica_layout(self):
+            return (N, M)
+
+    with pytest.raises(VerifyInputError, match=r"computes replicas apart \(replica_layout\) but provides no "
+                                                r"replica_fingerprints\(state, step, rotate\)"):
+        verify(run, LayoutOnly(), 1, 2)
 
 
 # ------------------------------------------------------------------------------ bisect's hardware verdict

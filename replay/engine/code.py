@@ -68,7 +68,10 @@ class UserCodeError(Exception):
         self.function = function
         self.original = exc
         where = _user_frame(exc)
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        # The whole message on one line: JAX's often starts with a header ("Mismatch details (1 found):")
+        # whose substance is on the lines after it.
+        text = " ".join(str(exc).split())
+        text = text if len(text) <= 600 else text[:597] + "..."
         super().__init__(f"{function} (your code) raised {type(exc).__name__}"
                          f"{': ' + text if text else ''}{f' at {where}' if where else ''}; "
                          "fix it there, or pass --debug for the traceback")
@@ -209,6 +212,12 @@ def function_name(fn: Callable) -> str:
 
 def call_user(fn: Callable, *args: Any, **kw: Any) -> Any:
     """fn(*args, **kw), with an exception raised inside it turned into UserCodeError."""
+    return call_user_as(None, fn, *args, **kw)
+
+
+def call_user_as(name: str | None, fn: Callable, *args: Any, **kw: Any) -> Any:
+    """call_user, with the error naming `name` (the user's function) where `fn` is replay's own
+    that runs it (Program.compile tracing the Loop's step), not the user's."""
     try:
         return fn(*args, **kw)
     except (UserCodeError, CodeNotAllowed):
@@ -216,7 +225,7 @@ def call_user(fn: Callable, *args: Any, **kw: Any) -> Any:
     except Exception as e:
         if _is_user_error(e):  # replay's own one-line errors keep their message and exit code
             raise
-        raise UserCodeError(function_name(fn), e) from e
+        raise UserCodeError(name or function_name(fn), e) from e
 
 
 # --- resolution ------------------------------------------------------------------------------------------------

@@ -24,6 +24,11 @@ class Loop:
     """What replay needs to re-run a recorded loop.
 
     step: the (jitted) train step, (state, batch) -> (state, metrics), as `run.step` wrapped it.
+    Or, for a Flax NNX step written in place, as `run.nnx_step` wrapped it:
+      nnx_step: fn(*graph nodes, batch), e.g. the `@nnx.jit` train_step(model, optimizer, metrics, batch);
+      nodes: () -> the graph nodes it takes, fresh, in its order (e.g. create(cfg) -> (model,
+        optimizer, metrics)). They stand for step= and init=: the Loop's `step` and `init` become
+        their functional form (replay/record/nnx_step.py), the state the nodes' Variables but the metrics'.
     The batches, one of:
       batch_at: step -> the batch of that step (a pure function of the config and the step);
       data: () -> a fresh data iterator with grain's get_state()/set_state(state), whose state
@@ -38,15 +43,19 @@ class Loop:
         feeds), the same on every call and for both runs compared (run A's are used for both).
     """
 
-    step: Callable[[Any, Any], tuple[Any, Any]]
+    step: Callable[[Any, Any], tuple[Any, Any]] | None = None
     batch_at: Callable[[int], Any] | None = None
     init: Callable[[], Any] | None = None
     abstract_state: Any = None
     data: Callable[[], Any] | None = None
     evaluate: Callable[[Any, Any], Any] | None = None
     eval_batches: Callable[[], Any] | None = None
+    nnx_step: Callable | None = None
+    nodes: Callable[[], Any] | None = None
 
     def __post_init__(self):
+        if self.nnx_step is not None or self.nodes is not None:
+            self._nnx()
         if not callable(self.step):
             raise RecordError("replay.Loop(step=...): the train step must be a function "
                               "(state, batch) -> (state, metrics)")
@@ -70,6 +79,21 @@ class Loop:
             raise RecordError(f"replay.Loop(eval_batches=...): must be a function () -> a fresh iterable of held-out "
                               f"batches, not the {type(self.eval_batches).__name__} itself (e.g. eval_batches=lambda: "
                               "[batch_at(k) for k in held_out_steps])")
+
+    def _nnx(self) -> None:
+        from replay.record.nnx_step import Functional
+
+        if isinstance(self.step, Functional) and self.step.user_fn is self.nnx_step:
+            return  # dataclasses.replace of such a Loop: already in functional form
+        if self.step is not None or self.init is not None or self.abstract_state is not None:
+            raise RecordError("replay.Loop(nnx_step=..., nodes=...) stands for step= and init=/abstract_state=: give "
+                              "one form or the other")
+        if not callable(self.nnx_step) or not callable(self.nodes):
+            raise RecordError("replay.Loop(nnx_step=fn, nodes=build): fn(*graph nodes, batch) is the in-place NNX "
+                              "step, build() returns the graph nodes it takes, fresh, in its order; give both")
+        functional = Functional(self.nnx_step, build=self.nodes)
+        object.__setattr__(self, "step", functional)
+        object.__setattr__(self, "init", functional.initial_state)
 
     def state_shapes(self) -> Any:
         """The abstract state (jax.ShapeDtypeStruct leaves, on this machine's first device when the

@@ -26,7 +26,7 @@ from replay.record.data_iterator import IteratorFeed, next_batch
 from replay.record.hashing import example_hashes
 from replay.record.loop import MARK, Loop
 from replay.record.options import StepOptions
-from replay.record.program import Program
+from replay.record.nnx_step import program_for
 from traces import Run
 
 
@@ -39,7 +39,7 @@ def _unavailable(message: str) -> Exception:
 class LoopReplay:
     def __init__(self, run: Run, data: str | None = None, allow_data_change: bool = False, on_compile=None,
                  allow_code: bool = False):
-        from replay.engine.code import call_user, function_name, import_entrypoint
+        from replay.engine.code import call_user, call_user_as, function_name, import_entrypoint
 
         if data is not None:
             raise _unavailable(f"{run.path}: this run's batches come from its loop (batch_at or its data iterator); "
@@ -67,8 +67,9 @@ class LoopReplay:
         batch = call_user(loop.batch_at, run.first_step or 0) if self._feed is None else next_batch(self._feed.fresh())
         if on_compile is not None:
             on_compile()
-        self.program = Program(loop.step, self.options)
-        self._call(self.program.compile, self._abstract, batch)
+        self.program = program_for(loop.step, self.options)
+        # Errors while tracing are the Loop's step's (or a state it does not take), never Program.compile's.
+        call_user_as(function_name(_user_function(loop.step)), self.program.compile, self._abstract, batch)
         self.schema = self.program.schema
         if self.schema.to_json() != run.schema.to_json():
             self.restore_notes.append("the loop's step records a different schema here than the run recorded "
@@ -164,6 +165,16 @@ def _as_saved(abstract: Any, loop: Loop, manager: Any) -> Any:
         return abstract
     layout = saved_layout.saved_shardings(ckpts.state_metadata(manager, saved[-1]))
     return saved_layout.with_saved_shardings(abstract, saved_layout.given_shardings(loop.abstract_state), layout)
+
+
+def _user_function(step: Any) -> Any:
+    """The function the user wrote under a jit and functools.partial, to name in an error."""
+    for _ in range(4):
+        inner = getattr(step, "__wrapped__", None) or getattr(step, "func", None)
+        if not callable(inner):
+            break
+        step = inner
+    return step
 
 
 def _checkpoint_dir(run: Run):

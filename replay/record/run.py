@@ -52,6 +52,7 @@ class RecordingRun:
                               "its own max_to_keep says; set it there")
         self.path = Path(path)
         self.finished = False
+        self._entrypoint = None if resume else entrypoint  # checked against the step at its first call
         self.next_step = 0
         self._step: Any = None
         if resume:
@@ -112,6 +113,27 @@ class RecordingRun:
 
         return wrap if fn is None else wrap(fn)
 
+    def nnx_step(self, fn: Callable | None = None, *, batch_axis: int = 0, loss: str | None = "loss",
+                 level: str = "layer", rng: tuple[str, ...] | list[str] = (), metric_kinds: dict | None = None) -> Any:
+        """Wraps an in-place Flax NNX step `fn(*graph nodes, batch)` (an `@nnx.jit` function that
+        updates its model, optimizer and metrics and returns nothing, or a dict of metrics); the
+        wrapper is called exactly as `fn` is and returns what it returns. The Variables of the
+        nodes that are not metrics are the recorded state (`run.save(k, (model, optimizer))`), the
+        step's values of its nnx.MultiMetric the recorded metrics (replay/record/nnx_step.py).
+        Replay rebuilds it from `replay.Loop(nnx_step=fn, nodes=...)`. Options as for `run.step`."""
+        options = StepOptions(batch_axis=batch_axis, loss=loss, level=level, rng=tuple(rng),
+                              metric_kinds=dict(metric_kinds or {}))
+
+        def wrap(f: Callable) -> Any:
+            from replay.record.nnx_step import NnxRecordedStep
+
+            if self._step is not None:
+                raise RecordError("run.nnx_step wraps one train step per run; this run already has one")
+            self._step = NnxRecordedStep(self, f, options)
+            return self._step
+
+        return wrap if fn is None else wrap(fn)
+
     @staticmethod
     def tap(tree: Any, name: str, kind: str | None = None) -> Any:
         """replay.tap (see replay/record/taps.py)."""
@@ -133,6 +155,10 @@ class RecordingRun:
                 raise RecordError(f"{self.path}: the step compiles to a different program than the run recorded; "
                                   "resume with the same code and config")
         else:
+            if self._entrypoint is not None:  # make() checked here, not on another machine at replay
+                from replay.record.entry_check import check_entrypoint
+
+                check_entrypoint(self._entrypoint, run.manifest.get("config"), program, self.next_step)
             run.update_manifest(schema=schema.to_json(), program_hash=program.program_hash,
                                 record=program.options.to_json(), trace_first_step=self.next_step)
             run.schema = schema
@@ -184,6 +210,7 @@ class RecordingRun:
             raise RecordError(f"{self.path}: the run is finished; save checkpoints before run.finish()")
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise RecordError(f"run.save({step!r}, state): the step is an int >= 0")
+        state = as_state(state)  # an NNX step's graph nodes: their recorded Variables
         if self._step is not None and step != self.next_step:
             raise RecordError(f"run.save({step}, state): the wrapped step has run up to step {self.next_step}; "
                               f"checkpoint k is the state entering step k, so save it as {self.next_step}")
@@ -249,7 +276,10 @@ class RecordingRun:
                               "holds no data iterator state to restore")
         import jax
 
+        nodes, like = like, as_state(like)
         state = self._ckpt.restore(step, jax.tree.map(spec, like), self._fingerprints.get(str(step)))
+        if like is not nodes:  # graph nodes: restored in place, as an NNX loop holds its state
+            _nnx_update(nodes, state)
         if data is not None:
             data.set_state(self._ckpt.restore_data(step, self._data_fingerprints.get(str(step))))
         self.next_step = step
@@ -292,6 +322,21 @@ class RecordingRun:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.finish() if exc_type is None else self.close()
+
+
+def as_state(tree: Any) -> Any:
+    from replay.record.nnx_step import as_state as nodes_state  # Flax only when given graph nodes
+
+    return nodes_state(tree)
+
+
+def _nnx_update(nodes: Any, state: Any) -> None:
+    from flax import nnx
+
+    from replay.record.nnx_step import _is_metric
+
+    nodes = nodes if isinstance(nodes, (tuple, list)) else (nodes,)
+    nnx.update(tuple(n for n in nodes if not _is_metric(n)), state)
 
 
 def _one_process(call: str) -> None:

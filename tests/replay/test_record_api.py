@@ -103,7 +103,7 @@ def test_a_different_program_is_caught_by_the_replay(tmp_path):
 def test_the_wrapped_step_returns_what_the_step_returns(tmp_path):
     loop = make({"scale": 1.0})
     plain = jax.jit(functools.partial(step_fn, scale=1.0))
-    run = replay.init(tmp_path / "a", entrypoint=make)
+    run = replay.init(tmp_path / "a", config={"scale": 1.0}, entrypoint=make)
     wrapped = run.step(loop.step)
     s1, s2 = init_state(), init_state()
     for k in range(3):
@@ -148,7 +148,7 @@ def test_hashes_follow_the_trainers_convention():
 
 
 def _first_call(tmp_path, fn, state=None, batch=None, **options):
-    run = replay.init(tmp_path / "r", entrypoint=make)
+    run = replay.init(tmp_path / "r", config={"scale": 1.0}, entrypoint=make)
     try:
         return run.step(**options)(fn)(state if state is not None else init_state(), batch if batch is not None else batch_at(0))
     finally:
@@ -203,7 +203,7 @@ def test_a_tap_inside_the_loss_function_is_refused(tmp_path):
 
 def test_save_must_name_the_step_the_state_enters(tmp_path):
     loop = make({"scale": 1.0})
-    run = replay.init(tmp_path / "a", entrypoint=make)
+    run = replay.init(tmp_path / "a", config={"scale": 1.0}, entrypoint=make)
     step = run.step(loop.step)
     state, _ = step(loop.init(), batch_at(0))
     with pytest.raises(RecordError, match="save it as 1"):

@@ -129,7 +129,8 @@ def make(config: dict) -> replay.Loop:
 
 def train(cfg: Config, out: str) -> str:
     model, optimizer, metrics = create(cfg)
-    run = replay.init(out, config=dataclasses.asdict(cfg), entrypoint=make, store_examples=True)  # replay
+    run = replay.init(out, config=dataclasses.asdict(cfg), entrypoint=make, store_examples=True,  # replay
+                      dataset_size=cfg.batch * cfg.batches_per_epoch)
     step = run.nnx_step(train_step)  # replay
     batches, test, history = Batches(cfg), images(cfg, 1), []
     for k in range(cfg.steps):

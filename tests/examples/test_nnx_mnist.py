@@ -88,6 +88,19 @@ def test_bisect_names_a_refed_batch_as_data_fed_five_steps_before(runs):
     assert b and all(loops.REFEED_AT - 5 in {s["step"] for s in e["seen_before"] if s["run"] == "B"} for e in b), b
 
 
+def test_audit_pack_and_a_bundle_replay(runs, tmp_path):
+    """audit checks the epoch-shuffled order against the declared dataset size (each example once
+    an epoch); a packed range replays bit for bit from the bundle, which never runs code."""
+    result = invoke("audit", str(runs["clean"]), "--json")
+    assert result.exit_code == 0, result.output
+    bundle = tmp_path / "mnist.rpk"
+    assert invoke("pack", str(runs["clean"]), "--steps", "12:15", "-o", str(bundle)).exit_code == 0
+    result = invoke("run", str(bundle), "--steps", "12:15", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["all_bit_exact"] and report["replayed"] == report["bit_exact"] > 0, report
+
+
 @replay.entrypoint
 def wider_make(config: dict) -> replay.Loop:
     """A make with a bug: it builds a model of other sizes than the loop trains."""

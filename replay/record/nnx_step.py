@@ -183,6 +183,19 @@ def program_for(step: Callable, options: Any) -> Program:
     return NnxProgram(step, options) if isinstance(step, Functional) else Program(step, options)
 
 
+class FunctionalStep(RecordedStep):
+    """`run.step`'s wrapper, which says in one line when it is called as an in-place NNX step."""
+
+    def __call__(self, *args: Any, **kw: Any) -> tuple[Any, Any]:
+        if len(args) != 2 or kw:
+            nodes = any(_has_flax_base(a) and _nnx().graph.is_graph_node(a) for a in args)
+            raise RecordError(f"run.step: {self.__name__} was called with {len(args) + len(kw)} arguments; a run.step "
+                              "step is fn(state, batch) -> (state, metrics)" + (
+                                  "; for an in-place NNX step fn(model, optimizer, ..., batch) use run.nnx_step(fn)"
+                                  if nodes else ""))
+        return super().__call__(*args)
+
+
 class NnxRecordedStep:
     """What `run.nnx_step(fn)` returns: fn's signature and return value, recorded (module doc)."""
 

@@ -104,11 +104,11 @@ class RecordingRun:
                               metric_kinds=dict(metric_kinds or {}))
 
         def wrap(f: Callable) -> Any:
-            from replay.record.step import RecordedStep
+            from replay.record.nnx_step import FunctionalStep  # RecordedStep, with its calls checked
 
             if self._step is not None:
                 raise RecordError("run.step wraps one train step per run; this run already has one")
-            self._step = RecordedStep(self, f, options)
+            self._step = FunctionalStep(self, f, options)
             return self._step
 
         return wrap if fn is None else wrap(fn)

@@ -129,9 +129,14 @@ def test_a_broken_make_is_refused_at_the_first_step_in_one_line(tmp_path, make, 
 
 
 def test_an_nnx_step_called_otherwise_is_one_line(tmp_path):
-    run = replay.init(tmp_path / "r", config={}, entrypoint=nnx_mnist.make)
-    step = run.nnx_step(nnx_mnist.train_step)
+    """Issue 32: run.step(train_step) called as the loop calls it was a raw TypeError."""
     model, optimizer, metrics = nnx_mnist.create(nnx_mnist.Config())
+    run = replay.init(tmp_path / "a", config={}, entrypoint=nnx_mnist.make)
+    with pytest.raises(RecordError, match=r"called with 4 arguments; .*use run.nnx_step\(fn\)"):
+        run.step(nnx_mnist.train_step)(model, optimizer, metrics, {"image": 0})
+    run.close()
+    run = replay.init(tmp_path / "b", config={}, entrypoint=nnx_mnist.make)
+    step = run.nnx_step(nnx_mnist.train_step)
     with pytest.raises(RecordError, match=r"fn\(\*graph nodes, batch\).*the batch last"):
         step(model, {"image": 0}, optimizer)
     run.close()

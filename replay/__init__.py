@@ -17,6 +17,7 @@ See README.md, "Your own training loop".
 from __future__ import annotations
 
 from typing import Any
+import importlib
 
 __all__ = ["Loop", "RecordError", "entrypoint", "init", "tap"]
 
@@ -31,8 +32,6 @@ _PUBLIC = {
 
 def __getattr__(name: str) -> Any:
     if name in _PUBLIC:
-        import importlib
-
         module, attr = _PUBLIC[name]
         value = getattr(importlib.import_module(module), attr)
         globals()[name] = value

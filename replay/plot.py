@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from traces import Run
+from replay.bisect.cross_floor import floor_for
 
 
 def metric_curve(run: Run, name: str = "loss") -> tuple[np.ndarray, np.ndarray]:
@@ -61,7 +62,6 @@ def plot_layer_distances(report, out: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from replay.bisect.cross_floor import floor_for
 
     steps = sorted(report.distances)
     names = [(n, k) for n, k in report.names if any(n in report.distances[s] for s in steps)]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import sys
 from types import ModuleType
 from typing import Any, Callable
+from importlib.metadata import entry_points
 
 GROUP = "replay.plugins"
 
@@ -41,8 +42,6 @@ def _discover() -> tuple:
     """The group's entry points, one per name (a package found twice on sys.path counts once)."""
     global _entry_points
     if _entry_points is None:
-        from importlib.metadata import entry_points
-
         unique: dict[str, Any] = {}
         for ep in entry_points(group=GROUP):
             unique.setdefault(ep.name, ep)

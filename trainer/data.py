@@ -38,6 +38,7 @@ import xxhash
 from replay.errors import InputError
 from replay.record.hashing import batch_hash  # noqa: F401 (the one definition; trainer.data.batch_hash)
 from trainer import order, tokenizer
+import zipfile
 
 # Little-endian explicitly: a file written on one machine must read (and hash) the
 # same on any other.
@@ -272,8 +273,6 @@ def write_example_file(path, source: TokenSource, ids, seq_len: int) -> dict:
 
 def open_example_file(path, vocab_size: int | None = None) -> ExampleSource:
     """The examples `write_example_file` wrote, as a token source; DataError when unreadable."""
-    import zipfile
-
     path = os.fspath(path)
     try:
         with np.load(path, allow_pickle=False) as z:

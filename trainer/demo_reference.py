@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trainer.config import Config, get_preset
+from trainer.port_bugs import PORT_BUGS, with_bug
 
 DEFAULT_STEPS = 40
 DEFAULT_BUG = "rope"
@@ -101,7 +102,6 @@ def run_reference_demo(out: Path, steps: int = DEFAULT_STEPS, bug: str = DEFAULT
     from replay.torch import checkpoint as torch_checkpoint
     from traces import Run
     from trainer.loop import StepInfo, train
-    from trainer.port_bugs import PORT_BUGS, with_bug
     from trainer.reference_train import train_reference
 
     cfg = demo_config(steps)

@@ -42,6 +42,7 @@ import time
 from typing import Any
 
 from trainer.constants import TRACE_LEVELS
+from trainer.config import ConfigError, apply_overrides, get_preset
 
 LEVEL = "step"  # trace level planned by default: loss, grad norm, lr, param norm, per-example loss, RNG
 EXIT_BAD_INPUT = 2
@@ -218,7 +219,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args(argv)
 
-    from trainer.config import ConfigError, apply_overrides, get_preset
 
     def log(msg: str) -> None:
         print(f"plan: {msg}", file=sys.stderr, flush=True)

@@ -8,6 +8,7 @@ JAX): `replay --help` loads it.
 """
 
 from __future__ import annotations
+from replay.engine.code import OWN_FACTORIES
 
 
 def register(app) -> None:
@@ -30,8 +31,6 @@ def torch_reference(run):
 def prepare_process(manifest: dict) -> None:
     """A mesh-invariant run (trainer/invariant.py) needs XLA:CPU settings in place before anything
     starts JAX; a command about to replay it calls this first (ConfigError, one line, if too late)."""
-    from replay.engine.code import OWN_FACTORIES  # no JAX: the code policy is stdlib only
-
     trainer_factory = OWN_FACTORIES[0]
     if manifest.get("replayable", trainer_factory) != trainer_factory or manifest.get("recorded_by") == "replay.torch":
         return  # another loop's run: its config's "mesh" is that loop's, not the trainer's mode

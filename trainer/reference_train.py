@@ -32,6 +32,7 @@ import numpy as np
 
 from trainer import reference
 from trainer.config import Config
+from trainer.config import to_dict
 
 __all__ = ["reference_rows", "train_reference"]
 
@@ -72,7 +73,6 @@ def train_reference(cfg: Config, run_dir: str | Path, steps: int, *, weights: st
     import replay.torch
     from replay.torch import checkpoint as torch_checkpoint
     from trainer import data
-    from trainer.config import to_dict
     from trainer.optim import lr_schedule
     from traces.sketch import DEFAULT_WIDTH
 

@@ -25,6 +25,9 @@ from typing import Any
 import numpy as np
 
 from trainer import data as datalib
+from trainer import tokenizer
+from trainer.config import from_dict
+import itertools
 
 
 class TrainerData:
@@ -44,8 +47,6 @@ class TrainerData:
     def cfg(self) -> Any:
         """The run's trainer config (trainer.config.Config); ConfigError when it is not one."""
         if self._cfg is None:
-            from trainer.config import from_dict
-
             raw = self._manifest.get("config")
             if self._manifest.get("recorded_by") == "replay.torch" and isinstance(raw, dict) and "trainer_config" in raw:
                 raw = raw["trainer_config"]  # trainer/reference_train.py's runs
@@ -226,10 +227,6 @@ def injected_positions(manifest: dict, step: int, global_batch: int) -> list[int
 def decode_tokens(vocab_size: int | None, tokens) -> str | None:
     """The byte tokenizer's text of `tokens` (None for another vocabulary): control characters
     escaped, runs of 4 or more of one character written once with "×n"."""
-    import itertools
-
-    from trainer import tokenizer
-
     if vocab_size != tokenizer.VOCAB_SIZE:
         return None
     parts = []

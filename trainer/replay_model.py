@@ -14,6 +14,9 @@ import numpy as np
 
 from trainer import rng, sdc
 from trainer.recompute import TrainerRecomputation, eval_losses
+from replay.engine.placement import rotated, rotated_sharding
+from trainer.sdc import faulty_config
+from trainer.step import compile_step
 
 
 class TrainerModelProtocol:
@@ -46,9 +49,6 @@ class TrainerModelProtocol:
         shardings (compile_step keeps it), fed the state and the batch as run_step feeds them (the
         run's faults before the step, the batch it was fed, a faulty config's program), moved to the
         rotated devices. For `replay verify` on runs that are not mesh-invariant."""
-        from replay.engine.placement import rotated, rotated_sharding
-        from trainer.step import compile_step
-
         built = self.built
         plan = built.faults
         seen = plan.before(state, step, built._init_opt_state) if plan else state  # rotated() copies it
@@ -101,7 +101,6 @@ class TrainerModelProtocol:
         plan = built.faults
         if not plan or not any(not f.persistent and f.step == step for f in plan.sdc):
             return None
-        from trainer.sdc import faulty_config
         from trainer.step import compile_step
 
         chips = [f for f in plan.sdc if f.persistent]

@@ -13,6 +13,7 @@ import numpy as np
 
 from replay.engine.protocol import LEGACY_DEFAULT_FACTORY as TRAINER_FACTORY
 from trainer.config import Config, ConfigError, from_dict
+from trainer import reference
 
 
 class TrainerReference:
@@ -27,8 +28,6 @@ class TrainerReference:
     def model(self) -> Any:
         """A fresh reference model at the run's sizes, float32, eval mode (its weights are
         replaced by `load`)."""
-        from trainer import reference
-
         return reference.hf_model(self._m)
 
     def load(self, model: Any, weights: dict[str, np.ndarray]) -> None:

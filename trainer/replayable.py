@@ -18,6 +18,13 @@ from replay.engine.protocol import LEGACY_DEFAULT_FACTORY, Replayable, load  # n
 from traces import Run
 from trainer.replay_data import TrainerDataProtocol
 from trainer.replay_model import TrainerModelProtocol
+from replay.record.checkpointer import Checkpointer
+from replay.record.checkpoints import recorded_fingerprint
+from trainer import data as datalib
+from trainer import mesh as meshlib
+from trainer.config import MeshConfig, from_dict
+from trainer.faults import FaultPlan
+from trainer.mesh import MeshError
 
 TRAINER_FACTORY = LEGACY_DEFAULT_FACTORY
 
@@ -27,12 +34,7 @@ class TrainerReplay(TrainerDataProtocol, TrainerModelProtocol):
 
     def __init__(self, run: Run, data: str | None = None, allow_data_change: bool = False,
                  on_compile=None):
-        from trainer import data as datalib
-        from replay.record.checkpointer import Checkpointer
-        from trainer.config import MeshConfig, from_dict
-        from trainer.faults import FaultPlan
         from trainer.loop import build, state_step
-        from trainer.mesh import MeshError
 
         cfg = from_dict(run.manifest["config"])
         self.cfg = cfg
@@ -83,8 +85,6 @@ class TrainerReplay(TrainerDataProtocol, TrainerModelProtocol):
         """The state saved at `step`, verified on device against the fingerprint recorded when it
         was saved (CheckpointDamagedError on a mismatch or unreadable files). A checkpoint with
         no recorded fingerprint (older runs) is restored unverified and noted."""
-        from replay.record.checkpoints import recorded_fingerprint
-
         expected = recorded_fingerprint(self._manifest, step)
         state = self._ckpt.restore(step, self.built.abstract_sharded, fingerprint=expected)
         if expected is None and step not in self.unverified:
@@ -98,8 +98,6 @@ class TrainerReplay(TrainerDataProtocol, TrainerModelProtocol):
 
     def initial_state(self) -> Any:
         """The state entering step 0, as `replay train` builds it from the config's seed."""
-        from trainer import mesh as meshlib
-
         return meshlib.init_sharded_state(self.built.cfg, self.built.mesh)
 
 

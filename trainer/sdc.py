@@ -47,6 +47,9 @@ from replay.verify.names import mask_microbatches, replica_name  # noqa: F401  (
 from traces.schema import CHECK_TENSOR
 from trainer.config import Config
 from trainer.microbatches import BATCH_AXES, Layout, microbatch
+from replay.record.fingerprint import fingerprint_lanes, fingerprints_and_sums_of_squares
+from trainer import rng
+from trainer.invariant import strided as _strided
 
 MAX_GAP = 4096  # sdc-chip: steps between the first SDC fault and a chip's start the program can tell apart
 
@@ -54,8 +57,6 @@ MAX_GAP = 4096  # sdc-chip: steps between the first SDC fault and a chip's start
 # ------------------------------------------------------------------------------ the layout
 
 def strided(n_devices: int) -> bool:
-    from trainer.invariant import strided as _strided
-
     return _strided(n_devices)
 
 
@@ -125,8 +126,6 @@ class FaultyConfig(Config):
 
 
 def _step_words(seed: int, step: int) -> tuple[int, int]:
-    from trainer import rng
-
     words = np.asarray(jax.random.key_data(rng.step_key(rng.dropout_key(seed), step)), np.uint32)
     return int(words[0]), int(words[1])
 
@@ -238,8 +237,6 @@ def corrupt(grads: Any, faults: tuple[_Compiled, ...], me: jax.Array, slot: jax.
 def microbatch_summaries(grads: Any, cfg: Config) -> tuple[jax.Array, jax.Array]:
     """uint32[G, 2] fingerprint lanes and float32[G] RMS of one microbatch's gradient, per layer
     (layer_groups): a layer's fingerprint is the fingerprint of its leaves' lanes stacked in order."""
-    from replay.record.fingerprint import fingerprint_lanes, fingerprints_and_sums_of_squares
-
     lanes, rms = [], []
     for _, names in layer_groups(cfg):
         leaves = [_get(grads, n) for n in names]

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from replay.record.fingerprint import sketch_and_norm
 from traces.sketch import DEFAULT_WIDTH
+from trainer.config import ConfigError
 
 __all__ = ["assemble", "check", "never", "of_state", "width"]
 
@@ -48,7 +49,6 @@ def check(cfg: Any) -> None:
     """trace.sketches sketches the step's own tensors; the SDC checks' extra trace tensors are
     fingerprint words, not tensors with a distance: refuse the combination before anything runs."""
     from trainer import sdc
-    from trainer.config import ConfigError
 
     if width(cfg) and sdc.extra_tensors(cfg, "layer"):
         raise ConfigError("trace.sketches=true does not apply with check.replicas or check.rerun_every (their "

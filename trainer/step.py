@@ -33,6 +33,7 @@ from replay.record.fingerprint import fingerprint_lanes, fingerprints_and_sums_o
 from replay.record.names import get_path  # noqa: F401 - trainer.step.get_path: the recorded names' lookup
 from trainer import invariant, optim
 from trainer.optim import applied_lr
+from trainer.config import ConfigError
 
 # (name, causal kind) of the scalar metrics, in the order a record stores them.
 METRICS = (("loss", "loss"), ("z_loss", "loss"), ("grad_norm", "backward"), ("lr", "update"), ("param_norm", "update"))
@@ -119,8 +120,6 @@ def _accumulated_grads(params: Any, cfg: Config, batch: dict, step_key: jax.Arra
     Microbatch m holds examples m, m + M, m + 2M, ...: a device's contiguous share of the batch
     holds an equal share of every microbatch, so the split moves no data between devices. Its
     dropout key is the step key folded with m. aux comes back in global example order."""
-    from trainer.config import ConfigError
-
     M = cfg.optimizer.microbatches
     B = batch["inputs"].shape[0]
     if B % M:

@@ -23,6 +23,7 @@ import traces
 from replay.audit import scan as audit_scan
 from traces import columns
 from traces.sorting import stable_argsort
+from replay import rundata
 
 AUTO_SOURCE_MAX_EXAMPLES = 1 << 20  # hashing the source costs ~1 us per window: auto only when cheap
 _WINDOW_CHUNK_TOKENS = 1 << 24
@@ -139,8 +140,6 @@ def source_copies(manifest: dict, force: bool = False, run_path: str | os.PathLi
     fingerprint, and (unless forced) a source small enough to hash in about a second. Cost: one
     pass over the source (~1 us a window), never the run.
     """
-    from replay import rundata
-
     info, n = manifest.get("data") or {}, dataset_size(manifest)
     spec = info.get("path")
     if not spec or n is None:

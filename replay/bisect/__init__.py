@@ -36,6 +36,12 @@ from replay.engine.contract import config_of
 from replay.bisect.data import SeenBefore, _data_at, seen_before  # noqa: F401 - re-exported
 from traces import Comparison, Run, compare
 from traces.schema import TENSOR_KINDS  # fields a replay can look inside (replay/bisect/refine.py)
+from replay.engine.contract import environment_differences
+from replay.engine.contract import evaluate
+from replay.engine.damage import bundle_terms
+from replay.engine.damage import describe_damage, run_damage, shown_path
+from replay.record.checkpoint_check import checkpoint_problem, listed_checkpoints
+from replay.record.orbax_io import CheckpointDamagedError
 
 
 
@@ -210,7 +216,6 @@ def manifest_diff(a: dict, b: dict) -> list[ManifestDiff]:
             diffs.append(ManifestDiff(key, fa.get(key), fb.get(key)))
     ea, eb = a.get("environment", {}), b.get("environment", {})
     # The contract's keys for A's backend, as `replay run` compares them (replay/engine/contract.py).
-    from replay.engine.contract import environment_differences
 
     for key, va, vb in environment_differences(ea, eb):
         diffs.append(ManifestDiff(f"environment.{key}", va, vb))
@@ -252,7 +257,6 @@ def bisect(run_a: Run, run_b: Run, refine: bool = True):
     instead (replay/bisect/cross.py): a `CrossReport`, distances judged against a noise floor.
     Both reports have first_step, first_layer, cause, within_noise and to_json()."""
     from replay.bisect.cross import cross_bisect, is_cross
-    from replay.engine.damage import describe_damage, run_damage, shown_path
 
     if is_cross(run_a, run_b):
         return cross_bisect(run_a, run_b, refine=refine)
@@ -298,10 +302,6 @@ def _check_checkpoints(report: BisectReport, run_a: Run, run_b: Run) -> None:
     restore, no array bytes: replay/record/checkpoint_check.py, O(chunks) per checkpoint), and a
     damaged one is refused here, before any report. Their contents stay unread, and the
     verdict says so (`checkpoint_note`)."""
-    from replay.engine.damage import bundle_terms
-    from replay.record.checkpoint_check import checkpoint_problem, listed_checkpoints
-    from replay.record.orbax_io import CheckpointDamagedError
-
     for name, run in (("A", run_a), ("B", run_b)):
         problem = checkpoint_problem(run)
         if problem:
@@ -311,8 +311,6 @@ def _check_checkpoints(report: BisectReport, run_a: Run, run_b: Run) -> None:
 
 
 def _bits_expected(run_a: Run, run_b: Run) -> bool:
-    from replay.engine.contract import evaluate
-
     mesh = [config_of(r.manifest).get("mesh", {}).get("mesh_invariant", False) for r in (run_a, run_b)]
     counts = tuple(run_a.manifest.get("invariant_device_counts", ()))
     contract = evaluate(run_a.manifest.get("environment", {}), run_b.manifest.get("environment", {}),

@@ -38,6 +38,9 @@ CAUSE_TEXT = {"data": "data (the batches differ)", "init": "init (the initial pa
 
 
 from replay.errors import UserError  # noqa: E402 - a one-line user error, exit 2 (no heavy imports)
+from replay.bisect import finite_json
+from replay.engine.damage import shown_path
+from traces.columns import batch_hashes
 
 
 class CrossBisectError(UserError):
@@ -103,8 +106,6 @@ class CrossReport:
         return self.within_noise
 
     def to_json(self) -> dict:
-        from replay.bisect import finite_json
-
         return finite_json({
             "cross_framework": True, "run_a": self.run_a, "run_b": self.run_b, "torch_side": self.torch_side,
             "within_noise": self.within_noise, "first_step": self.first_step, "first_layer": self.first_layer,
@@ -127,8 +128,6 @@ def _common_steps(a: Run, b: Run) -> tuple[int, int]:
 
 def _check_inputs(report: CrossReport, t: Run, j: Run, start: int, end: int) -> bool:
     """Data (batch hashes, every common step) and init (state/params at `start`): True when both agree."""
-    from traces.columns import batch_hashes
-
     ht, hj = batch_hashes(t.trace, start, end), batch_hashes(j.trace, start, end)
     differ = np.flatnonzero(ht != hj)
     report.inputs["data"] = {"equal": not differ.size, "steps": [start, end],
@@ -178,8 +177,6 @@ def _examined(start: int, end: int) -> list[int]:
 def cross_bisect(run_a: Run, run_b: Run, refine: bool = True) -> CrossReport:
     """The cross-framework report for a torch run and a JAX run (either order). `refine=False`
     allows no replay: a JAX run without sketches is then judged on its metrics alone."""
-    from replay.engine.damage import shown_path
-
     torch_side = "A" if framework(run_a) == "torch" else "B"
     t, j = (run_a, run_b) if torch_side == "A" else (run_b, run_a)
     names_src = (t.manifest.get("names") or {}).get("source", "")

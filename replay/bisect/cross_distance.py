@@ -24,14 +24,14 @@ import numpy as np
 
 from traces import Run
 from traces.sketch import relative_distance, sketch
+from replay.record.names import get_path
+from traces.schema import CAUSAL_KINDS
 
 SKIPPED = ("state/opt_state",)  # torch's and optax's optimizer states are different structures
 
 
 def compared_names(torch_run: Run, jax_run: Run) -> list[tuple[str, str]]:
     """(name, kind) of what both runs record, in causal order: the JAX run's tensors and metrics."""
-    from traces.schema import CAUSAL_KINDS
-
     tt = dict(torch_run.schema.tensors)
     tensors = [(n, k) for n, k in jax_run.schema.tensors if n in tt and n not in SKIPPED]
     tm = dict(torch_run.schema.metrics)
@@ -86,7 +86,6 @@ def _params_summary(side: Any, width: int) -> tuple[np.ndarray, float]:
     over all of them (traces/FORMAT.md, "Distance sketches")."""
     import jax
 
-    from replay.record.names import get_path
 
     total, ss = np.zeros(width, np.float64), 0.0
     for n in side.rc.param_names:

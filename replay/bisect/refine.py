@@ -59,6 +59,8 @@ from replay.engine.replayer import (
 )
 from traces import diff_records
 from traces.schema import TENSOR_KINDS
+from replay.bisect.first_op import first_differing_op
+from replay.engine.code import call_user
 
 __all__ = [
     "TENSOR_KINDS",
@@ -377,9 +379,6 @@ def refine_loop_step(ra: Replayer, rb: Replayer, step: int, states: tuple[Any, A
 def _first_op(a: _LoopSide, b: _LoopSide, notes: list[str]) -> dict | None:
     """The first op of the step whose outputs differ (replay/bisect/first_op.py), each run with its own
     code; None (with a note) when a run replays without its code or the comparison fails."""
-    from replay.engine.code import call_user
-    from replay.bisect.first_op import first_differing_op
-
     sa, sb = a.step_and_inputs(), b.step_and_inputs()
     if sa is None or sb is None:
         notes.append("the first differing op is not named: a run replays from its exported program, without its code")

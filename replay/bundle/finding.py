@@ -13,13 +13,14 @@ from replay.bundle.format import PackError, open_run
 from replay.engine.damage import damage_error, named_as_bundle
 from replay.bundle.report import _short, _value
 from traces import Run
+from replay.bisect import bisect, comparability_problem
+from replay.engine import contract as contractlib
+import replay.spike as spikelib
 
 
 def _bisect_finding(run: Run, run_path, other) -> dict:
     """`replay bisect RUN OTHER`, refusing what bisect refuses: another model or batch size, a
     damaged OTHER; a replay the finding needs that fails here fails the pack."""
-    from replay.bisect import bisect, comparability_problem
-
     run_b = open_run(other)
     damaged = damage_error(run_b, f"--from-bisect {other}", "its finding would not be a finding: restore its files "
                            "from a copy, or pack with --steps A:B alone")
@@ -57,8 +58,6 @@ def _bisect_finding(run: Run, run_path, other) -> dict:
 def _spike_finding(run: Run, run_path, step: int, data: str | None, status) -> dict:
     """`replay spike RUN --step S` on the run being packed: detection from the trace, then the
     analysis, which replays the window from a checkpoint (verifying every step)."""
-    import replay.spike as spikelib
-
     trace = run.trace
     if not trace.start <= step < trace.end:
         raise PackError(f"--spike {step} is outside the recorded steps {trace.start}..{trace.end - 1} of {run_path}")
@@ -74,7 +73,6 @@ def _spike_finding(run: Run, run_path, step: int, data: str | None, status) -> d
         out["spikes"] = [sp.step for sp in found.spikes][:20]
     except spikelib.SpikeInputError as e:
         out["notes"].append(f"detection did not run: {e}")
-    from replay.engine import contract as contractlib
     from replay.engine.protocol import load
 
     status(f"replaying the window of step {step} to analyse it (replay spike {run_path} --step {step} --window {window})")

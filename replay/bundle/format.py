@@ -77,6 +77,9 @@ from traces import NewerFormatError, NotARunError, Run, RunNotFoundError, TraceC
 from traces.run import MANIFEST
 from replay.bundle import trust
 from replay.engine.damage import describe_damage, in_terms, rename_in, run_damage
+from replay.engine.code import is_bundle_run
+from replay.record import export as exportlib
+from replay.record.exported_entry import entry_damage
 
 FORMAT_VERSION = 1
 MAGIC = b"RPLYPACK"
@@ -279,9 +282,6 @@ def _refuse_damaged_entries(run: Run, shown: Path) -> None:
     """A re-checksummed run.json whose "exported" or "example_store" entry is not as replay wrote it is
     refused by every command that opens the run, not only by those that replay from it: a bisect whose
     traces agree would otherwise call the runs identical over a manifest no replay could use."""
-    from replay.record import export as exportlib
-    from replay.record.exported_entry import entry_damage
-
     damage = entry_damage(run.manifest) if exportlib.KEY in run.manifest else None
     if damage:
         raise traces.ManifestCorruptError(
@@ -308,7 +308,6 @@ def open_run(path: str | os.PathLike, for_replay: bool = False) -> Run:
     if p.is_dir() or not p.exists():
         run = Run.open(p)
         run.bundle = None
-        from replay.engine.code import is_bundle_run
 
         refused = trust.manifest_problem(run.manifest) if is_bundle_run(run) else None  # a folder unpack wrote
         if refused is not None:

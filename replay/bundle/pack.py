@@ -22,6 +22,11 @@ from replay.engine.damage import damage_error
 from replay.bundle.report import render_report
 from traces import Run
 from traces.run import COMPLETE, MANIFEST, TRACE_DIR, write_json_atomic, write_manifest
+from replay import rundata
+from replay.engine.code import OWN_FACTORIES
+from replay.record.exported import pack_refusal
+from replay.record.exported import stage_for_bundle
+import shutil
 
 
 @dataclass
@@ -109,8 +114,6 @@ def pack(run_path: str | os.PathLike, out: str | os.PathLike, steps: tuple[int, 
         if not lite:
             status(f"collecting the batches of steps {checkpoint}..{last}")
             if api_run:
-                from replay.record.exported import stage_for_bundle
-
                 examples_meta, api_files, api_manifest = stage_for_bundle(run, stage, checkpoint, last, staged)
             else:
                 examples_meta = _write_examples(run, run_path, stage / EXAMPLES, checkpoint, last, staged, data)
@@ -148,8 +151,6 @@ def pack(run_path: str | os.PathLike, out: str | os.PathLike, steps: tuple[int, 
 
                 ckpt_dir = _checkpoint_dir(run) / str(checkpoint)
                 if ckpt_dir.is_dir() and ckpt_dir.resolve() != (run.path / "checkpoints" / str(checkpoint)).resolve():
-                    import shutil
-
                     shutil.copytree(ckpt_dir, stage / "checkpoints" / str(checkpoint))
                     ckpt_dir = stage / "checkpoints" / str(checkpoint)
             if not ckpt_dir.is_dir():
@@ -168,8 +169,6 @@ def _without_code(manifest: dict, info: dict) -> dict:
     """The run's manifest as a bundle carries it: naming no code but replay's own factory (a bundle
     never chooses code, replay/bundle/trust.py): no folder of code, and a loop's own
     factory (a legacy "replayable", only ever in a --lite bundle) kept in `info` as a fact, unused."""
-    from replay.engine.code import OWN_FACTORIES
-
     out = {k: v for k, v in manifest.items() if k not in ("replayable_path", "entrypoint_path")}
     if out.get("replayable") not in (None, *OWN_FACTORIES):
         info["source_replayable"] = out.pop("replayable")
@@ -183,7 +182,6 @@ def _files_under(folder: Path) -> list[Path]:
 
 def _checkpoint_for(run: Run, run_path, first: int) -> int:
     if "replayable" in run.manifest:  # a loop recorded through replay.init: its exported program and examples
-        from replay.record.exported import pack_refusal
 
         why = pack_refusal(run.manifest)
         if why:
@@ -202,8 +200,6 @@ def _checkpoint_for(run: Run, run_path, first: int) -> int:
 def _open_data(run: Run, run_path, data: str | None):
     """The run's data-only view (replay/rundata.py: no compile): the token source it was trained on,
     or the rows a bundle carries, fingerprint checked."""
-    from replay import rundata
-
     try:
         view = rundata.run_data(run, data=data)
         for name, what in (("fingerprint", "fingerprint() of its source"), ("batch_ids", "batch_ids(step) -> int64 [B]"),

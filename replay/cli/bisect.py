@@ -9,6 +9,8 @@ import typer
 
 from replay.cli import console
 from replay.errors import EXIT_DIVERGED
+from replay.cli.bisect_cross import run_cross
+from replay.engine.code import allowing
 
 
 def bisect(
@@ -37,7 +39,6 @@ def bisect(
     from replay.bisect import bisect as run_bisect
     from replay.bundle import open_run
     from replay.engine.damage import named_as_bundle
-    from replay.engine.code import allowing
 
     if run_a.exists() and run_b.exists() and run_a.resolve() == run_b.resolve():
         console.fail(f"{run_a} and {run_b} are the same run; bisect compares two different runs "
@@ -46,7 +47,6 @@ def bisect(
     from replay.bisect.cross import is_cross
 
     if is_cross(a, b):  # a torch run against a JAX run: distances against the noise floor
-        from replay.cli.bisect_cross import run_cross
 
         _check_comparable(a, b, allow_incomplete, allow_damaged, names=False)
         with named_as_bundle(a), named_as_bundle(b), allowing(allow_code):

@@ -10,6 +10,7 @@ import typer
 
 from replay.cli import console
 from replay.errors import EXIT_DIVERGED
+from replay.engine.code import allowing
 
 
 def _parse_steps(text: str | None) -> list[int] | None:
@@ -47,7 +48,6 @@ def compare(
     Exit 0 agree, 1 differ, 2 bad input."""
     from replay.compare import compare_eval
     from replay.compare.floor import RULES
-    from replay.engine.code import allowing
 
     if not eval_:
         console.fail("replay compare needs --eval (the only comparison it makes so far); for where two runs part, "

@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from replay.cli import console
+from replay.engine.code import allowing
 
 
 def pack(
@@ -27,7 +28,6 @@ def pack(
 ) -> None:
     """Pack steps A..B of a run into one file: manifest, trace, checkpoint, batch data and REPORT.md."""
     from replay import bundle
-    from replay.engine.code import allowing
     from replay.engine.engine import parse_steps
 
     rng = parse_steps(steps) if steps is not None else None

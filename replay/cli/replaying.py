@@ -13,6 +13,7 @@ from typing import Callable
 from replay import plugins
 from replay.engine.contract import config_of
 from replay.cli import console
+from replay.engine import contract as contractlib
 
 
 DAMAGED_REMEDY = "restore the run's files from a copy, or record it again"
@@ -32,7 +33,6 @@ def load_replayable(target, path: Path, data: str | None, allow_data_change: boo
     A damaged trace is refused first (one line naming the damage, then `damaged_remedy`), unless
     `damaged_remedy` is None (the command was told to replay what can be read). `allow_code`:
     the command's --allow-code (replay/engine/code.py: which of the run's code may run)."""
-    from replay.engine import contract as contractlib
     from replay.engine.damage import damage_error
     from replay.engine.engine import checkpoint_steps
     from replay.engine.protocol import LEGACY_DEFAULT_FACTORY, load

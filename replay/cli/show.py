@@ -20,6 +20,8 @@ import typer
 import traces
 from replay.cli import console
 from traces.schema import check_tensors
+from replay.bundle import open_run
+from replay.engine.damage import bundle_terms, run_damage
 
 # Config fields worth a line in the human summary, when the manifest's config has them.
 CONFIG_KEYS = (
@@ -60,9 +62,6 @@ def show(
 
 def summarize(path: str | Path, verify: bool = False) -> dict[str, Any]:
     """Everything `show` reports, as JSON-ready data. Raises traces.TraceError on bad input."""
-    from replay.bundle import open_run
-    from replay.engine.damage import bundle_terms, run_damage
-
     run = open_run(path)  # a run folder, or a bundle (`replay pack`) unpacked to a temporary folder
     manifest = run.manifest
     schema = run.schema

@@ -11,6 +11,13 @@ import typer
 from replay.cli import console
 from replay.errors import EXIT_DIVERGED
 from replay.spike import DEFAULT_METRIC, DEFAULT_THRESHOLD, DEFAULT_TOP, DEFAULT_WINDOW
+from replay.engine.damage import bundle_terms
+from replay.engine.damage import damage_error
+from replay.spike import analyze, check_step, plot_spike
+from replay.spike import check_metric, plot_scan, scan
+from replay.spike import check_window
+from replay.spike import save_batch as write_batch
+from replay.spike.analysis import check_save_batch
 
 
 def spike(
@@ -34,8 +41,6 @@ def spike(
                                              "names from a folder it names (never from inside a bundle).")] = False,
 ) -> None:
     """Find loss spikes in a run, or replay one (--step) and show its examples and layers."""
-    from replay.spike import check_window
-
     check_window(window, threshold)
     if top < 1:
         console.fail(f"--top {top} must be at least 1")
@@ -53,12 +58,8 @@ def spike(
 def _spike(target, path: Path, step: int | None, window: int, threshold: float, top: int, save_batch: Path | None,
            plot: Path | None, data: str | None, allow_data_change: bool, json_out: bool, metric: str,
            allow_code: bool) -> None:
-    from replay.spike import check_metric, plot_scan, scan
-
     check_metric(target, metric)  # before anything is replayed: names the metrics the run has
     if step is None:
-        from replay.engine.damage import damage_error
-
         # A scan of a damaged trace would find spikes in what is left and exit 0 (--step refuses it in
         # load_replayable); a crashed run's torn last record is not damage: what was recorded is scanned.
         damaged = damage_error(target, f"{path}: its trace", "restore the run's files from a copy")
@@ -84,15 +85,12 @@ def _spike_step(target, path: Path, step: int, window: int, threshold: float, to
                 plot: Path | None, data: str | None, allow_data_change: bool, json_out: bool,
                 metric: str = DEFAULT_METRIC, allow_code: bool = False) -> None:
     from replay.cli.replaying import load_replayable, prepare_process, replay_notes, replay_progress
-    from replay.spike import analyze, check_step, plot_spike
-    from replay.spike import save_batch as write_batch
 
     prepare_process(target)
     rep, contract = load_replayable(target, path, data, allow_data_change,
                                     lambda checkpoints: check_step(target, step, window, checkpoints),
                                     allow_code=allow_code)
     if save_batch is not None:  # before the replay: a loop without token rows is told at once
-        from replay.spike.analysis import check_save_batch
 
         check_save_batch(rep, target)
     with replay_progress(f"replay {path.name} to step {step}", step) as on_step:
@@ -128,8 +126,6 @@ def _named_as_bundle(target):
 
 
 def _bundle_terms(target, text: str) -> str:
-    from replay.engine.damage import bundle_terms
-
     return bundle_terms(target, text)
 
 

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from replay.cli import console
+from replay.engine.code import MARKER
 
 
 def unpack(
@@ -17,7 +18,6 @@ def unpack(
 ) -> None:
     """Verify a bundle and write its files to DIR: a run folder you can show, run or bisect."""
     from replay import bundle
-    from replay.engine.code import MARKER
     from traces import Run
 
     header = bundle.unpack(file, dest)

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 
 from replay.compare.errors import CompareInputError
+from replay import rundata
+from traces import first_fed
 
 STREAM = "replay.compare.eval"
 
@@ -42,9 +44,6 @@ def held_out_rows(sides: list[Any], n: int, before_step: int) -> tuple[np.ndarra
     The rows come from the first side's data-only view (replay/rundata.py: its config's whole
     source, never a bundle's carried rows, nothing compiled): `n_examples`, `seed`,
     `example_rows(ids)` and `example_hashes(rows)`."""
-    from replay import rundata
-    from traces import first_fed
-
     described = [_data_fingerprint(s.run.manifest) for s in sides]
     if None not in described and described[0] != described[1]:
         raise CompareInputError(f"{sides[0].path} and {sides[1].path} read different data (fingerprints "

@@ -24,6 +24,10 @@ import numpy as np
 from replay.compare.errors import CompareInputError
 from replay.compare.floor import WEIGHTS_ULP, one_ulp_away, tolerance
 from traces import Run
+from replay.compare import EvalComparison, EvalRow
+from replay.record.hashing import example_hashes
+from traces import first_fed
+import math
 
 EVALUATE = ("evaluate", "evaluate(state, batch) -> float32 [n], each example's loss")
 EVAL_BATCHES = ("eval_batches", "eval_batches() -> a fresh iterable of held-out batches")
@@ -114,8 +118,6 @@ def held_out(a: LoopSide, b: LoopSide, last_step: int) -> tuple[list[Any], list[
     example hashes, and any held-out example either trace records as fed by `last_step` named."""
     import jax
 
-    from replay.record.hashing import example_hashes
-    from traces import first_fed
 
     def hashes(side: LoopSide, batches: list[Any]) -> list[np.ndarray]:
         axis = getattr(getattr(side.rep, "options", None), "batch_axis", 0)
@@ -146,10 +148,6 @@ def held_out(a: LoopSide, b: LoopSide, last_step: int) -> tuple[list[Any], list[
 
 def compare_loops(a: LoopSide, b: LoopSide, chosen: list[int], on_step=None) -> Any:
     """The EvalComparison of two JAX loops' runs at the checkpoint steps `chosen` (both have them)."""
-    import math
-
-    from replay.compare import EvalComparison, EvalRow
-
     b.need(EVALUATE)
     batches, sizes, notes = held_out(a, b, max(chosen))
     out = EvalComparison(str(a.path), str(b.path), a.framework, b.framework, sum(sizes), 0, floor=WEIGHTS_ULP,

@@ -25,6 +25,8 @@ import numpy as np
 from replay.compare.errors import CompareInputError
 from replay.compare.floor import reference_losses, rounding_error
 from traces import Run
+from replay.bundle import open_run
+from replay.engine.damage import damage_error
 
 EVALUATE = "evaluate"
 HOOK = "torch_reference"
@@ -135,9 +137,7 @@ def open_side(path: str | Path) -> Any:
     A JAX run no plugin gives a PyTorch reference for is a JAX loop's (replay/compare/jaxloop.py:
     its own evaluate and held-out batches, a floor measured with its own evaluate)."""
     from replay import plugins
-    from replay.bundle import open_run
     from replay.compare.jaxloop import LoopSide
-    from replay.engine.damage import damage_error
 
     run = open_run(path)  # a folder a bundle was unpacked to is checked as one
     damaged = damage_error(run, f"{path}: its trace", "compare its checkpoints once the run's files are restored "

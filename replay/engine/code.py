@@ -39,6 +39,7 @@ import traceback
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
+from replay.errors import user_error_code
 
 TRUSTED_PACKAGES = ("replay", "trainer")  # replay's own factories: they ship with replay itself
 # The only functions replay calls without a marker: the trainer's and replay.init's factories.
@@ -403,8 +404,6 @@ class _siblings_from:
 
 
 def _is_user_error(exc: BaseException) -> bool:
-    from replay.errors import user_error_code  # no JAX: the table is strings
-
     return user_error_code(exc) is not None
 
 

@@ -18,6 +18,9 @@ from replay.engine.contract import Contract
 from traces import FieldDiff, Run, diff_records
 from traces.schema import METRIC_DTYPES
 from replay.record.recorder import to_record
+from replay.engine.damage import describe_damage, run_damage, shown_path
+from replay.record import checkpoints as ckpts
+from traces import TraceCorruptError
 
 
 class ReplayInputError(ValueError):
@@ -100,8 +103,6 @@ def parse_steps(text: str) -> tuple[int, int]:
 def checkpoint_steps(run: Run) -> list[int]:
     """The steps with an orbax checkpoint in the run's checkpoint folder, read from the folder
     alone (no loop code, nothing compiled), read-only ([] when it has none)."""
-    from replay.record import checkpoints as ckpts
-
     if not run.checkpoint_dir.is_dir():
         return []
     return ckpts.steps(ckpts.open_manager(run.checkpoint_dir, read_only=True))
@@ -114,8 +115,6 @@ def latest_checkpoint(checkpoints: list[int], step: int) -> int | None:
 
 def check_range(run: Run, first: int, last: int, checkpoints: list[int]) -> int:
     """The checkpoint to start from; raises ReplayInputError for a range the run cannot replay."""
-    from replay.engine.damage import describe_damage, run_damage, shown_path
-
     trace, name = run.trace, shown_path(run)
     if len(trace) == 0 or first < trace.start or last >= trace.end:
         damage = run_damage(run)
@@ -141,7 +140,6 @@ def _check_records(run: Run, start: int, last: int) -> None:
     """Every record the replay will compare passes its checksums before anything is compiled, so
     damage inside the range is refused up front, never found halfway through a verdict."""
     from replay.engine.damage import bundle_terms, shown_path
-    from traces import TraceCorruptError
 
     try:
         for step in range(start, last + 1):

@@ -32,6 +32,7 @@ import numpy as np
 
 from replay.engine.code import OWN_FACTORIES
 from traces import Run, Schema
+from replay.engine.code import call_user
 
 # The factory of a run whose manifest names none: every run of trainer/ recorded before runs
 # named their factory. A string the manifest protocol resolves (replay.engine.code.OWN_FACTORIES), not
@@ -190,8 +191,6 @@ class UserReplayable:
     def __getattr__(self, name: str) -> Any:
         value = getattr(self.inner, name)
         if name in REQUIRED + CAPABILITIES and callable(value):
-            from replay.engine.code import call_user
-
             return lambda *a, **kw: call_user(value, *a, **kw)
         return value
 

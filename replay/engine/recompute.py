@@ -17,6 +17,8 @@ import jax
 import numpy as np
 
 from replay.engine.replayer import Replayer, ReplayUnavailable, _copy
+from replay.engine.code import call_user
+from replay.record.taps import collecting
 
 CAPABILITY = "recompute_step"
 
@@ -158,14 +160,11 @@ class _LoopSide:
         return fn, (_copy(self.raw), rep.batch(self.step))
 
     def _recompute_taps(self) -> list[tuple[str, str, Any]] | None:
-        from replay.engine.code import call_user
-
         rep = self.r.rep
         program, loop = getattr(rep, "program", None), getattr(rep, "loop", None)
         fn = getattr(program, "fn", None)
         if fn is None or loop is None:
             return None
-        from replay.record.taps import collecting
 
         kinds: list[tuple[str, str]] = []
 

@@ -20,6 +20,15 @@ import numpy as np
 
 from replay.engine.code import code_allowed, is_bundle_run
 from traces import Run
+from replay.engine.damage import shown_path
+from replay.errors import InputError
+from replay.record import exported
+from replay.record.export import _path
+from replay.record.exported import flat_state
+from replay.record.fingerprint import fingerprint_lanes
+from replay.record.orbax_io import CheckpointError
+from traces import TraceError
+from traces.fingerprint import fingerprint
 
 
 class ReplayUnavailable(Exception):
@@ -34,15 +43,10 @@ def _input_errors() -> tuple[type[BaseException], ...]:
     files or code (the entry point its manifest names) are missing or do not fit this machine.
     A loop's own errors of that kind subclass replay.errors.InputError (the trainer's config,
     data, mesh and fault errors do)."""
-    from replay.errors import InputError
-    from traces import TraceError
-
     return TraceError, InputError, OSError, ImportError
 
 
 def _checkpoint_error() -> type[BaseException]:
-    from replay.record.orbax_io import CheckpointError
-
     return CheckpointError
 
 
@@ -79,8 +83,6 @@ def open_replayable(run: Run) -> Any:
 
 
 def _shown(run: Run) -> str:
-    from replay.engine.damage import shown_path
-
     return shown_path(run)
 
 
@@ -188,8 +190,6 @@ def _comparable(state: Any) -> Any:
 
 @jax.jit
 def _device_fingerprints(arrays: list) -> Any:
-    from replay.record.fingerprint import fingerprint_lanes
-
     return [fingerprint_lanes(x) for x in arrays]
 
 
@@ -201,16 +201,12 @@ def _host_fingerprint(x: Any) -> int:
     """64 bits of a leaf the device cannot fingerprint: an array's bytes (dtype and shape
     included), or the type and repr of a python value (an int, a string, an enum)."""
     if isinstance(x, (np.ndarray, np.generic, jax.Array)):
-        from traces.fingerprint import fingerprint
-
         return fingerprint(np.asarray(jax.device_get(x)))
     digest = hashlib.sha256(f"{type(x).__module__}.{type(x).__qualname__}:{x!r}".encode()).digest()
     return int.from_bytes(digest[:8], "little")
 
 
 def _is_flat(state: Any) -> bool:
-    from replay.record import exported  # its FlatState class exists once a state was made flat
-
     return exported._FLAT is not None and isinstance(state, exported._FLAT)
 
 
@@ -222,8 +218,6 @@ def _alike(sa: Any, sb: Any) -> tuple[Any, Any]:
     flat_a, flat_b = _is_flat(sa), _is_flat(sb)
     if flat_a == flat_b:
         return sa, sb
-    from replay.record.export import _path
-    from replay.record.exported import flat_state
 
     def flat(state: Any) -> Any:
         leaves = jax.tree_util.tree_flatten_with_path(state)[0]

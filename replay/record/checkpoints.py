@@ -38,6 +38,7 @@ from typing import Any, Callable
 from replay.record.orbax_io import (
     _WHAT_TO_DO, CheckpointDamagedError, CheckpointError, _quiet_orbax, _read_failure,
 )
+from replay.record import data_iterator
 
 FINGERPRINTS_KEY = "checkpoint_fingerprints"  # run manifest: {"<step>": "<16 hex>"}, of every loop's runs
 STATE, DATA = "state", "data"  # the items of a checkpoint that holds the data iterator's state
@@ -176,7 +177,6 @@ def restore_data(manager: Any, step: int, fingerprint: str | None) -> Any:
     against `fingerprint` (None: unverified)."""
     import orbax.checkpoint as ocp
 
-    from replay.record import data_iterator
 
     where = directory_of(manager) / str(step) / DATA
     if not has_data(manager, step):

@@ -20,6 +20,7 @@ import json
 from typing import Any, Callable
 
 from replay.record.errors import RecordError
+from replay.engine.code import UserCodeError, call_user
 
 FORMAT = "replay.data-state/1"
 DATA_FINGERPRINTS_KEY = "data_state_fingerprints"  # manifest: {"<step>": "<16 hex>"}, as checkpoint_fingerprints
@@ -125,8 +126,6 @@ class IteratorFeed:
 def next_batch(it: Any, where: str = "before its first batch") -> Any:
     """next(it), through replay.engine.code.call_user (an exception there is the user's); an iterator
     that ends is a run the Loop's data cannot replay."""
-    from replay.engine.code import UserCodeError, call_user
-
     try:
         return call_user(it.__next__)
     except UserCodeError as e:

@@ -37,6 +37,7 @@ import zstandard
 
 from replay.record import examples_index as ix
 from traces.errors import TraceError
+import contextlib
 
 FORMAT = 1
 FILE = "examples/rows.bin"
@@ -259,8 +260,6 @@ class ExampleReader:
 
     def _named(self):
         """Errors name the store as the user knows it (a bundle member, not a temporary path)."""
-        import contextlib
-
         @contextlib.contextmanager
         def naming():
             try:

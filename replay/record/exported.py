@@ -37,6 +37,10 @@ from replay.record import examples_store
 from replay.record import export as exportlib
 from replay.record.exported_entry import entry_damage
 from traces.errors import TraceError
+from replay.engine.code import CodeNotAllowed, is_bundle_run
+from replay.engine.damage import shown_path
+from replay.record.manifest import FACTORY
+from replay.record.orbax_io import _WHAT_TO_DO, CheckpointDamagedError
 
 EXPORTED_NOTE = "replayed from the exported program ({file}), without your code"
 CODE_NOTE = "replayed with your code ({spec})"
@@ -111,7 +115,6 @@ class ExportedReplay:
         import jax
         from jax import export as jexport
 
-        from replay.engine.damage import shown_path
         from replay.record.replayable import _checkpoint_dir, _unavailable
 
         if data is not None:
@@ -179,7 +182,6 @@ class ExportedReplay:
         import jax
 
         from replay.record.fingerprint import state_fingerprint
-        from replay.record.orbax_io import _WHAT_TO_DO, CheckpointDamagedError
 
         where = ckpts.directory_of(self._manager) / str(step)
         # None for a missing or unreadable step: ckpts.restore names what is wrong
@@ -263,8 +265,6 @@ def key_words(x: Any, spec: dict | None, where: str) -> Any:
 
 def choose(run, with_code, **options: Any) -> Any:
     """The replayable for an API run: `with_code(run, **options)` (LoopReplay) or ExportedReplay."""
-    from replay.engine.code import CodeNotAllowed, is_bundle_run
-
     why = usable(run.manifest, manifest_shown(run))
     if is_bundle_run(run) and why is None:
         return ExportedReplay(run, **options)
@@ -290,8 +290,6 @@ def choose(run, with_code, **options: Any) -> Any:
 
 def pack_refusal(manifest: dict) -> str | None:
     """Why a full bundle of this loop's run cannot be packed (None: it can)."""
-    from replay.record.manifest import FACTORY
-
     if manifest.get("replayable") != FACTORY:
         return (f"it was recorded by its own training loop ({manifest.get('replayable')}), whose batches replay "
                 "cannot carry")

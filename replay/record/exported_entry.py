@@ -15,6 +15,8 @@ import numpy as np
 
 from replay.record import examples_store
 from replay.record import export as exportlib
+from pathlib import PurePosixPath
+import math
 
 
 def _is_int(x: Any, low: int = 0) -> bool:
@@ -27,8 +29,6 @@ def _is_strs(x: Any) -> bool:
 
 def _inside(name: Any) -> bool:
     """A relative path that stays inside the run (pack writes it into a bundle's folder)."""
-    from pathlib import PurePosixPath
-
     p = PurePosixPath(name) if isinstance(name, str) and name and "\\" not in name and "\0" not in name else None
     return p is not None and not p.is_absolute() and ".." not in p.parts
 
@@ -91,8 +91,6 @@ def entry_damage(manifest: dict) -> tuple[str, str] | None:
             return key, why
     mesh = entry.get("mesh")
     if mesh is not None:
-        import math
-
         if not isinstance(mesh, dict) or not _is_strs(mesh.get("axes")) or not isinstance(mesh.get("shape"), list) \
                 or not all(_is_int(d, 1) for d in mesh["shape"]) or len(mesh["shape"]) != len(mesh["axes"]) \
                 or math.prod(mesh["shape"]) != entry["devices"]:

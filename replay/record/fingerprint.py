@@ -22,6 +22,9 @@ import numpy as np
 from jax import lax
 
 from traces.fingerprint import GOLDEN, SUB_BYTE_RE, lane_seeds
+from traces.fingerprint import fingerprint as host_fingerprint
+from traces.sketch import CHUNK_ROWS, ROW_SEED, SIGN_SEED, check_width
+import hashlib
 
 __all__ = ["fingerprint_lanes", "fingerprints_and_sums_of_squares", "fingerprint_tree", "lanes_to_int", "sketch_and_norm",
            "sketches_of",
@@ -192,10 +195,6 @@ def state_fingerprint(state) -> str:
     exact bits), in tree order. Leaves are fingerprinted on device, so only 8 bytes per leaf
     reach the host, and the result is the same for any sharding, device or process count.
     In a multi-process run every process must call it (the fingerprints are a collective)."""
-    import hashlib
-
-    from traces.fingerprint import fingerprint as host_fingerprint
-
     flat = jax.tree_util.tree_flatten_with_path(state)[0]
     paths = [jax.tree_util.keystr(p, simple=True, separator=".") for p, _ in flat]
     leaves = [_as_bits(x) for _, x in flat]
@@ -223,8 +222,6 @@ def sketch_and_norm(x, width: int) -> tuple[jax.Array, jax.Array]:
     traces/sketch.py's tolerance of the float64 reference. Global indices (iota): call it
     outside shard_map.
     """
-    from traces.sketch import CHUNK_ROWS, ROW_SEED, SIGN_SEED, check_width
-
     width = check_width(width)
     x = jnp.asarray(x)
     if jnp.issubdtype(x.dtype, jnp.complexfloating):

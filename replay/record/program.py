@@ -31,6 +31,8 @@ import numpy as np
 from replay.record.errors import RecordError
 from replay.record.options import StepOptions
 from traces import Schema
+from replay.record.packed import pack
+from replay.record.taps import collecting
 
 RESERVED = ("rng", "fingerprints", "rms")  # keys of the record dict (trainer.recorder.to_record)
 
@@ -228,8 +230,6 @@ class Program:
     def _step_and_record(self, state: Any, batch: Any, entering: Any) -> tuple[Any, Any, Any, Any]:
         import jax
 
-        from replay.record.packed import pack
-        from replay.record.taps import collecting
 
         # The step gets its own containers: an in-place step (nnx.merge without copy shares the
         # State's Variables) must not rewrite what is fingerprinted as the state entering it.

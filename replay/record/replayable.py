@@ -28,6 +28,12 @@ from replay.record.loop import MARK, Loop
 from replay.record.options import StepOptions
 from replay.record.nnx_step import program_for
 from traces import Run
+from pathlib import Path
+from replay.engine.code import call_user, call_user_as, function_name, import_entrypoint
+from replay.engine.placement import rotated
+from replay.record import saved_layout
+from replay.record.exported import choose
+import functools
 
 
 def _unavailable(message: str) -> Exception:
@@ -39,8 +45,6 @@ def _unavailable(message: str) -> Exception:
 class LoopReplay:
     def __init__(self, run: Run, data: str | None = None, allow_data_change: bool = False, on_compile=None,
                  allow_code: bool = False):
-        from replay.engine.code import call_user, call_user_as, function_name, import_entrypoint
-
         if data is not None:
             raise _unavailable(f"{run.path}: this run's batches come from its loop (batch_at or its data iterator); "
                                "--data does not apply")
@@ -121,8 +125,6 @@ class LoopReplay:
         array of the state and the batch moved `rotate` devices further (replay/engine/placement.py):
         for `replay verify`'s shard-by-shard comparison. The Loop's step as written, without the
         record's program around it, so the three rotations run one program."""
-        from replay.engine.placement import rotated
-
         batch = self.batch(step)
         return self._call(self.loop.step, rotated(state, rotate), rotated(batch, rotate))
 
@@ -142,7 +144,6 @@ class LoopReplay:
         fn = self.loop.eval_batches
         if fn is None:
             raise AttributeError("the run's replay.Loop gives no eval_batches")
-        import functools
 
         @functools.wraps(fn)  # an error while iterating is named as the user's eval_batches
         def listed() -> list:
@@ -158,8 +159,6 @@ class LoopReplay:
 def _as_saved(abstract: Any, loop: Loop, manager: Any) -> Any:
     """The state's shapes with each leaf the Loop does not place where the newest checkpoint saved
     it (replay/record/saved_layout.py), so the step compiles for the layout the run trained on."""
-    from replay.record import saved_layout
-
     saved = ckpts.steps(manager)
     if not saved:
         return abstract
@@ -178,13 +177,9 @@ def _user_function(step: Any) -> Any:
 
 
 def _checkpoint_dir(run: Run):
-    from pathlib import Path
-
     where = run.manifest.get("checkpoint_dir", "checkpoints")
     return Path(where) if Path(where).is_absolute() else Path(run.path).absolute() / where
 
 
 def from_run(run: Run, **options: Any) -> Any:
-    from replay.record.exported import choose  # the user's code, or the exported program (and which, noted)
-
     return choose(run, LoopReplay, **options)

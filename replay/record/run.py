@@ -31,6 +31,13 @@ from replay.record.checkpointer import Checkpointer
 from replay.record.errors import RecordError
 from replay.record.options import StepOptions
 from traces import Run, Schema
+from replay.record import examples_store, export
+from replay.record import manifest as manifestlib
+from replay.record.entry_check import check_entrypoint
+from replay.record.program import check_state
+from replay.record.program import spec
+from traces.errors import TraceError
+import warnings
 
 _PENDING = Schema(examples_per_step=0, rng_words=0, metrics=())  # until the first step shows the real one
 
@@ -41,9 +48,6 @@ class RecordingRun:
     def __init__(self, path: str | os.PathLike, *, config: Any = None, entrypoint: str | Callable | None = None,
                  dataset_size: int | None = None, checkpoints: Any = None, resume: bool = False,
                  store_examples: bool = False, keep_checkpoints: int = 0):
-        from replay.record import manifest as manifestlib
-        from traces.errors import TraceError
-
         if isinstance(keep_checkpoints, bool) or not isinstance(keep_checkpoints, int) or keep_checkpoints < 0:
             raise RecordError(f"replay.init(keep_checkpoints={keep_checkpoints!r}): the newest checkpoints to keep, an "
                               "int >= 0 (0 keeps all)")
@@ -156,7 +160,6 @@ class RecordingRun:
                                   "resume with the same code and config")
         else:
             if self._entrypoint is not None:  # make() checked here, not on another machine at replay
-                from replay.record.entry_check import check_entrypoint
 
                 check_entrypoint(self._entrypoint, run.manifest.get("config"), program, self.next_step)
             run.update_manifest(schema=schema.to_json(), program_hash=program.program_hash,
@@ -170,10 +173,6 @@ class RecordingRun:
         """The step as a jax.export program and the example store's layout, into the manifest, so
         replay needs no user code (replay/record/export.py, examples_store.py; the manifest says
         why when the step could not be exported, and whether examples are stored)."""
-        import warnings
-
-        from replay.record import examples_store, export
-
         entry = export.export(self.path, program)
         if entry.get("error"):
             warnings.warn(f"replay: {self.path}: recorded without an exported program ({entry['error']}); "
@@ -214,7 +213,6 @@ class RecordingRun:
         if self._step is not None and step != self.next_step:
             raise RecordError(f"run.save({step}, state): the wrapped step has run up to step {self.next_step}; "
                               f"checkpoint k is the state entering step k, so save it as {self.next_step}")
-        from replay.record.program import check_state
 
         check_state(state)
         if data is not None:
@@ -260,8 +258,6 @@ class RecordingRun:
         the wrapped step continues from there (resuming a crashed run re-records, and checks, the
         steps already in its trace). data: the run's data iterator, set to the state saved with
         the checkpoint (required when the checkpoint holds one, so the resumed run is fed from there)."""
-        from replay.record.program import spec
-
         self._ckpt.wait()
         have = self._ckpt.steps()
         if not have:

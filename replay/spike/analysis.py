@@ -15,6 +15,7 @@ from replay.spike.detect import (DECODE_TOKENS, DEFAULT_METRIC, DEFAULT_THRESHOL
                                  MIN_WINDOW, REL_FLOOR, Spike, SpikeInputError, _json_safe, _num, check_metric,
                                  check_window, robust, shown)
 from traces import Run, StepRecord
+from traces import first_fed
 
 if TYPE_CHECKING:  # the engine imports JAX; `replay spike RUN` (detection only) never needs it
     from replay.engine.engine import ReplayReport, StepResult
@@ -193,8 +194,6 @@ def decode_tokens(replayable: Any, tokens: np.ndarray) -> str | None:
 def _seen_before(run: Run, step: int, hashes_B: np.ndarray) -> list[int | None]:
     """For each hash, the first step before `step` whose batch held it (traces.first_fed: the
     segments' sorted-hash indexes, every hit confirmed in its record; no scan of the run)."""
-    from traces import first_fed
-
     first = first_fed(run, [int(h) for h in hashes_B], before_step=step)
     return [first.get(int(h)) for h in hashes_B]
 

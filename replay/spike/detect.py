@@ -22,13 +22,12 @@ from typing import Any
 import numpy as np
 
 from traces import Run, columns
+from replay.engine.damage import shown_path
 
 
 def shown(run: Run) -> str:
     """The run as messages name it: a bundle by its file (BUNDLE), never the temporary folder it
     was unpacked to; a run by its folder."""
-    from replay.engine.damage import shown_path
-
     return shown_path(run)
 
 DEFAULT_WINDOW = 50

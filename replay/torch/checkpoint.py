@@ -35,6 +35,8 @@ import torch
 import xxhash
 
 from replay.torch.errors import TorchRecordError
+from traces import Run
+from traces.run import read_manifest
 
 FILES_KEY = "checkpoint_files"  # run manifest: {"<step>": {"model.safetensors": "<16 hex>", ...}}
 MODEL_FILE = "model.safetensors"
@@ -54,8 +56,6 @@ def checkpoint_dir(run_path: str | os.PathLike) -> Path:
 
 def steps(run_path: str | os.PathLike) -> list[int]:
     """The steps of the run's complete torch checkpoints (those its manifest records), ascending."""
-    from traces.run import read_manifest
-
     recorded = read_manifest(Path(run_path)).get(FILES_KEY) or {}
     return sorted(int(k) for k in recorded)
 
@@ -63,8 +63,6 @@ def steps(run_path: str | os.PathLike) -> list[int]:
 def latest(run_path: str | os.PathLike) -> int | None:
     """The newest checkpoint a resume can start from: the last one the trace reaches (a save
     flushes the trace first, so only a crash during the save itself leaves one beyond it)."""
-    from traces import Run
-
     end = Run.open(run_path).trace.end
     usable = [k for k in steps(run_path) if k <= end]
     return usable[-1] if usable else None

@@ -44,6 +44,8 @@ from replay.torch.step import Pending, Staged, StepRecording, split_metrics
 from replay.torch.taps import Taps
 from traces import Run, Schema
 from traces.sketch import DEFAULT_WIDTH, check_width
+from replay.record.manifest import git_commit
+from traces.errors import TraceError
 
 RECORDED_BY = "replay.torch"
 # The trainer's metrics and their causal kinds (trainer/step.py METRICS), so the two runs' schemas agree.
@@ -119,8 +121,6 @@ class TorchRun:
             raise
 
     def _manifest(self, config: Any, names: TensorNames | None) -> dict:
-        from replay.record.manifest import git_commit
-
         manifest = {"recorded_by": RECORDED_BY, "config": config, "environment": environment(),
                     "argv": list(sys.argv), "record": {"level": self.level, "metric_kinds": self.metric_kinds},
                     "names": None if names is None else names.to_json(), "checkpoints": []}
@@ -132,8 +132,6 @@ class TorchRun:
     def _resume(self, config: Any, names: TensorNames | None) -> None:
         """Reopens the run for appending; everything that decides its records must be what it was
         recorded with (the schema itself is checked by the first step, as on any later step)."""
-        from traces.errors import TraceError
-
         if not (self.path / "run.json").is_file():
             raise TorchRecordError(f"{self.path}: holds no run to resume; record a new one with replay.torch.init(PATH)")
         try:

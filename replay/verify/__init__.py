@@ -48,6 +48,9 @@ import numpy as np
 from replay.engine.engine import ReplayInputError
 from replay.verify.classify import Finding, classify, step_events, trace_findings
 from replay.verify.names import replica_name
+from replay.engine.damage import shown_path
+from replay.engine.engine import check_range
+from traces import diff_records
 
 CAPABILITY = "replica_fingerprints"  # what verify asks of a run's replayable (replay/engine/protocol.py)
 
@@ -106,8 +109,6 @@ def refusal(run) -> str | None:
     command refuses before anything compiles or prints. A run of a PyTorch loop (replay.torch) has
     no JAX program to re-run; every other run is re-run through its replayable, whose capabilities
     decide the method (`verify`)."""
-    from replay.engine.damage import shown_path
-
     if run.manifest.get("recorded_by") == "replay.torch":
         return (f"{shown_path(run)}: recorded by a PyTorch loop (replay.torch), which has no JAX program to re-run "
                 "on other devices; compare it with `replay bisect`")
@@ -127,7 +128,6 @@ def recorded_differences(run, replayable, step: int, metrics, hashes) -> list[st
     import jax
 
     from replay.record.recorder import to_record
-    from traces import diff_records
 
     again = to_record(replayable.schema, step, jax.device_get(metrics), hashes)
     return [d.name for d in diff_records(run.schema, run.trace.read(step), replayable.schema, again)]
@@ -145,7 +145,6 @@ def verify(run, replayable, first: int, last: int, rotate: int = 1,
     import jax
 
     from replay.engine.damage import shown_path
-    from replay.engine.engine import check_range
     from replay.verify import rotation
 
     why = refusal(run)

@@ -20,13 +20,14 @@ import numpy as np
 
 from replay.verify.names import mask_microbatches
 from traces.schema import check_tensors  # noqa: F401  (its callers read it from here too)
+from replay.verify.classify import executor, owner
+from traces import columns
+from traces.schema import StepRecord
 
 
 def describe(manifest: dict, schema, record) -> dict | None:
     """{"step", "checked", "microbatches", "bad_devices", "pairs", "line"} of one record, None
     without a check (or a record without tensors: trace.layer_every skipped it)."""
-    from replay.verify.classify import executor, owner
-
     where = check_tensors(schema)
     if not where or record.fingerprints is None:
         return None
@@ -88,9 +89,6 @@ def scan_run(run, start: int | None = None, stop: int | None = None) -> list[dic
     """`scan` over steps start..stop-1 of `run`, streamed by traces.columns in bounded memory: it
     decodes the fingerprint columns of every record in the range (at a million steps, the whole
     trace's tensor columns once: give `show` a range, or read the disagreeing steps it lists)."""
-    from traces import columns
-    from traces.schema import StepRecord
-
     where = check_tensors(run.schema)
     if not where:
         return []

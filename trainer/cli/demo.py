@@ -9,6 +9,8 @@ from typing import Annotated, Optional
 import typer
 
 from replay.cli import console
+from trainer.demo_reference import DEFAULT_BUG, DEFAULT_STEPS, RUNS, run_reference_demo
+from trainer.port_bugs import PORT_BUGS
 
 
 def demo(
@@ -77,9 +79,6 @@ def demo(
 
 def _reference_demo(out: Path, steps: int | None, force: bool, json_out: bool, reference: str,
                     bug: str | None) -> None:
-    from trainer.demo_reference import DEFAULT_BUG, DEFAULT_STEPS, RUNS, run_reference_demo
-    from trainer.port_bugs import PORT_BUGS
-
     if reference != "torch":
         console.fail(f"--reference {reference}: the only reference there is is torch (HF transformers' OLMo)")
     bug = DEFAULT_BUG if bug is None else bug

@@ -42,6 +42,9 @@ import typer
 
 from replay.cli import console
 from replay.errors import EXIT_BAD_INPUT, EXIT_BUG
+from trainer.config import apply_overrides, get_preset
+from trainer.constants import TRACE_LEVELS
+from trainer.plan import DEVICE_HBM, PRECISION, REMAT, plan_env
 
 
 def register(app: typer.Typer) -> None:
@@ -68,10 +71,6 @@ def plan(
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of a table.")] = False,
 ) -> None:
     """Compile the train step for N devices from abstract shapes and print per-device memory (nothing is allocated)."""
-    from trainer.config import apply_overrides, get_preset
-    from trainer.constants import TRACE_LEVELS
-    from trainer.plan import DEVICE_HBM, PRECISION, REMAT, plan_env
-
     if remat is not None and remat not in REMAT:
         console.fail(f"--remat {remat}: unknown; use one of {', '.join(REMAT)}")
     if precision is not None and precision not in PRECISION:

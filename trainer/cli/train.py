@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from replay.cli import console
+from trainer.config import apply_overrides, get_preset
 
 
 def train(
@@ -28,7 +29,6 @@ def train(
 
         # Must come before anything touches a device.
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
-    from trainer.config import apply_overrides, get_preset
     from trainer.loop import StepInfo, load_resume_config, prepare, run_prepared
 
     from traces import Run

@@ -72,7 +72,8 @@ def compare(preset: str, rounds: int, steps_per_round: int, warmup_rounds: int, 
             budget: float, sizes: tuple[str, ...] = ATTENTION_SETS) -> dict:
     """Both attentions' level-off steps, ABBA-interleaved; the paired ratios and their verdicts."""
     from bench.overhead import Lane
-    from trainer.config import apply_overrides, get_preset
+    from trainer.config import apply_overrides
+    from trainer.presets import get_preset
 
     wall: dict[str, list[float]] = {a: [] for a in IMPLS}
     cpu: dict[str, list[float]] = {a: [] for a in IMPLS}

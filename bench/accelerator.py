@@ -113,7 +113,8 @@ def part(name: str, fn, *args):
 # ------------------------------------------------------------------------------ the pair
 
 def record_pair_a(args: argparse.Namespace, out: Path) -> Path:
-    from trainer.config import apply_overrides, get_preset
+    from trainer.config import apply_overrides
+    from trainer.presets import get_preset
     from trainer.loop import train
 
     cfg = apply_overrides(get_preset(args.pair_preset), [
@@ -196,7 +197,8 @@ def _lane(lane_cls, cfg, level: str, trace_dir: Path):
 def build_lanes(args: argparse.Namespace, tmp: Path) -> dict:
     from bench.overhead import Lane
     from trainer import model
-    from trainer.config import apply_overrides, get_preset
+    from trainer.config import apply_overrides
+    from trainer.presets import get_preset
 
     overrides = [f"data.global_batch_size={args.batch}"] + list(args.set or [])
     cfg = apply_overrides(get_preset(args.preset), overrides)

@@ -59,7 +59,8 @@ def time_bisect(root: Path, steps: int, first: int, kind: str) -> tuple[float, d
 
 def sparse_replays(root: Path, steps: int = 40, flip_at: int = 23) -> dict:
     from replay.bisect import bisect
-    from trainer.config import apply_overrides, get_preset
+    from trainer.config import apply_overrides
+    from trainer.presets import get_preset
     from trainer.faults import Fault, FaultPlan
     from trainer.loop import train
 

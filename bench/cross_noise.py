@@ -27,7 +27,7 @@ def _child(args) -> None:
 
     from replay.bisect.cross_distance import compared_names, from_replay
     from traces import Run
-    from trainer.config import get_preset
+    from trainer.presets import get_preset
     from trainer.loop import train
     from trainer.reference_train import jax_config
 
@@ -54,7 +54,7 @@ def main() -> None:
     import dataclasses
 
     from replay.bisect.cross_floor import floor_for
-    from trainer.config import get_preset
+    from trainer.presets import get_preset
     from trainer.reference_train import jax_config, train_reference
 
     work = Path(args.dir or tempfile.mkdtemp(prefix="cross_noise_"))

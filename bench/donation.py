@@ -45,7 +45,7 @@ OPTIONS: dict[str, list[str]] = {
 
 def combinations(preset: str) -> list[tuple[str, str, list[str]]]:
     """(name, trace level, config overrides) of every combination planned for `preset`."""
-    from trainer.config import get_preset
+    from trainer.presets import get_preset
 
     other = "explicit" if get_preset(preset).model.attention == "fused" else "fused"
     out = [(f"level-{level}", level, []) for level in TRACE_LEVELS]
@@ -55,7 +55,8 @@ def combinations(preset: str) -> list[tuple[str, str, list[str]]]:
 
 
 def run(presets: list[str], n_devices: int, log=lambda msg: None) -> dict:
-    from trainer.config import apply_overrides, get_preset
+    from trainer.config import apply_overrides
+    from trainer.presets import get_preset
     from trainer.plan import plan
 
     rows: dict[str, dict] = {}
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--presets", default="tiny,demo,olmo-1b,olmo3-7b")
     ap.add_argument("--devices", type=int, default=8)
     args = ap.parse_args(argv)
-    from trainer.config import PRESETS
+    from trainer.presets import PRESETS
     from trainer.plan import plan_env
 
     presets = [p for p in args.presets.split(",") if p]

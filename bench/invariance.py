@@ -42,7 +42,8 @@ def _worker(args: argparse.Namespace) -> None:
     import numpy as np
 
     from trainer import invariant, loop, mesh as meshlib
-    from trainer.config import apply_overrides, get_preset
+    from trainer.config import apply_overrides
+    from trainer.presets import get_preset
     from replay.record.recorder import to_record
 
     sets = [f"steps={args.steps}", f"trace.level={args.level}", "trace.layer_every=1"]
@@ -87,7 +88,8 @@ def _ab_worker(args: argparse.Namespace) -> None:
     import jax
 
     from trainer import invariant, loop, mesh as meshlib
-    from trainer.config import apply_overrides, get_preset
+    from trainer.config import apply_overrides
+    from trainer.presets import get_preset
 
     invariant.prepare_process()
     base = [f"trace.level={args.level}", "trace.layer_every=1", *(args.set or [])]

@@ -46,7 +46,8 @@ def _free_port() -> int:
 
 
 def _config(steps: int, overrides: list[str]):
-    from trainer.config import apply_overrides, get_preset
+    from trainer.config import apply_overrides
+    from trainer.presets import get_preset
 
     # Checkpoints only at the end: a checkpoint flushes the recorder, which is not what is measured.
     return apply_overrides(get_preset("tiny"), [f"steps={steps}", "checkpoint.every_steps=0", *overrides])

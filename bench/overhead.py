@@ -53,7 +53,8 @@ import jax
 from traces import TraceWriter
 from trainer import mesh as meshlib
 from trainer.data import DataError
-from trainer.config import ConfigError, apply_overrides, get_preset
+from trainer.config import ConfigError, apply_overrides
+from trainer.presets import get_preset
 from trainer.loop import build
 from trainer.mesh import MeshError
 from replay.record.recorder import Recorder

@@ -49,7 +49,8 @@ def measure(preset: str, steps: int, rounds: int, warmup_rounds: int, overrides:
     from replay.engine.contract import evaluate
     from replay.engine.engine import replay
     from traces import Run
-    from trainer.config import apply_overrides, get_preset
+    from trainer.config import apply_overrides
+    from trainer.presets import get_preset
     from trainer.loop import prepare, run_prepared
     from trainer.replayable import TrainerReplay
 

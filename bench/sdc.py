@@ -52,7 +52,8 @@ def _worker(args: argparse.Namespace, out: Path) -> dict:
     invariant.prepare_process()
     from replay.verify import verify
     from traces import Run
-    from trainer.config import apply_overrides, get_preset
+    from trainer.config import apply_overrides
+    from trainer.presets import get_preset
     from trainer.faults import FaultPlan, parse
     from trainer.loop import train
     from trainer.replayable import TrainerReplay

@@ -36,7 +36,8 @@ def section(rounds: int = 8, steps: int = 5) -> dict:
     import numpy as np
 
     from trainer import loop, mesh as meshlib
-    from trainer.config import apply_overrides, get_preset
+    from trainer.config import apply_overrides
+    from trainer.presets import get_preset
 
     base = ["mesh.mesh_invariant=true", "mesh.n_microbatches=8", "trace.level=layer"]
     programs = {}

@@ -35,7 +35,7 @@ def main() -> None:
 
     from replay.record.fingerprint import fingerprints_and_sums_of_squares, sketches_of
     from trainer import model
-    from trainer.config import get_preset
+    from trainer.presets import get_preset
     from trainer.step import compile_step, get_path, init_state
 
     cfg = get_preset(args.preset)

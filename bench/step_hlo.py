@@ -40,7 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 _CHILD = r"""
 import hashlib, json, re, sys
 import jax, jax.numpy as jnp
-from trainer.config import apply_overrides, get_preset
+from trainer.config import apply_overrides
+from trainer.presets import get_preset
 from trainer.step import compile_step, init_state
 preset, levels, sets, out = sys.argv[1], sys.argv[2].split(","), json.loads(sys.argv[3]), sys.argv[4]
 cfg = apply_overrides(get_preset(preset), sets)

@@ -30,7 +30,7 @@ def main() -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from trainer.config import get_preset
+    from trainer.presets import get_preset
     from trainer.step import compile_step, init_state
 
     cfg = get_preset(args.preset)

@@ -48,7 +48,7 @@ EXIT_CODES = MappingProxyType({
     "replay.errors.InputError": EXIT_BAD_INPUT,
     # replaying: what cannot be replayed here, or a bad range
     "replay.engine.engine.ReplayInputError": EXIT_BAD_INPUT,
-    "replay.engine.replayer.ReplayUnavailable": EXIT_BAD_INPUT,
+    "replay.errors.ReplayUnavailable": EXIT_BAD_INPUT,
     "replay.spike.detect.SpikeInputError": EXIT_BAD_INPUT,
     # user code and the recording API: a refused or failing entry point, a record that does not fit
     "replay.engine.code.CodeNotAllowed": EXIT_BAD_INPUT,
@@ -65,6 +65,14 @@ EXIT_CODES = MappingProxyType({
     "builtins.IsADirectoryError": EXIT_BAD_INPUT,
     "builtins.NotADirectoryError": EXIT_BAD_INPUT,
 })
+
+class ReplayUnavailable(Exception):
+    """A run that cannot be replayed here (missing checkpoint, data, code): bad input, exit 2.
+
+    Only what the input explains becomes one: a damaged checkpoint stays the checkpoint's own
+    error (replay.record.orbax_io.CheckpointDamagedError), and anything unexpected stays itself (a bug).
+    Defined here, below the engine and the recording API, which both raise it."""
+
 
 INTERNAL_ERROR_CHARS = 400  # of the exception's text on the internal-error line; --debug shows it all
 

@@ -6,7 +6,8 @@ import argparse
 import pytest
 
 from bench.invariant_memory import fit_inverse, overrides, summarize
-from trainer.config import apply_overrides, get_preset
+from trainer.config import apply_overrides
+from trainer.presets import get_preset
 
 G = 1000  # gradient bytes of the synthetic plans
 

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from traces.fingerprint import fingerprint
-from trainer.config import apply_overrides, get_preset
+from trainer.config import apply_overrides
+from trainer.presets import get_preset
 from replay.record.fingerprint import fingerprints_and_sums_of_squares, lanes_to_int
 from trainer.loop import build
 from tests.test_bench_accelerator import bench as accelerator_bench

@@ -311,6 +311,3 @@ class MemoryIndex:
         a = np.searchsorted(hs, np.uint64(lo), "left")
         b = hs.size if hi is None else np.searchsorted(hs, np.uint64(hi), "left")
         return hs[a:b], slots[a:b].astype(np.int64)
-
-
-from traces.index_file import FileIndex  # noqa: E402,F401 - it reads what this file writes

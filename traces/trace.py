@@ -28,7 +28,8 @@ import numpy as np
 import zstandard
 
 from traces.errors import SchemaError, TraceCorruptError
-from traces.index import FileIndex, IndexBuilder, IndexUnusable, MemoryIndex, StepColumns, index_path
+from traces.index import IndexBuilder, IndexUnusable, MemoryIndex, StepColumns, index_path
+from traces.index_file import FileIndex
 from traces.opening import Damage, _Segment, describe_damage, open_segments  # noqa: F401 - Damage re-exported
 from traces.schema import Schema, StepRecord, decode_record
 from traces.segment import (  # noqa: F401 - re-exported: the layout's names have always been here

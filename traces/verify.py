@@ -80,7 +80,7 @@ def check_bytes(reader, start: int | None = None, stop: int | None = None) -> No
 
 def verify(reader) -> list:
     """Every frame of every segment checked and decoded; all damage (open-time damage included)."""
-    from traces.trace import Damage
+    from traces.opening import Damage
 
     found = list(reader.damage)
     for i, seg in enumerate(reader.segments):

@@ -221,26 +221,6 @@ _SECTION_TYPES: dict[str, type] = {
 }
 
 
-# ---------------------------------------------------------------------------- presets
-# The presets live in trainer/presets.py; these two names stay here for their importers. Imported
-# when used, not at module level: presets.py imports this module's dataclasses, so either module
-# may be imported first.
-
-def get_preset(name: str) -> Config:
-    """The preset `name` (trainer/presets.py); ConfigError naming the valid ones if unknown."""
-    from trainer.presets import get_preset as preset
-
-    return preset(name)
-
-
-def __getattr__(name: str) -> Any:
-    if name == "PRESETS":
-        from trainer.presets import PRESETS
-
-        return PRESETS
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 # ----------------------------------------------------------------- overrides and dicts
 
 def _field_types(cls: type) -> dict[str, Any]:

@@ -35,10 +35,10 @@ from typing import NamedTuple
 import numpy as np
 import xxhash
 
-from replay.errors import InputError
 from replay.record.hashing import batch_hash  # noqa: F401 (the one definition; trainer.data.batch_hash)
 from trainer import order, tokenizer
 import zipfile
+from trainer.errors import DataError  # noqa: F401 - trainer.data.DataError, as its importers know it
 
 # Little-endian explicitly: a file written on one machine must read (and hash) the
 # same on any other.
@@ -50,10 +50,6 @@ _EMBEDDED_FILES = {"default": "default.txt.gz"}
 _FINGERPRINT_TAG = b"replay.data.tokens.v1\0"
 # Scans of big memmaps go in chunks so validation never allocates a full-size mask.
 _SCAN_CHUNK = 1 << 24
-
-
-class DataError(ValueError, InputError):
-    """A user-facing problem with the data: the message says what to do."""
 
 
 # --------------------------------------------------------------------------- sources

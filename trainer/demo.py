@@ -32,7 +32,8 @@ from replay.audit import audit
 from replay.bisect import BisectReport, bisect
 from replay.plot import metric_curve, plot_divergence
 from traces import Run, TraceError
-from trainer.config import apply_overrides, get_preset
+from trainer.config import apply_overrides
+from trainer.presets import get_preset
 from trainer.loop import StepInfo, load_resume_config, train
 
 DEFAULT_STEPS = 160

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from trainer.config import Config, get_preset
+from trainer.config import Config
+from trainer.presets import get_preset
 from trainer.port_bugs import PORT_BUGS, with_bug
 
 DEFAULT_STEPS = 40

@@ -45,6 +45,8 @@ import struct
 import numpy as np
 import xxhash
 
+from trainer.errors import DataError
+
 SAMPLERS = ("global", "contiguous-per-host")
 ROUNDS = 8  # half-rounds: 4 per half, more than the 3-4 a Luby-Rackoff permutation needs
 
@@ -56,9 +58,6 @@ _S33 = np.uint64(33)
 
 
 def _fail(message: str):
-    # DataError lives with the data sources; trainer/data.py imports this module, so import late.
-    from trainer.data import DataError
-
     raise DataError(message)
 
 

@@ -42,7 +42,8 @@ import time
 from typing import Any
 
 from trainer.constants import TRACE_LEVELS
-from trainer.config import ConfigError, apply_overrides, get_preset
+from trainer.config import ConfigError, apply_overrides
+from trainer.presets import get_preset
 
 LEVEL = "step"  # trace level planned by default: loss, grad norm, lr, param norm, per-example loss, RNG
 EXIT_BAD_INPUT = 2

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from replay.record.names import get_path
-from replay.engine.replayer import ReplayUnavailable
+from replay.errors import ReplayUnavailable
 from trainer import model, rng
 from trainer.config import CheckpointConfig, Config, TraceConfig
 from trainer.step import loss_fn

@@ -38,7 +38,7 @@ CAUSE_TEXT = {"data": "data (the batches differ)", "init": "init (the initial pa
 
 
 from replay.errors import UserError  # noqa: E402 - a one-line user error, exit 2 (no heavy imports)
-from replay.bisect import finite_json
+from replay.bisect.report import finite_json
 from replay.engine.damage import shown_path
 from traces.columns import batch_hashes
 

@@ -14,7 +14,7 @@ from traces import Run
 from traces.fed import fed, fed_in_both
 
 if TYPE_CHECKING:
-    from replay.bisect import BisectReport
+    from replay.bisect.report import BisectReport
 
 
 @dataclass

@@ -147,9 +147,9 @@ def pack(run_path: str | os.PathLike, out: str | os.PathLike, steps: tuple[int, 
         if not lite:
             ckpt_dir = run.checkpoint_dir / str(checkpoint)
             if api_run:  # the folder its manifest names (maybe the user's CheckpointManager's), bundled as checkpoints/C
-                from replay.record.replayable import _checkpoint_dir
+                from replay.record.checkpoints import run_checkpoint_dir
 
-                ckpt_dir = _checkpoint_dir(run) / str(checkpoint)
+                ckpt_dir = run_checkpoint_dir(run) / str(checkpoint)
                 if ckpt_dir.is_dir() and ckpt_dir.resolve() != (run.path / "checkpoints" / str(checkpoint)).resolve():
                     shutil.copytree(ckpt_dir, stage / "checkpoints" / str(checkpoint))
                     ckpt_dir = stage / "checkpoints" / str(checkpoint)

@@ -24,7 +24,7 @@ import numpy as np
 from replay.compare.errors import CompareInputError
 from replay.compare.floor import WEIGHTS_ULP, one_ulp_away, tolerance
 from traces import Run
-from replay.compare import EvalComparison, EvalRow
+from replay.compare.report import EvalComparison, EvalRow
 from replay.record.hashing import example_hashes
 from traces import first_fed
 import math

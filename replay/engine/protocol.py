@@ -154,7 +154,7 @@ def load(run: Run, *, allow_code: bool | None = None, **options: Any) -> Replaya
     are the user's (replay.engine.code.UserCodeError, exit 2), not replay's."""
     from replay.bundle.trust import manifest_problem
     from replay.engine.code import OWN_FACTORIES, CodeNotAllowed, call_user, code_allowed, import_entrypoint, is_bundle_run
-    from replay.engine.replayer import ReplayUnavailable
+    from replay.errors import ReplayUnavailable
 
     if allow_code is None:  # not passed down: the command's --allow-code (replay.engine.code.allowing)
         allow_code = code_allowed()

@@ -21,7 +21,7 @@ import numpy as np
 from replay.engine.code import code_allowed, is_bundle_run
 from traces import Run
 from replay.engine.damage import shown_path
-from replay.errors import InputError
+from replay.errors import InputError, ReplayUnavailable  # noqa: F401 - ReplayUnavailable re-exported
 from replay.record import exported
 from replay.record.export import _path
 from replay.record.exported import flat_state
@@ -29,13 +29,6 @@ from replay.record.fingerprint import fingerprint_lanes
 from replay.record.orbax_io import CheckpointError
 from traces import TraceError
 from traces.fingerprint import fingerprint
-
-
-class ReplayUnavailable(Exception):
-    """A run that cannot be replayed here (missing checkpoint, data, code): bad input, exit 2.
-
-    Only what the input explains becomes one: a damaged checkpoint stays the checkpoint's own
-    error (replay.record.orbax_io.CheckpointDamagedError), and anything unexpected stays itself (a bug)."""
 
 
 def _input_errors() -> tuple[type[BaseException], ...]:

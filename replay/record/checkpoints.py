@@ -234,3 +234,10 @@ def _list(saved: list[int], most: int = 12) -> str:
     if len(saved) <= most:
         return ", ".join(map(str, saved))
     return ", ".join(map(str, saved[:most // 2])) + ", ..., " + ", ".join(map(str, saved[-most // 2:]))
+
+
+def run_checkpoint_dir(run: Any) -> Path:
+    """Where `run`'s checkpoints are: the manifest's "checkpoint_dir" (relative to the run folder,
+    or absolute for a user's own manager elsewhere), RUN/checkpoints when it names none."""
+    where = run.manifest.get("checkpoint_dir", "checkpoints")
+    return Path(where) if Path(where).is_absolute() else Path(run.path).absolute() / where

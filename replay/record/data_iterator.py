@@ -110,7 +110,7 @@ class IteratorFeed:
         newest = max((c for c in self._steps if c <= step), default=None)
         if self.position is None or step < self.position or (newest is not None and newest > self.position):
             if newest is None:
-                from replay.engine.replayer import ReplayUnavailable
+                from replay.errors import ReplayUnavailable
 
                 raise ReplayUnavailable(f"no checkpoint at or before step {step} holds the data iterator's state, so "
                                         "its batch cannot be found")
@@ -131,7 +131,7 @@ def next_batch(it: Any, where: str = "before its first batch") -> Any:
     except UserCodeError as e:
         if not isinstance(e.original, StopIteration):
             raise
-        from replay.engine.replayer import ReplayUnavailable
+        from replay.errors import ReplayUnavailable
 
         raise ReplayUnavailable(f"the Loop's data iterator ended {where}") from None
 

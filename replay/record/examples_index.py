@@ -60,6 +60,7 @@ from typing import Iterator
 import numpy as np
 
 from traces.errors import TraceError
+from replay.record.examples_frames import frame_check
 
 FORMAT = 1
 FILE = "examples/index.bin"
@@ -75,24 +76,6 @@ _CACHED_BLOCKS = 4096
 class StaleIndex(TraceError):
     """The index does not describe rows.bin (or is damaged): rebuild it from rows.bin. Always caught
     here (the store falls back to a scan); a TraceError, exit 2, should one ever escape."""
-
-
-def frame_check(rows: Path, last: int, covered: int, crc: int) -> bool:
-    """Whether rows.bin holds a frame at `last` that ends at `covered` and carries crc32 field `crc`."""
-    from replay.record.examples_store import _FRAME, _HEAD, MAGIC as FRAME_MAGIC
-
-    if covered == 0:
-        return last == 0
-    if covered > rows.stat().st_size or last + _FRAME > covered:
-        return False
-    with open(rows, "rb") as f:
-        f.seek(last)
-        head = f.read(_FRAME)
-    if len(head) < _FRAME:
-        return False
-    magic, _h, clen, _rlen = _HEAD.unpack_from(head)
-    ends_there = magic == FRAME_MAGIC and last + _FRAME + clen == covered
-    return ends_there and struct.unpack_from("<I", head, _HEAD.size)[0] == crc
 
 
 class DiskIndex:

@@ -38,13 +38,11 @@ import zstandard
 from replay.record import examples_index as ix
 from traces.errors import TraceError
 import contextlib
+from replay.record.examples_frames import HEAD as _HEAD, MAGIC, SIZE as _FRAME  # the frame layout
 
 FORMAT = 1
 FILE = "examples/rows.bin"
 KEY = "example_store"
-MAGIC = b"RXMP"
-_HEAD = struct.Struct("<4sQII")
-_FRAME = _HEAD.size + 4
 LEVEL = 3
 PERIOD = 1 << 16  # the index is rewritten when this many frames (and a quarter of it) are new
 _DAMAGED = "restore the run's files from a copy, or replay with your code (--allow-code)"

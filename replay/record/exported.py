@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from replay.errors import ReplayUnavailable
 from replay.record import checkpoints as ckpts
 from replay.record import examples_store
 from replay.record import export as exportlib
@@ -115,14 +116,12 @@ class ExportedReplay:
         import jax
         from jax import export as jexport
 
-        from replay.record.replayable import _checkpoint_dir, _unavailable
-
         if data is not None:
-            raise _unavailable(f"{shown_path(run)}: this run's batches come from its example store; --data does not apply")
+            raise ReplayUnavailable(f"{shown_path(run)}: this run's batches come from its example store; --data does not apply")
         manifest = run.manifest
         why = usable(manifest, manifest_shown(run))
         if why:
-            raise _unavailable(f"{shown_path(run)}: cannot be replayed without its code: {why}")
+            raise ReplayUnavailable(f"{shown_path(run)}: cannot be replayed without its code: {why}")
         self.run, self.entry = run, manifest[exportlib.KEY]
         self.shown = shown_path(run)
         path = Path(run.path) / self.entry["file"]
@@ -161,7 +160,7 @@ class ExportedReplay:
                                                      shown=(f"{self.shown}:{manifest[examples_store.KEY]['file']}"
                                                             if getattr(run, "bundle", None) else None),
                                                      complete=run.status == "complete")
-        self._manager = ckpts.open_manager(_checkpoint_dir(run), read_only=True)
+        self._manager = ckpts.open_manager(ckpts.run_checkpoint_dir(run), read_only=True)
         self.schema = run.schema
         self.replayed_from = "exported"
         self.restore_notes: list[str] = [EXPORTED_NOTE.format(file=self.entry["file"])]

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from replay.errors import ReplayUnavailable
 from replay.record import checkpoints as ckpts
 from replay.record import data_iterator
 from replay.record.data_iterator import IteratorFeed, next_batch
@@ -36,33 +37,27 @@ from replay.record.exported import choose
 import functools
 
 
-def _unavailable(message: str) -> Exception:
-    from replay.engine.replayer import ReplayUnavailable
-
-    return ReplayUnavailable(message)
-
-
 class LoopReplay:
     def __init__(self, run: Run, data: str | None = None, allow_data_change: bool = False, on_compile=None,
                  allow_code: bool = False):
         if data is not None:
-            raise _unavailable(f"{run.path}: this run's batches come from its loop (batch_at or its data iterator); "
+            raise ReplayUnavailable(f"{run.path}: this run's batches come from its loop (batch_at or its data iterator); "
                                "--data does not apply")
         manifest = run.manifest
         spec = manifest.get("entrypoint")
         if not isinstance(spec, str):
-            raise _unavailable(f"{run.path}: its manifest names no entry point to rebuild the loop from")
+            raise ReplayUnavailable(f"{run.path}: its manifest names no entry point to rebuild the loop from")
         make = import_entrypoint(run, spec, allow_code=allow_code, search_path=manifest.get("entrypoint_path"))
         if not getattr(make, MARK, False):
-            raise _unavailable(f"{run.path}: its entry point {spec} is not marked @replay.entrypoint; replay calls "
+            raise ReplayUnavailable(f"{run.path}: its entry point {spec} is not marked @replay.entrypoint; replay calls "
                                "only functions declared as loop factories")
         loop = call_user(make, manifest.get("config"))
         if not isinstance(loop, Loop):
-            raise _unavailable(f"{function_name(make)} returned {type(loop).__name__}, not a replay.Loop")
+            raise ReplayUnavailable(f"{function_name(make)} returned {type(loop).__name__}, not a replay.Loop")
         self.loop, self._call = loop, call_user
         self.options = StepOptions.from_json(manifest.get("record") or {})
         self._manifest, self._shown = manifest, run.path
-        self._manager = ckpts.open_manager(_checkpoint_dir(run), read_only=True)
+        self._manager = ckpts.open_manager(ckpts.run_checkpoint_dir(run), read_only=True)
         self.restore_notes: list[str] = []
         self._abstract = call_user(loop.state_shapes)
         self._abstract = _as_saved(self._abstract, loop, self._manager)
@@ -101,7 +96,7 @@ class LoopReplay:
 
     def _restore_data(self, step: int) -> Any:
         if not ckpts.is_composite(self._manager, step):
-            raise _unavailable(f"checkpoint {step} of {self._shown} holds no data iterator state (it was saved with "
+            raise ReplayUnavailable(f"checkpoint {step} of {self._shown} holds no data iterator state (it was saved with "
                                "run.save(k, state), without data=), so the Loop's data= cannot be set to it; give the "
                                "Loop batch_at, or record with run.save(k, state, data=it)")
         fingerprint = (self._manifest.get(data_iterator.DATA_FINGERPRINTS_KEY) or {}).get(str(step))
@@ -174,11 +169,6 @@ def _user_function(step: Any) -> Any:
             break
         step = inner
     return step
-
-
-def _checkpoint_dir(run: Run):
-    where = run.manifest.get("checkpoint_dir", "checkpoints")
-    return Path(where) if Path(where).is_absolute() else Path(run.path).absolute() / where
 
 
 def from_run(run: Run, **options: Any) -> Any:

@@ -73,7 +73,8 @@ def main(out: Path, only: list[str] | None = None) -> None:
     from replay.verify import verify
     from traces import Run
     from trainer import rng
-    from trainer.config import apply_overrides, get_preset
+    from trainer.config import apply_overrides
+    from trainer.presets import get_preset
     from trainer.faults import FaultPlan, parse
     from trainer.loop import train
     from trainer.replayable import TrainerReplay

@@ -19,7 +19,8 @@ from replay.bisect.refine import compare_tensors
 from tests.replay.test_refine_device import count_fetches  # noqa: F401  (a fixture)
 from traces import Run
 from trainer import faults
-from trainer.config import apply_overrides, get_preset
+from trainer.config import apply_overrides
+from trainer.presets import get_preset
 
 FAULT_STEP = 15
 STEPS = 20  # checkpoints at 10 and 20

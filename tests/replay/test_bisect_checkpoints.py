@@ -23,7 +23,8 @@ VOUCHING = ("identical", "bit-exact", "complete")
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
-    from trainer.config import apply_overrides, get_preset
+    from trainer.config import apply_overrides
+    from trainer.presets import get_preset
     from trainer.loop import train
 
     path = tmp_path_factory.mktemp("bisect_ckpt") / "A"

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from trainer.config import get_preset  # noqa: E402
+from trainer.presets import get_preset  # noqa: E402
 from trainer.reference_train import jax_config, train_reference  # noqa: E402
 
 pytestmark = pytest.mark.slow

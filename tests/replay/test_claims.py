@@ -25,7 +25,8 @@ from tests.replay.test_bisect import assert_refinement_is_consistent
 from tests.replay.test_pack import REPORT_FIXTURE, check_report, invoke, read_report
 from traces import Run
 from trainer import faults, model
-from trainer.config import apply_overrides, get_preset
+from trainer.config import apply_overrides
+from trainer.presets import get_preset
 
 STEPS, EVERY, FAULT = 12, 6, 9  # checkpoints 0, 6, 12; the fault from step 9
 PACKED = (EVERY, STEPS - 1)  # the steps packed: from checkpoint 6 to the end

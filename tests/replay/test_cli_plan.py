@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from trainer.cli import plan as plan_cli
 from replay.cli.app import app
-from trainer.config import get_preset
+from trainer.presets import get_preset
 from trainer.model import flops_per_token, param_count
 from trainer.plan import plan_env
 

@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 
 from replay.cli.app import app
 from traces import Run
-from trainer.config import get_preset, to_dict
+from trainer.config import to_dict
+from trainer.presets import get_preset
 from trainer.data import write_token_file
 from trainer.loop import make_schema
 from tests.cli_util import assert_one_line_error, dir_digest

@@ -39,7 +39,8 @@ def _no_debug(monkeypatch):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> tuple[Path, Path]:
     """(A, B): A as trained (one segment), B the same run with its trace in 4-record segments."""
-    from trainer.config import apply_overrides, get_preset
+    from trainer.config import apply_overrides
+    from trainer.presets import get_preset
     from trainer.loop import train
 
     root = tmp_path_factory.mktemp("corruption")

@@ -11,7 +11,8 @@ import pytest
 
 from tests.cli_util import invoke
 from trainer import faults, model
-from trainer.config import apply_overrides, get_preset
+from trainer.config import apply_overrides
+from trainer.presets import get_preset
 
 pytestmark = pytest.mark.slow
 STEPS, EVERY, FAULT = 8, 4, 5

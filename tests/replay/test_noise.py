@@ -17,7 +17,8 @@ import pytest
 
 from replay.engine.noise import DEFAULT_FACTOR, floor_by_replay, judge
 from traces import Run, compare
-from trainer.config import apply_overrides, get_preset
+from trainer.config import apply_overrides
+from trainer.presets import get_preset
 from trainer.loop import train
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -356,7 +356,8 @@ def test_report_fixture_has_its_sections_and_the_traces_numbers(tmp_path):
 
 
 def _train(root: Path, name: str, steps: int, *sets: str, faults=None):
-    from trainer.config import apply_overrides, get_preset
+    from trainer.config import apply_overrides
+    from trainer.presets import get_preset
     from trainer.loop import train
 
     cfg = apply_overrides(get_preset("tiny"), [f"steps={steps}", *sets])

@@ -142,7 +142,8 @@ def test_bisect_reads_the_replica_layers_from_the_recorded_names(tmp_path):
 
 def test_the_trainers_recorded_replica_names_decode_to_its_layers():
     from trainer import sdc
-    from trainer.config import apply_overrides, get_preset
+    from trainer.config import apply_overrides
+    from trainer.presets import get_preset
 
     cfg = apply_overrides(get_preset("tiny"), ["mesh.mesh_invariant=true", f"mesh.n_microbatches={M}",
                                                "check.replicas=true"])

@@ -16,7 +16,8 @@ from replay.engine.engine import ReplayInputError, check_range, parse_steps, rep
 from traces import Run
 from trainer import rng
 from replay.record.checkpointer import Checkpointer
-from trainer.config import apply_overrides, get_preset
+from trainer.config import apply_overrides
+from trainer.presets import get_preset
 from trainer.data import Batcher, open_source, write_token_file
 from trainer.loop import train
 from trainer.replayable import TrainerReplay

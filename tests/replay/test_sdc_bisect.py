@@ -13,7 +13,8 @@ from replay.bisect import bisect
 from replay.cli import console
 from replay.cli.bisect import render
 from replay.verify.classify import executor, owner
-from trainer.config import apply_overrides, get_preset, to_dict
+from trainer.config import apply_overrides, to_dict
+from trainer.presets import get_preset
 
 M, N, EVERY, STEPS = 8, 4, 2, 6
 

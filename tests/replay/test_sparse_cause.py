@@ -186,7 +186,8 @@ def test_a_batch_with_new_examples_is_not_a_permutation():
 
 @pytest.mark.slow
 def test_trainer_weight_decay_fault_on_a_step_level_trace(tmp_path):
-    from trainer.config import apply_overrides, get_preset
+    from trainer.config import apply_overrides
+    from trainer.presets import get_preset
     from trainer.faults import Fault, FaultPlan
     from trainer.loop import train
 

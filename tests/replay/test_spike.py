@@ -23,7 +23,8 @@ from replay.cli.app import app
 from replay.spike import DEFAULT_THRESHOLD, DEFAULT_WINDOW, rolling_scores
 from traces import Run
 from trainer import faults
-from trainer.config import apply_overrides, get_preset
+from trainer.config import apply_overrides
+from trainer.presets import get_preset
 from trainer.data import Batch, example_hashes
 from tests.cli_util import assert_one_line_error
 

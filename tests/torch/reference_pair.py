@@ -28,7 +28,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from trainer.config import Config, get_preset
+from trainer.config import Config
+from trainer.presets import get_preset
 
 DEMO_STEPS = 8  # the reference demo's least --steps; checkpoints every 2 (its quarters)
 _fallback_dir: str | None = None

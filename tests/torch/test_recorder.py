@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 import replay.torch  # noqa: E402
 import traces  # noqa: E402
 from trainer import data, reference  # noqa: E402
-from trainer.config import get_preset  # noqa: E402
+from trainer.presets import get_preset  # noqa: E402
 from traces.fingerprint import fingerprint  # noqa: E402
 
 CFG = dataclasses.replace(get_preset("tiny"), model=dataclasses.replace(get_preset("tiny").model, dropout=0.0))

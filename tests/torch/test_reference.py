@@ -16,7 +16,8 @@ pytest.importorskip("safetensors")
 
 from trainer import model as jmodel  # noqa: E402
 from trainer import reference  # noqa: E402
-from trainer.config import ModelConfig, get_preset  # noqa: E402
+from trainer.config import ModelConfig  # noqa: E402
+from trainer.presets import get_preset
 from trainer.reference_parity import KL_BAR, forward_parity  # noqa: E402
 
 M = ModelConfig()  # tiny: 2 blocks, GQA 4 query / 2 kv heads, QK-norm, untied

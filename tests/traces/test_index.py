@@ -10,7 +10,8 @@ import pytest
 
 from traces import Run, TraceCorruptError, TraceReader, TraceWriter, columns, compare, fed, first_fed, write_indexes
 from traces import filter as example_filter
-from traces.index import INDEX_HEADER_SIZE, FileIndex, _column_layout, examples_key, index_path
+from traces.index import INDEX_HEADER_SIZE, _column_layout, examples_key, index_path
+from traces.index_file import FileIndex
 from tests.traces.helpers import BytesRead, make_record, make_schema
 
 PER, STEPS = 16, 100  # six sealed segments and a tail of 4 records

@@ -94,7 +94,8 @@ def probe(runs: list[tuple[str, int, int]]) -> dict:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from trainer import gradient_memory, invariant, step
-    from trainer.config import apply_overrides, get_preset
+    from trainer.config import apply_overrides
+    from trainer.presets import get_preset
 
     invariant.prepare_process()
     cfg = apply_overrides(get_preset("tiny"), SETS)

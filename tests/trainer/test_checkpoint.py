@@ -21,7 +21,8 @@ from trainer import mesh as M
 from trainer import step
 from replay.record.orbax_io import CheckpointError
 from replay.record.checkpointer import Checkpointer
-from trainer.config import apply_overrides, get_preset
+from trainer.config import apply_overrides
+from trainer.presets import get_preset
 from replay.record.fingerprint import state_fingerprint
 from trainer.loop import state_step
 
@@ -193,7 +194,8 @@ import json, sys
 import jax, numpy as np
 from trainer import mesh as M, step
 from replay.record.checkpointer import Checkpointer
-from trainer.config import apply_overrides, get_preset
+from trainer.config import apply_overrides
+from trainer.presets import get_preset
 from replay.record.fingerprint import state_fingerprint
 root = sys.argv[1]
 assert jax.device_count() == 8, jax.device_count()

@@ -22,7 +22,7 @@ from traces.run import write_manifest
 from trainer import mesh as M
 from replay.record.orbax_io import CheckpointDamagedError
 from replay.record.checkpointer import Checkpointer
-from trainer.config import get_preset
+from trainer.presets import get_preset
 from replay.record.fingerprint import state_fingerprint
 from trainer.loop import train
 

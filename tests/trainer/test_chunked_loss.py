@@ -9,7 +9,8 @@ import pytest
 
 from trainer import model
 from trainer.chunked_loss import head_logits, head_loss
-from trainer.config import apply_overrides, get_preset
+from trainer.config import apply_overrides
+from trainer.presets import get_preset
 
 
 def _setup(tied: bool, dtype: str = "float32", seq: int = 64):

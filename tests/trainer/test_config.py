@@ -3,9 +3,8 @@ import json
 
 import pytest
 
-from trainer.config import (PRESETS, Config, ConfigError, MeshConfig, ModelConfig,
-                            apply_overrides, config_diff, flatten, from_dict, get_preset,
-                            to_dict)
+from trainer.config import Config, ConfigError, MeshConfig, ModelConfig, apply_overrides, config_diff, flatten, from_dict, to_dict
+from trainer.presets import PRESETS, get_preset
 
 
 def test_presets_exist_and_have_expected_shapes():
@@ -161,7 +160,7 @@ def test_a_config_recorded_before_the_model_options_existed_reads_as_the_one_it_
     defaults); a field whose absence has no one meaning (data.sampler) is still refused."""
     from trainer import config as c
 
-    cfg = c.PRESETS["tiny"]
+    cfg = PRESETS["tiny"]
     old = c.to_dict(cfg)
     for section, added in c._ADDED_LATER.items():
         for key, value in added.items():

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import pytest
 
 from trainer import donation, mesh as meshlib, step
-from trainer.config import apply_overrides, get_preset
+from trainer.config import apply_overrides
+from trainer.presets import get_preset
 from trainer.constants import TRACE_LEVELS
 
 # tiny as tests/trainer/test_step.py trains it: the same programs, so the session's compilation cache

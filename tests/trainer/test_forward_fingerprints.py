@@ -22,7 +22,8 @@ import pytest
 
 from traces.fingerprint import fingerprint
 from trainer import data, invariant, model, rng, step as steplib
-from trainer.config import apply_overrides, get_preset
+from trainer.config import apply_overrides
+from trainer.presets import get_preset
 from replay.record.recorder import to_record
 from trainer.loop import make_schema
 

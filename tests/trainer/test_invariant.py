@@ -15,7 +15,8 @@ import pytest
 
 from replay.engine.contract import evaluate
 from trainer import invariant
-from trainer.config import ConfigError, apply_overrides, get_preset
+from trainer.config import ConfigError, apply_overrides
+from trainer.presets import get_preset
 from trainer.mesh import MeshError
 
 def test_pair_tree_is_one_fixed_order():

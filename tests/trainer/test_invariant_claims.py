@@ -41,7 +41,8 @@ import pytest
 from tests.trainer.test_train_e2e import env, free_port, replay_cmd
 from traces import Run, compare
 from trainer import invariant, model, step as steplib
-from trainer.config import apply_overrides, from_dict, get_preset
+from trainer.config import apply_overrides, from_dict
+from trainer.presets import get_preset
 
 ROOT = Path(__file__).resolve().parents[2]
 INVARIANT = ["mesh.mesh_invariant=true", "mesh.n_microbatches=8"]

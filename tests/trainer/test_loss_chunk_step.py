@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from trainer.config import ConfigError, apply_overrides, get_preset
+from trainer.config import ConfigError, apply_overrides
+from trainer.presets import get_preset
 from trainer.step import compile_step, init_state
 
 

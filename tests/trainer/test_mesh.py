@@ -18,7 +18,8 @@ from jax.sharding import PartitionSpec as P
 
 from trainer import mesh as M
 from trainer import step
-from trainer.config import MeshConfig, apply_overrides, get_preset
+from trainer.config import MeshConfig, apply_overrides
+from trainer.presets import get_preset
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -121,7 +122,8 @@ _EIGHT = r"""
 import json, sys
 import jax, numpy as np
 from trainer import mesh as M, step
-from trainer.config import apply_overrides, get_preset
+from trainer.config import apply_overrides
+from trainer.presets import get_preset
 assert jax.device_count() == 8, jax.device_count()
 cfg = apply_overrides(get_preset("tiny"), ["mesh.data=2", "mesh.fsdp=4", "data.global_batch_size=16"])
 mesh = M.make_mesh(cfg.mesh)
@@ -193,7 +195,8 @@ jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processe
 import jax.numpy as jnp, numpy as np
 from trainer import mesh as M
 from replay.record.checkpointer import Checkpointer
-from trainer.config import apply_overrides, get_preset
+from trainer.config import apply_overrides
+from trainer.presets import get_preset
 assert jax.device_count() == 4 and jax.local_device_count() == 2
 cfg = apply_overrides(get_preset("tiny"), ["mesh.data=2", "mesh.fsdp=2", "data.global_batch_size=8"])
 mesh = M.make_mesh(cfg.mesh)

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from trainer import model as M
-from trainer.config import apply_overrides, get_preset
+from trainer.config import apply_overrides
+from trainer.presets import get_preset
 
 CFG = get_preset("tiny")  # dropout 0.1, GQA (4 query / 2 kv heads), qk-norm, untied
 B, L = 2, CFG.model.seq_len

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from trainer import attention, model, step as steplib
-from trainer.config import ConfigError, apply_overrides, get_preset
+from trainer.config import ConfigError, apply_overrides
+from trainer.presets import get_preset
 from trainer.constants import TRACE_LEVELS
 
 # Smaller than tiny (compiles dominate): 2 blocks, so the scan, the sliding/full pattern and a

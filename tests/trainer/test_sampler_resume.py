@@ -31,7 +31,8 @@ SAMPLERS = ("contiguous-per-host", "global")
 
 _ONE_PROCESS = r"""
 import sys
-from trainer.config import apply_overrides, get_preset
+from trainer.config import apply_overrides
+from trainer.presets import get_preset
 from trainer.loop import train
 root, k = sys.argv[1], int(sys.argv[2])
 base = apply_overrides(get_preset("tiny"), [f"steps={2 * k}", f"checkpoint.every_steps={k}", "trace.level=step"])

@@ -45,7 +45,8 @@ def _child(out: Path) -> None:
     import numpy as np
 
     from trainer import loop, mesh as meshlib, rng, sdc, step as steplib
-    from trainer.config import apply_overrides, get_preset
+    from trainer.config import apply_overrides
+    from trainer.presets import get_preset
     from trainer.faults import FaultPlan, parse
 
     cfg = apply_overrides(get_preset("tiny"), ["mesh.mesh_invariant=true", "mesh.n_microbatches=4",

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 import traces
-from trainer.config import apply_overrides, get_preset, to_dict
+from trainer.config import apply_overrides, to_dict
+from trainer.presets import get_preset
 from trainer.sdc_watch import RerunWatch
 
 SCHEMA = traces.Schema(examples_per_step=0, rng_words=0, metrics=(),

@@ -8,7 +8,8 @@ import pytest
 
 from traces.fingerprint import fingerprint
 from trainer import model, rng
-from trainer.config import apply_overrides, get_preset
+from trainer.config import apply_overrides
+from trainer.presets import get_preset
 from replay.record.recorder import lanes_to_uint64
 from trainer.step import METRICS, compile_step, get_path, init_state, tensor_schema
 

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from traces import Run, compare
-from trainer.config import apply_overrides, get_preset
+from trainer.config import apply_overrides
+from trainer.presets import get_preset
 from trainer.loop import train
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,7 +13,8 @@ import pytest
 
 from tests.cli_util import assert_one_line_error, dir_digest, invoke
 from traces import Run
-from trainer.config import ConfigError, apply_overrides, get_preset
+from trainer.config import ConfigError, apply_overrides
+from trainer.presets import get_preset
 
 STEPS = 2
 

@@ -42,7 +42,8 @@ import typer
 
 from replay.cli import console
 from replay.errors import EXIT_BAD_INPUT, EXIT_BUG
-from trainer.config import apply_overrides, get_preset
+from trainer.config import apply_overrides
+from trainer.presets import get_preset
 from trainer.constants import TRACE_LEVELS
 from trainer.plan import DEVICE_HBM, PRECISION, REMAT, plan_env
 

@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 import typer
 
 from replay.cli import console
-from trainer.config import apply_overrides, get_preset
+from trainer.config import apply_overrides
+from trainer.presets import get_preset
 
 
 def train(

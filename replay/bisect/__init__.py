@@ -28,8 +28,6 @@ an unrefined answer is never passed off as a refined one. A damaged trace (allow
 from __future__ import annotations
 
 
-import numpy as np
-
 from replay.engine.contract import config_of
 from replay.bisect.data import SeenBefore, _data_at, seen_before  # noqa: F401 - re-exported
 from replay.bisect.report import BisectReport, ManifestDiff, finite_json  # noqa: F401 - re-exported

@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from traces.schema import TENSOR_KINDS  # fields a replay can look inside (replay/bisect/refine.py)
+
 if TYPE_CHECKING:  # annotations only: data.py fills reports, so it is imported by, not into, this module
     from replay.bisect.data import SeenBefore
     from traces import Comparison

@@ -29,7 +29,6 @@ from replay.record.loop import MARK, Loop
 from replay.record.options import StepOptions
 from replay.record.nnx_step import program_for
 from traces import Run
-from pathlib import Path
 from replay.engine.code import call_user, call_user_as, function_name, import_entrypoint
 from replay.engine.placement import rotated
 from replay.record import saved_layout

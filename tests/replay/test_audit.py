@@ -303,15 +303,30 @@ def _api_step(state, batch):
     return {"w": state["w"] * 0.99}, {"loss": loss}
 
 
-def _record_api_run(path: Path, dataset_size: int | None) -> Path:
-    import jax
+def _api_state():
     import jax.numpy as jnp
+
+    return {"w": jnp.ones((4,), jnp.float32)}
+
+
+def _api_make(config: dict):
+    """The loop's factory (recording calls it once to check it rebuilds this loop)."""
+    import jax
 
     import replay
 
-    run = replay.init(path, config={}, entrypoint="tests.replay.test_audit:_api_step", dataset_size=dataset_size)
+    return replay.Loop(step=jax.jit(_api_step), batch_at=_api_batch, init=_api_state)
+
+
+def _record_api_run(path: Path, dataset_size: int | None) -> Path:
+    import jax
+
+    import replay
+
+    replay.entrypoint(_api_make)
+    run = replay.init(path, config={}, entrypoint="tests.replay.test_audit:_api_make", dataset_size=dataset_size)
     step = run.step(batch_axis=0, level="step")(jax.jit(_api_step))
-    state = {"w": jnp.ones((4,), jnp.float32)}
+    state = _api_state()
     for k in range(API_STEPS):
         state, _ = step(state, _api_batch(k))
     run.finish()

@@ -18,7 +18,8 @@ import jax.numpy as jnp  # noqa: E402
 from trainer import model as jmodel  # noqa: E402
 from trainer import port_bugs, reference  # noqa: E402
 from trainer.config import (ConfigError, ModelConfig, OptimizerConfig, apply_overrides, from_dict,  # noqa: E402
-                            get_preset, to_dict)
+                            to_dict)
+from trainer.presets import get_preset  # noqa: E402
 from trainer.optim import make_optimizer  # noqa: E402
 from trainer.reference_parity import KL_BAR, token_kl  # noqa: E402
 

@@ -41,7 +41,10 @@ _CHILD = r"""
 import hashlib, json, re, sys
 import jax, jax.numpy as jnp
 from trainer.config import apply_overrides
-from trainer.presets import get_preset
+try:  # a commit before the presets had their own module
+    from trainer.config import get_preset
+except ImportError:
+    from trainer.presets import get_preset
 from trainer.step import compile_step, init_state
 preset, levels, sets, out = sys.argv[1], sys.argv[2].split(","), json.loads(sys.argv[3]), sys.argv[4]
 cfg = apply_overrides(get_preset(preset), sets)
@@ -64,7 +67,7 @@ def strip(hlo: str) -> str:
 
 def _compile(root: Path, args: argparse.Namespace, out: Path) -> str | None:
     """Compile in a child whose packages are root's; None on success, else its last error line."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(ROOT)]), JAX_PLATFORMS="cpu")
+    env = dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu")  # its own packages only
     done = subprocess.run([sys.executable, "-c", _CHILD, args.preset, args.levels, json.dumps(args.set or []),
                            str(out)], cwd=root, env=env, capture_output=True, text=True)
     return None if done.returncode == 0 else (done.stderr.strip().splitlines() or ["failed"])[-1]

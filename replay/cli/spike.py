@@ -111,7 +111,7 @@ def _spike_step(target, path: Path, step: int, window: int, threshold: float, to
         console.print_json(report.to_json())
     else:
         _render_step(report)
-    if not report.exact and report.replay.engine.contract.expect_bits:
+    if not report.exact and report.replay.contract.expect_bits:
         raise typer.Exit(EXIT_DIVERGED)
 
 

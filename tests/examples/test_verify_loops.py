@@ -41,7 +41,7 @@ def _report(results: dict, loop: str, case: str, code: int) -> dict:
     got = results[loop][case]
     assert got["exit"] == code, (loop, case, got["exit"], got["stderr"])
     report = got["report"]
-    assert report["mode"] == "shards" and report["steps_verified"] == 3 and report["devices_used"] >= 3, report
+    assert report["mode"] == "shards" and report["steps_verified"] == 2 and report["devices_used"] >= 3, report
     return report
 
 

@@ -31,8 +31,7 @@ from typing import Any, Callable
 import numpy as np
 
 from trainer import reference
-from trainer.config import Config
-from trainer.config import to_dict
+from trainer.config import Config, to_dict
 
 __all__ = ["reference_rows", "train_reference"]
 

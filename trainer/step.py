@@ -26,14 +26,12 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from trainer import chunked_loss, layers, model, rng, sdc, sketches
-from trainer.config import Config
+from trainer import chunked_loss, invariant, layers, model, optim, rng, sdc, sketches
+from trainer.config import Config, ConfigError
 from trainer.constants import BATCH_AXES, TRACE_LEVELS
 from replay.record.fingerprint import fingerprint_lanes, fingerprints_and_sums_of_squares
 from replay.record.names import get_path  # noqa: F401 - trainer.step.get_path: the recorded names' lookup
-from trainer import invariant, optim
 from trainer.optim import applied_lr
-from trainer.config import ConfigError
 
 # (name, causal kind) of the scalar metrics, in the order a record stores them.
 METRICS = (("loss", "loss"), ("z_loss", "loss"), ("grad_norm", "backward"), ("lr", "update"), ("param_norm", "update"))

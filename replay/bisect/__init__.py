@@ -28,15 +28,12 @@ an unrefined answer is never passed off as a refined one. A damaged trace (allow
 from __future__ import annotations
 
 
-from replay.engine.contract import config_of
+from replay.engine.contract import config_of, environment_differences, evaluate
 from replay.bisect.data import SeenBefore, _data_at, seen_before  # noqa: F401 - re-exported
 from replay.bisect.report import BisectReport, ManifestDiff, finite_json  # noqa: F401 - re-exported
 from traces import Comparison, Run, compare
 from traces.schema import TENSOR_KINDS  # fields a replay can look inside (replay/bisect/refine.py)
-from replay.engine.contract import environment_differences
-from replay.engine.contract import evaluate
-from replay.engine.damage import bundle_terms
-from replay.engine.damage import describe_damage, run_damage, shown_path
+from replay.engine.damage import bundle_terms, describe_damage, run_damage, shown_path
 from replay.record.checkpoint_check import checkpoint_problem, listed_checkpoints
 from replay.record.orbax_io import CheckpointDamagedError
 

@@ -24,8 +24,7 @@ from traces import Run
 from traces.run import COMPLETE, MANIFEST, TRACE_DIR, write_json_atomic, write_manifest
 from replay import rundata
 from replay.engine.code import OWN_FACTORIES
-from replay.record.exported import pack_refusal
-from replay.record.exported import stage_for_bundle
+from replay.record.exported import pack_refusal, stage_for_bundle
 import shutil
 
 

@@ -10,12 +10,9 @@ import typer
 
 from replay.cli import console
 from replay.errors import EXIT_DIVERGED
-from replay.spike import DEFAULT_METRIC, DEFAULT_THRESHOLD, DEFAULT_TOP, DEFAULT_WINDOW
-from replay.engine.damage import bundle_terms
-from replay.engine.damage import damage_error
-from replay.spike import analyze, check_step, plot_spike
-from replay.spike import check_metric, plot_scan, scan
-from replay.spike import check_window
+from replay.spike import (DEFAULT_METRIC, DEFAULT_THRESHOLD, DEFAULT_TOP, DEFAULT_WINDOW, analyze, check_metric,
+                          check_step, check_window, plot_scan, plot_spike, scan)
+from replay.engine.damage import bundle_terms, damage_error
 from replay.spike import save_batch as write_batch
 from replay.spike.analysis import check_save_batch
 

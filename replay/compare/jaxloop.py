@@ -23,10 +23,9 @@ import numpy as np
 
 from replay.compare.errors import CompareInputError
 from replay.compare.floor import WEIGHTS_ULP, one_ulp_away, tolerance
-from traces import Run
+from traces import Run, first_fed
 from replay.compare.report import EvalComparison, EvalRow
 from replay.record.hashing import example_hashes
-from traces import first_fed
 import math
 
 EVALUATE = ("evaluate", "evaluate(state, batch) -> float32 [n], each example's loss")

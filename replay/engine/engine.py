@@ -15,12 +15,11 @@ import numpy as np
 
 from replay.bisect import finite_json
 from replay.engine.contract import Contract
-from traces import FieldDiff, Run, diff_records
+from traces import FieldDiff, Run, TraceCorruptError, diff_records
 from traces.schema import METRIC_DTYPES
 from replay.record.recorder import to_record
 from replay.engine.damage import describe_damage, run_damage, shown_path
 from replay.record import checkpoints as ckpts
-from traces import TraceCorruptError
 
 
 class ReplayInputError(ValueError):

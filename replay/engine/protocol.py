@@ -30,9 +30,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from replay.engine.code import OWN_FACTORIES
+from replay.engine.code import OWN_FACTORIES, call_user
 from traces import Run, Schema
-from replay.engine.code import call_user
 
 # The factory of a run whose manifest names none: every run of trainer/ recorded before runs
 # named their factory. A string the manifest protocol resolves (replay.engine.code.OWN_FACTORIES), not

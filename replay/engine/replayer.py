@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from replay.engine.code import code_allowed, is_bundle_run
-from traces import Run
+from traces import Run, TraceError
 from replay.engine.damage import shown_path
 from replay.errors import InputError, ReplayUnavailable  # noqa: F401 - ReplayUnavailable re-exported
 from replay.record import exported
@@ -27,7 +27,6 @@ from replay.record.export import _path
 from replay.record.exported import flat_state
 from replay.record.fingerprint import fingerprint_lanes
 from replay.record.orbax_io import CheckpointError
-from traces import TraceError
 from traces.fingerprint import fingerprint
 
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from replay.errors import ReplayUnavailable
 from replay.record import checkpoints as ckpts
-from replay.record import data_iterator
+from replay.record import data_iterator, saved_layout
 from replay.record.data_iterator import IteratorFeed, next_batch
 from replay.record.hashing import example_hashes
 from replay.record.loop import MARK, Loop
@@ -31,7 +31,6 @@ from replay.record.nnx_step import program_for
 from traces import Run
 from replay.engine.code import call_user, call_user_as, function_name, import_entrypoint
 from replay.engine.placement import rotated
-from replay.record import saved_layout
 from replay.record.exported import choose
 import functools
 

@@ -26,16 +26,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from replay.record import checkpoints as ckpts
-from replay.record import data_iterator
+from replay.record import data_iterator, examples_store, export
 from replay.record.checkpointer import Checkpointer
 from replay.record.errors import RecordError
 from replay.record.options import StepOptions
 from traces import Run, Schema
-from replay.record import examples_store, export
 from replay.record import manifest as manifestlib
 from replay.record.entry_check import check_entrypoint
-from replay.record.program import check_state
-from replay.record.program import spec
+from replay.record.program import check_state, spec
 from traces.errors import TraceError
 import warnings
 

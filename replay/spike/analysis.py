@@ -14,8 +14,7 @@ import numpy as np
 from replay.spike.detect import (DECODE_TOKENS, DEFAULT_METRIC, DEFAULT_THRESHOLD, DEFAULT_TOP, DEFAULT_WINDOW, LOG_FLOOR,
                                  MIN_WINDOW, REL_FLOOR, Spike, SpikeInputError, _json_safe, _num, check_metric,
                                  check_window, robust, shown)
-from traces import Run, StepRecord
-from traces import first_fed
+from traces import Run, StepRecord, first_fed
 
 if TYPE_CHECKING:  # the engine imports JAX; `replay spike RUN` (detection only) never needs it
     from replay.engine.engine import ReplayReport, StepResult

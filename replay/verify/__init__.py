@@ -45,11 +45,10 @@ from typing import Callable
 
 import numpy as np
 
-from replay.engine.engine import ReplayInputError
+from replay.engine.engine import ReplayInputError, check_range
 from replay.verify.classify import Finding, classify, step_events, trace_findings
 from replay.verify.names import replica_name
 from replay.engine.damage import shown_path
-from replay.engine.engine import check_range
 from traces import diff_records
 
 CAPABILITY = "replica_fingerprints"  # what verify asks of a run's replayable (replay/engine/protocol.py)

@@ -1,4 +1,4 @@
-"""`replay verify --steps A:B` on runs of the four example loops and of `replay train --preset tiny`
+"""`replay verify --steps A:B` on runs of the four example loops and of `replay train --preset tiny` (one block)
 (issue 31): each re-run on rotated devices and compared shard by shard (replay/verify/rotation.py).
 
 One fresh 4-device process (tests/examples/verify_probe.py) records and verifies; this judges its

@@ -67,13 +67,15 @@ class DiskFullError(TraceError):
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
-def disk_full_message(path, doing: str, last_step: int | None, run) -> str:
-    """One line: the file, its filesystem, the last step fully recorded, and what to do."""
+def disk_full_message(path, doing: str, last_step: int | None, run, resume: str | None = None) -> str:
+    """One line: the file, its filesystem, the last step fully recorded, and what to do (`resume`:
+    the call that continues the run; default the trainer's command)."""
     where = _filesystem(path)
     recorded = f"every step up to {last_step} is recorded" if last_step is not None else "no step was recorded yet"
     return (
         f"{path}: no space left on {where} while {doing}; {recorded} and nothing before it is lost; "
-        f"free space there, then `replay train --resume {run}` (it repairs the unfinished record and continues)"
+        f"free space there, then {resume or f'`replay train --resume {run}`'} (it repairs the unfinished record and "
+        "continues)"
     )
 
 

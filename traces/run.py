@@ -77,15 +77,23 @@ class Run:
         return cls(path, write_manifest(path / MANIFEST, full), lock_fd)
 
     @classmethod
-    def resume(cls, path: str | os.PathLike) -> "Run":
-        """Reopens a run for appending: takes the lock and marks it incomplete again."""
+    def resume(cls, path: str | os.PathLike, mark: bool = True) -> "Run":
+        """Reopens a run for appending: takes the lock and marks it incomplete again. mark=False
+        only takes the lock (a second writer is refused from now on) and leaves the run as it
+        was until `mark_incomplete()`, so a resume refused before it writes changes nothing."""
         path = Path(path)
         notes: list[str] = []
         manifest = read_manifest(path, notes)
         lock_fd = take_lock(path)
-        (path / INCOMPLETE).touch()
-        (path / COMPLETE).unlink(missing_ok=True)
-        return cls(path, manifest, lock_fd, notes)
+        run = cls(path, manifest, lock_fd, notes)
+        if mark:
+            run.mark_incomplete()
+        return run
+
+    def mark_incomplete(self) -> None:
+        """From now until `finish()` the run is incomplete (a crash leaves it so)."""
+        (self.path / INCOMPLETE).touch()
+        (self.path / COMPLETE).unlink(missing_ok=True)
 
     # Contents ---------------------------------------------------------------------------
     @property

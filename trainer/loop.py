@@ -6,15 +6,19 @@ re-records the steps after it; the trace writer accepts them only if they are bi
 to what was recorded before the interruption, so every resume is also a determinism check.
 `build` is shared with the replay engine, so a replay runs the very program training ran.
 
-Every saved state's fingerprint is recorded in the manifest, and a resume verifies the checkpoint
-it restores against it before the run is touched. A resume holds the run's lock from before the
-compile, so a second writer is refused at once.
+The trainer records as any loop can: `replay.init(..., replayable="trainer.replayable:from_run")`
+creates the run (its own keys given as `manifest=`), its step computes its own record in its own
+program (trainer/step.py) and hands it to `run.begin`/`run.record`, and `run.save` checkpoints
+(replay/record/run_checkpoints.py: every saved state's fingerprint in the manifest). A resume opens
+the run through `replay.init(resume=True)`, which holds the lock from before the compile (a second
+writer is refused at once) and writes nothing until the first write, and restores the newest
+checkpoint the trace reaches verified against its fingerprint, so bad input leaves the run as it was.
+
+Cost at a million steps: O(1) memory; one record and at most one checkpoint save per step.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,13 +27,11 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from replay.record.checkpointer import Checkpointer
-from replay.record.checkpoints import FINGERPRINTS_KEY, recorded_fingerprint
-from replay.record.environment import environment, peak_flops, program_hash
-from replay.record.orbax_io import CheckpointDiskFullError
+import replay
+from replay.engine.protocol import LEGACY_DEFAULT_FACTORY as TRAINER_FACTORY  # trainer.replayable:from_run
+from replay.record.environment import peak_flops, program_hash
 from replay.record.gather import Timeline, gather_blocking, start_gather
-from replay.record.recorder import Recorder
-from traces import Run, Schema, TraceWriter
+from traces import Run, Schema
 from traces.errors import DISK_FULL_ERRNOS, DiskFullError, disk_full_message
 from traces.run import LOCK, take_lock
 from trainer import data, invariant, mesh as meshlib, model, rng, sketches
@@ -200,14 +202,17 @@ def load_resume_config(path: Path, cfg: Config | None, steps: int | None) -> Con
 
 @dataclass
 class Prepared:
-    """A validated, compiled training job whose run directory has not been touched yet."""
+    """A validated, compiled training job whose run directory has not been written yet."""
 
     out: Path
     resume: bool
     built: Built
-    manifest: dict
-    lock_fd: int | None = None  # resume, process 0: the run's lock, held from before the compile
-    resumed: _Resumed | None = None  # resume: the verified state it restarts from
+    manifest: dict  # the trainer's own run.json keys (replay.init writes its own beside them)
+    run: replay.RecordingRun | None = None  # resume: the run, its lock held from before the compile, not yet written
+    start: int = 0  # resume: the checkpoint it restarts from
+    state: Any = None  # resume: the verified state of that checkpoint (None: from the initial state)
+    recorded_end: int = 0  # resume: the step after the last one the trace held
+    was_complete: bool = False  # resume: whether the run was complete
 
 
 def prepare(cfg: Config, out: str | Path, *, resume: bool = False, preset: str | None = None,
@@ -218,42 +223,50 @@ def prepare(cfg: Config, out: str | Path, *, resume: bool = False, preset: str |
         raise ConfigError(f"steps={cfg.steps}: a run takes at least 1 step; give --steps 1 or more")
     if not resume and out.exists() and (not out.is_dir() or any(out.iterdir())):
         if (out / LOCK).exists():
-            _release(take_lock(out, create=False))  # a live writer: say so rather than "already exists"
+            take_lock(out, create=False)  # a live writer: say so rather than "already exists" (raises)
         raise ConfigError(f"{out} already exists; choose a new --out, or continue it with --resume {out}")
-    # From before the compile, writing nothing: bad input must leave the run as it was.
-    lock_fd = take_lock(out, create=False) if resume and jax.process_index() == 0 else None
-    resumed = None
+    if cfg.mesh.mesh_invariant:  # its XLA:CPU settings go in before anything starts JAX's backend
+        invariant.prepare_process()
+    job = Prepared(out, resume, None, {})  # type: ignore[arg-type]
     try:
-        # A damaged checkpoint is refused before the compile, and before the run is touched.
-        resumed = _restore_newest(cfg, out) if resume else None
-        built = build(cfg, on_compile=on_compile, faults=faults)
+        if resume:  # the lock from before the compile; a damaged checkpoint refused before the run is written
+            _open_resume(job, cfg)
+        job.built = build(cfg, on_compile=on_compile, faults=faults)
     except BaseException:
-        _release(lock_fd)
-        if resumed is not None:
-            resumed.ckpt.close()
+        if job.run is not None:
+            job.run.close()
         raise
-    manifest = {
+    built = job.built
+    job.manifest = {
         "preset": preset,
-        "config": to_dict(cfg),
-        "environment": environment(),
         "data": built.source.describe(),
-        "program_hash": built.program_hash,
         "mesh": {"shape": dict(built.mesh.shape), "devices": int(built.mesh.devices.size)},
         "model": {"params": model.param_count(cfg.model), "flops_per_token": model.flops_per_token(cfg.model)},
-        "checkpoints": [],
         "faults": faults.to_manifest() if faults else [],
     }
     if cfg.mesh.mesh_invariant:  # read by replay/engine/contract.py: the counts measured to give the same bits
-        manifest["invariant_device_counts"] = invariant.invariant_counts(cfg, jax.default_backend(),
-                                                                         jax.local_device_count())
-        manifest["invariant"] = {"n_microbatches": cfg.mesh.n_microbatches, "pool_threads": invariant.pool_threads(),
-                                 "settings_problem": invariant.settings_problem()}
-    return Prepared(out, resume, built, manifest, lock_fd, resumed)
+        job.manifest["invariant_device_counts"] = invariant.invariant_counts(cfg, jax.default_backend(),
+                                                                             jax.local_device_count())
+        job.manifest["invariant"] = {"n_microbatches": cfg.mesh.n_microbatches,
+                                     "pool_threads": invariant.pool_threads(),
+                                     "settings_problem": invariant.settings_problem()}
+    return job
 
 
-def _release(fd: int | None) -> None:
-    if fd is not None:
-        os.close(fd)
+def _open_resume(job: Prepared, cfg: Config) -> None:
+    """Opens the run to resume (its lock taken, nothing written) and restores the newest
+    checkpoint its trace reaches, verified against its recorded fingerprint."""
+    job.run = run = replay.init(job.out, resume=True, **_recording(cfg, job.out))
+    job.recorded_end, job.was_complete = run.next_step, Run.open(job.out).status == "complete"
+    if run.newest_checkpoint() is not None:
+        job.state = run.restore(meshlib.sharded_abstract_state(cfg, meshlib.make_mesh(cfg.mesh)))
+        job.start = run.next_step
+
+
+def _recording(cfg: Config, out: Path) -> dict:
+    """What replay.init is told of every trainer run, new or resumed."""
+    return dict(replayable=TRAINER_FACTORY, keep_checkpoints=cfg.checkpoint.keep, state_step=state_step,
+                resume_command=f"`replay train --resume {out}`")
 
 
 def train(cfg: Config, out: str | Path, *, resume: bool = False, preset: str | None = None,
@@ -262,167 +275,78 @@ def train(cfg: Config, out: str | Path, *, resume: bool = False, preset: str | N
 
 
 def run_prepared(job: Prepared, on_step: Callable[[StepInfo], None] | None = None) -> TrainResult:
-    """Opens (or creates) the run and trains. Only process 0 writes the trace and manifest."""
-    run, ckpt = None, job.resumed.ckpt if job.resumed else None
+    """Records the job through replay.init, run.begin/run.record and run.save (process 0 writes
+    the trace and run.json; every process saves its shards of each checkpoint)."""
+    cfg, run = job.built.cfg, job.run
     try:
-        if jax.process_index() == 0:
-            _release(job.lock_fd)  # Run.resume takes the same lock through its own descriptor
-            job.lock_fd = None
-            if job.resume:
-                try:
-                    run = Run.resume(job.out)
-                    # Each resume's host and device count: under a host-dependent sampler they decide the data.
-                    resumes = [*run.manifest.get("resumes", []), {
-                        "step": job.resumed.start, "process_count": jax.process_count(),
-                        "device_count": jax.device_count()}]
-                    run.update_manifest(faults=job.manifest["faults"], resumes=resumes)
-                except DiskFullError as e:
-                    raise _full_on_resume(job, e.path or job.out) from None
-                except OSError as e:
-                    if e.errno not in DISK_FULL_ERRNOS:
-                        raise
-                    raise _full_on_resume(job, e.filename or job.out) from None
-            else:
-                run = Run.create(job.out, job.built.schema, job.manifest)
-        elif not job.resume:
-            _wait_for(job.out / "run.json")
-        if ckpt is None:
-            ckpt = Checkpointer(job.out / "checkpoints", keep=job.built.cfg.checkpoint.keep, step_of=state_step)
-        return _train_loop(job, run, ckpt, on_step)
+        if run is None:
+            run = replay.init(job.out, config=to_dict(cfg), manifest=job.manifest, **_recording(cfg, job.out))
+        else:
+            try:  # each resume's host and device count: under a host-dependent sampler they decide the data
+                resumes = [*run.manifest.get("resumes", []), {
+                    "step": job.start, "process_count": jax.process_count(), "device_count": jax.device_count()}]
+                run.annotate(faults=job.manifest["faults"], resumes=resumes)
+                run.begin(job.built.schema, job.built.program_hash, level=cfg.trace.level,
+                          timeline=job.built.timeline)
+            except DiskFullError as e:
+                raise _full_on_resume(job, e.path or job.out) from None
+            except OSError as e:
+                if e.errno not in DISK_FULL_ERRNOS:
+                    raise
+                raise _full_on_resume(job, e.filename or job.out) from None
+        return _train_loop(job, run, on_step)
     except BaseException:
-        if ckpt is not None:
-            with contextlib.suppress(Exception):  # a failed save re-raises here; the first error stands
-                ckpt.close()
-        raise
-    finally:
-        _release(job.lock_fd)
         if run is not None:
-            run.close()  # a no-op after finish(); otherwise the run stays marked incomplete
+            run.close()  # the run stays incomplete, resumable; a failed save re-raises here, the first error stands
+        raise
 
 
 def _full_on_resume(job: Prepared, path: str | Path) -> DiskFullError:
     """A full disk before the resume wrote anything: the writers' own message would count the steps
     this process recorded (none yet), so it is said here from the trace as the resume found it."""
-    resumed = job.resumed
-    last = resumed.recorded_end - 1 if resumed.recorded_end > 0 else None
-    doing = "starting the resume: the disk is " + ("full" if resumed.was_complete else "still full")
+    last = job.recorded_end - 1 if job.recorded_end > 0 else None
+    doing = "starting the resume: the disk is " + ("full" if job.was_complete else "still full")
     return DiskFullError(disk_full_message(path, doing, last, job.out), str(path), last)
 
 
-@dataclass
-class _Resumed:
-    ckpt: Checkpointer
-    start: int
-    state: Any  # None: no checkpoint yet, the run restarts from its initial state
-    fingerprints: dict[str, str]  # the manifest's checkpoint fingerprints
-    notes: list[str]
-    recorded_end: int = 0  # the step after the last one the trace held when the resume began
-    was_complete: bool = False
-
-
-def _restore_newest(cfg: Config, out: Path) -> _Resumed:
-    """The newest checkpoint the trace reaches, restored and checked against its recorded fingerprint."""
-    if cfg.mesh.mesh_invariant:  # before the restore starts JAX's backend (see build)
-        invariant.prepare_process()
-    recorded = Run.open(out)
-    manifest, recorded_end = recorded.manifest, recorded.trace.end  # every process: the same step
-    complete = recorded.status == "complete"
-    ckpt = Checkpointer(out / "checkpoints", keep=cfg.checkpoint.keep, step_of=state_step)
-    try:
-        fingerprints = dict(manifest.get(FINGERPRINTS_KEY) or {})
-        # Saves are asynchronous: a crash can land after a checkpoint is complete on disk and before
-        # its fingerprint reaches the manifest. In a run that records fingerprints, resume from the
-        # newest checkpoint that has one (an unverified state is never preferred to a verified one).
-        usable = [k for k in ckpt.steps() if k <= recorded_end]
-        verified = [k for k in usable if str(k) in fingerprints]
-        latest = (verified or usable or [None])[-1] if fingerprints else (usable or [None])[-1]
-        if latest is None:
-            return _Resumed(ckpt, 0, None, fingerprints, [], recorded_end, complete)
-        expected = recorded_fingerprint(manifest, latest)
-        state = ckpt.restore(latest, meshlib.sharded_abstract_state(cfg, meshlib.make_mesh(cfg.mesh)),
-                             fingerprint=expected)
-    except BaseException:
-        ckpt.close()
-        raise
-    notes = [] if expected else [f"{ckpt.path / str(latest)}: checkpoint {latest} has no recorded fingerprint "
-                                 "(saved before replay recorded them); resumed from it unverified"]
-    return _Resumed(ckpt, latest, state, fingerprints, notes, recorded_end, complete)
-
-
-class _Saver:
-    """Saves checkpoints and records each one's state fingerprint in the manifest."""
-
-    def __init__(self, job: Prepared, run: Run | None, ckpt: Checkpointer, writer: TraceWriter | None,
-                 fingerprints: dict[str, str]):
-        self.job, self.run, self.ckpt, self.writer = job, run, ckpt, writer
-        self.fingerprints = fingerprints
-
-    def save(self, state: Any, done: int, wait: bool = False) -> None:
-        """Starts saving `state` (the write goes on while the next steps run: Checkpointer.save) and
-        records the checkpoints complete so far; a checkpoint's fingerprint reaches the manifest only
-        once it is complete. A failure of the save in flight surfaces here, at the next save."""
-        try:  # every process: the fingerprint is a collective, taken before the next step donates the state
-            fingerprint = self.ckpt.save(done, state, wait=wait)
-        except CheckpointDiskFullError as e:
-            failed = getattr(e, "step", done)  # the save in flight, or this one
-            last = self.writer.next_step - 1 if self.writer is not None and self.writer.next_step else done - 1
-            raise DiskFullError(disk_full_message(self.ckpt.path / str(failed), f"saving checkpoint {failed}", last,
-                                                  self.job.out), str(self.ckpt.path), last) from e
-        if fingerprint is not None:  # None: checkpoint `done` was on disk already, and stands
-            self.fingerprints[str(done)] = fingerprint
-        self.record()
-
-    def record(self, **fields: Any) -> None:
-        if self.run is None:
-            return
-        steps = self.ckpt.steps()
-        recorded = {str(k): self.fingerprints[str(k)] for k in steps if str(k) in self.fingerprints}
-        self.run.update_manifest(checkpoints=steps, **{FINGERPRINTS_KEY: recorded}, **fields)
-
-
-def _train_loop(job: Prepared, run: Run | None, ckpt: Checkpointer,
-                on_step: Callable[[StepInfo], None] | None) -> TrainResult:
-    built, cfg, resumed = job.built, job.built.cfg, job.resumed
-    writer: TraceWriter | None = run.writer() if run is not None else None
-    start, state = (resumed.start, resumed.state) if resumed else (0, None)
-    saver = _Saver(job, run, ckpt, writer, resumed.fingerprints if resumed else {})
+def _train_loop(job: Prepared, run: replay.RecordingRun, on_step: Callable[[StepInfo], None] | None) -> TrainResult:
+    built, cfg = job.built, job.built.cfg
+    start, state = job.start, job.state
+    if job.run is None:
+        run.begin(built.schema, built.program_hash, level=cfg.trace.level, timeline=built.timeline)
     if state is None:
         state = meshlib.init_sharded_state(cfg, built.mesh)
         # Checkpoint 0 makes every step replayable, the first ones included.
         if cfg.checkpoint.every_steps and cfg.steps > 0:
-            saver.save(state, 0)
-    recorder = Recorder(built.schema, writer, cfg.trace.level, timeline=built.timeline)
-    rerun_watch = RerunWatch.for_run(job.manifest, built.schema, str(job.out))  # SDC re-runs that disagree: warned
+            run.save(0, state)
+    rerun_watch = RerunWatch.for_run(run.manifest, built.schema, str(job.out))  # SDC re-runs that disagree: warned
     tokens_per_step = cfg.data.global_batch_size * cfg.model.seq_len
     peak = peak_flops(jax.devices()[0].device_kind)
     flops_per_step = model.flops_per_token(cfg.model) * tokens_per_step
     t_start = time.perf_counter()
     for step in range(start, cfg.steps):
         state, metrics, hashes = built.run_step(state, step)
-        recorder.record(step, metrics, hashes)
+        run.record(step, metrics, hashes)
         rerun_watch.dispatched(step, metrics)
         done = step + 1
         if done == cfg.steps or (cfg.checkpoint.every_steps and done % cfg.checkpoint.every_steps == 0):
-            recorder.flush()  # the trace always reaches at least as far as the newest checkpoint
-            saver.save(state, done, wait=done == cfg.steps)  # the last one waits: its failure is reported here
+            run.save(done, state, wait=done == cfg.steps)  # the last one waits: its failure is reported here
         if on_step is not None:
             elapsed = time.perf_counter() - t_start
             rate = (done - start) * tokens_per_step / elapsed if elapsed > 0 else 0.0
-            last = recorder.last
+            last = run.last_record
             # MFU = achieved FLOP/s over the devices' peak; FLOPs per token from model.flops_per_token.
             mfu = rate * flops_per_step / tokens_per_step / (peak * built.mesh.devices.size) if peak else None
             on_step(StepInfo(step, cfg.steps, last.metric(built.schema, "loss") if last else None, rate, mfu))
-    recorder.flush()
+    run.flush()
     rerun_watch.flush()
-    ckpt.close()
     seconds = time.perf_counter() - t_start
-    if run is not None:
-        saver.record(config={**run.manifest["config"], "steps": cfg.steps})
-        run.finish()
-    last = recorder.last
-    return TrainResult(job.out, start, cfg.steps, recorder.rewritten, seconds, built.compile_seconds,
-                       last.metric(built.schema, "loss") if last else None, ckpt.steps(),
-                       resumed.notes if resumed else [])
+    run.annotate(config={**run.manifest["config"], "steps": cfg.steps})
+    checkpoints = run.checkpoints
+    run.finish()
+    last = run.last_record
+    return TrainResult(job.out, start, cfg.steps, run.rewritten, seconds, built.compile_seconds,
+                       last.metric(built.schema, "loss") if last else None, checkpoints, list(run.notes))
 
 
 def state_step(state: Any) -> int:
@@ -432,12 +356,3 @@ def state_step(state: Any) -> int:
     if isinstance(s, jax.Array):
         s = s.addressable_shards[0].data
     return int(np.asarray(s))
-
-
-def _wait_for(path: Path, timeout: float = 120.0) -> None:
-    # Processes other than 0 start checkpointing into the run only once process 0 created it.
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"process 0 did not create {path} within {timeout:.0f} s")
-        time.sleep(0.05)

@@ -25,6 +25,7 @@ from traces.run import COMPLETE, MANIFEST, TRACE_DIR, write_json_atomic, write_m
 from replay import rundata
 from replay.engine.code import OWN_FACTORIES
 from replay.record.exported import pack_refusal, stage_for_bundle
+from replay.record.manifest import FACTORY as LOOP_FACTORY
 import shutil
 
 
@@ -109,7 +110,7 @@ def pack(run_path: str | os.PathLike, out: str | os.PathLike, steps: tuple[int, 
         if (staged.start, staged.end, staged.damage) != (trace_first, last + 1, []):
             raise PackError(f"{out}: the re-written trace does not read back as steps {trace_first}..{last}")
         examples_meta, api_files, api_manifest = None, [], {}
-        api_run = "replayable" in run.manifest  # replay.init's: replays from its exported program (replay/record/exported.py)
+        api_run = run.manifest.get("replayable") == LOOP_FACTORY  # a replay.Loop's: replays from its exported program (replay/record/exported.py)
         if not lite:
             status(f"collecting the batches of steps {checkpoint}..{last}")
             if api_run:
@@ -180,7 +181,7 @@ def _files_under(folder: Path) -> list[Path]:
 
 
 def _checkpoint_for(run: Run, run_path, first: int) -> int:
-    if "replayable" in run.manifest:  # a loop recorded through replay.init: its exported program and examples
+    if run.manifest.get("replayable") == LOOP_FACTORY:  # a replay.Loop recorded through replay.init: its exported program and examples
 
         why = pack_refusal(run.manifest)
         if why:

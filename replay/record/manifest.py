@@ -54,8 +54,43 @@ def git_commit(where: Path) -> dict | None:
         return None
 
 
-def build(config: Any, entrypoint: str | Callable, dataset_size: int | None, checkpoint_dir: str) -> dict:
+# Keys replay writes itself (here, at the first step and with every checkpoint): never a loop's extra key.
+REPLAY_KEYS = ("format_version", "recorded_by", "replayable", "entrypoint", "entrypoint_path", "config", "environment",
+            "argv", "checkpoint_dir", "dataset_size", "git", "schema", "program_hash", "record", "trace_first_step",
+            "checkpoints", "checkpoint_fingerprints", "data_state_fingerprints", "exported", "example_store")
+
+
+def check_extra(extra: dict | None, call: str) -> dict:
+    """A loop's own run.json keys (JSON, none of REPLAY_KEYS), as a dict."""
+    if extra is None:
+        return {}
+    if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
+        raise RecordError(f"{call}: give a dict of str keys")
+    clash = sorted(set(extra) & set(REPLAY_KEYS))
+    if clash:
+        raise RecordError(f"{call}: {', '.join(clash)} {'is a key' if len(clash) == 1 else 'are keys'} replay writes "
+                          "itself; name yours otherwise")
+    try:
+        return json.loads(json.dumps(extra))
+    except (TypeError, ValueError) as e:
+        raise RecordError(f"{call}: the values must be JSON (dicts, lists, numbers, strings): {e}") from None
+
+
+def factory_spec(replayable: str) -> str:
+    """A replay-protocol factory named as 'module:function' (replay/engine/protocol.py)."""
+    module, sep, attr = str(replayable).partition(":")
+    if not isinstance(replayable, str) or not sep or not module or not attr:
+        raise RecordError(f"replay.init(replayable={replayable!r}): name the factory as 'module:function'")
+    return replayable
+
+
+def build(config: Any, entrypoint: str | Callable | None, dataset_size: int | None, checkpoint_dir: str,
+          replayable: str | None = None, extra: dict | None = None) -> dict:
+    """run.json at init. `entrypoint`: the @replay.entrypoint that rebuilds the loop (replayed by
+    replay's own FACTORY); or `replayable`: the loop's own protocol factory (the trainer's)."""
     from replay.record.environment import environment
+
+    extra = check_extra(extra, "replay.init(manifest=...)")
 
     try:
         config = json.loads(json.dumps(config))
@@ -64,10 +99,15 @@ def build(config: Any, entrypoint: str | Callable, dataset_size: int | None, che
     if dataset_size is not None and (not isinstance(dataset_size, int) or isinstance(dataset_size, bool)
                                      or dataset_size <= 0):
         raise RecordError(f"replay.init(dataset_size={dataset_size!r}): the number of examples, an int > 0")
-    spec, folder = entrypoint_spec(entrypoint)
-    manifest = {"recorded_by": RECORDED_BY, "config": config, "environment": environment(),
-                "argv": list(sys.argv), "replayable": FACTORY, "entrypoint": spec,
-                "checkpoint_dir": checkpoint_dir, "dataset_size": dataset_size}
+    manifest = {**extra, "recorded_by": RECORDED_BY, "config": config, "environment": environment(),
+                "argv": list(sys.argv), "checkpoint_dir": checkpoint_dir, "dataset_size": dataset_size,
+                "checkpoints": []}
+    folder = None
+    if replayable is not None:
+        manifest["replayable"] = factory_spec(replayable)
+    else:
+        spec, folder = entrypoint_spec(entrypoint)
+        manifest.update(replayable=FACTORY, entrypoint=spec)
     if folder is not None:
         manifest["entrypoint_path"] = folder
     code = git_commit(Path(folder) if folder else Path.cwd())

@@ -26,18 +26,19 @@ from pathlib import Path
 from typing import Any, Callable
 
 from replay.record import checkpoints as ckpts
-from replay.record import data_iterator, examples_store, export
-from replay.record.checkpointer import Checkpointer
+from replay.record import examples_store, export, run_open
+from replay.record.run_checkpoints import RunCheckpoints, as_state
 from replay.record.errors import RecordError
 from replay.record.options import StepOptions
-from traces import Run, Schema
+from replay.record.orbax_io import CheckpointDiskFullError
+from traces import Run, Schema, StepRecord
 from replay.record import manifest as manifestlib
 from replay.record.entry_check import check_entrypoint
-from replay.record.program import check_state, spec
-from traces.errors import TraceError
+from replay.record.program import check_state
+from traces.errors import DiskFullError, disk_full_message
 import warnings
 
-_PENDING = Schema(examples_per_step=0, rng_words=0, metrics=())  # until the first step shows the real one
+_PENDING_JSON = run_open.PENDING.to_json()  # run.json's schema until the first step shows the real one
 
 
 class RecordingRun:
@@ -45,48 +46,72 @@ class RecordingRun:
 
     def __init__(self, path: str | os.PathLike, *, config: Any = None, entrypoint: str | Callable | None = None,
                  dataset_size: int | None = None, checkpoints: Any = None, resume: bool = False,
-                 store_examples: bool = False, keep_checkpoints: int = 0):
+                 store_examples: bool = False, keep_checkpoints: int = 0, replayable: str | None = None,
+                 manifest: dict | None = None, state_step: Callable[[Any], int] | None = None,
+                 resume_command: str | None = None):
         if isinstance(keep_checkpoints, bool) or not isinstance(keep_checkpoints, int) or keep_checkpoints < 0:
             raise RecordError(f"replay.init(keep_checkpoints={keep_checkpoints!r}): the newest checkpoints to keep, an "
                               "int >= 0 (0 keeps all)")
         if checkpoints is not None and keep_checkpoints:  # before the run's folder is touched
             raise RecordError("replay.init(checkpoints=manager, keep_checkpoints=N): your CheckpointManager keeps what "
                               "its own max_to_keep says; set it there")
+        if entrypoint is not None and replayable is not None:
+            raise RecordError("replay.init: give entrypoint= (a loop replay rebuilds) or replayable= (your own replay "
+                              "protocol factory), not both")
         self.path = Path(path)
         self.finished = False
         self._entrypoint = None if resume else entrypoint  # checked against the step at its first call
         self.next_step = 0
         self._step: Any = None
+        self._recorder: Any = None  # set by begin(): what hands records to the trace writer
+        self._first_record = True
+        self._resume_command = resume_command or f"replay.init({str(self.path)!r}, resume=True)"
+        self._trace_end: int | None = None  # a resumed run: where its trace ended when it was reopened
+        self._marked = not resume  # a resumed run is marked incomplete at its first write (run_open.resume)
         if resume:
-            try:
-                self._run = Run.resume(self.path)
-            except TraceError as e:
-                raise RecordError(f"replay.init(resume=True): {e}") from None
-            if self._run.manifest.get("recorded_by") != manifestlib.RECORDED_BY:
-                self._run.close()
-                raise RecordError(f"{self.path}: was not recorded by replay.init; it cannot be resumed through it")
-            self.next_step = self._run.trace.end if len(self._run.trace) else (self._run.first_step or 0)
+            self._run, recorded = run_open.resume(self.path, replayable)
+            self._trace_end = Run.open(self.path).trace.end if self._run is None else self._run.trace.end
+            self.next_step = self._trace_end if self._trace_end else (recorded.get("trace_first_step") or 0)
         else:
-            if entrypoint is None:
+            if entrypoint is None and replayable is None:
                 raise RecordError("replay.init(..., entrypoint=make): name the @replay.entrypoint function that "
                                   "rebuilds this loop for replay")
-            if self.path.exists() and (not self.path.is_dir() or any(self.path.iterdir())):
-                what = "holds another run" if (self.path / "run.json").exists() else "exists and is not empty"
-                raise RecordError(f"{self.path}: {what}; record into a new folder, or continue a crashed run with "
-                                  "replay.init(PATH, resume=True)")
-            inside = checkpoints is None or _inside(ckpts.directory_of(checkpoints), self.path)
+            inside = checkpoints is None or run_open.inside(ckpts.directory_of(checkpoints), self.path)
             where = ("checkpoints" if checkpoints is None else
                      os.path.relpath(ckpts.directory_of(checkpoints), self.path.absolute()) if inside
                      else str(ckpts.directory_of(checkpoints)))
-            manifest = manifestlib.build(config, entrypoint, dataset_size, where)
-            self._run = Run.create(self.path, _PENDING, manifest)
-        where = self._run.manifest.get("checkpoint_dir", "checkpoints")
+            recorded = manifestlib.build(config, entrypoint, dataset_size, where, replayable, manifest)
+            self._run = run_open.create(self.path, recorded)
+            recorded = self._run.manifest if self._run is not None else Run.open(self.path).manifest
+        where = recorded.get("checkpoint_dir", "checkpoints")
         self._ckpt_dir = (self.path / where) if not Path(where).is_absolute() else Path(where)
-        self._ckpt = (Checkpointer(manager=checkpoints) if checkpoints is not None else
-                      Checkpointer(self._ckpt_dir, keep=keep_checkpoints))
-        self._fingerprints: dict = dict(self._run.manifest.get(ckpts.FINGERPRINTS_KEY) or {})
-        self._data_fingerprints: dict = dict(self._run.manifest.get(data_iterator.DATA_FINGERPRINTS_KEY) or {})
+        self._checkpoints = RunCheckpoints(self._ckpt_dir, recorded, manager=checkpoints, keep=keep_checkpoints,
+                                           state_step=state_step,
+                                           write=self._run.update_manifest if self._run is not None else None)
         self._store_examples, self._examples = bool(store_examples), None  # replay/record/examples_store.py
+
+    @property
+    def manifest(self) -> dict:
+        """run.json as this process last wrote or read it."""
+        return self._run.manifest if self._run is not None else Run.open(self.path).manifest
+
+    def annotate(self, **fields: Any) -> None:
+        """Adds or replaces the loop's own keys in run.json (JSON values; never a key replay writes
+        itself, replay/record/manifest.py REPLAY_KEYS, except `config`, which a loop may extend as
+        the run grows). Process 0 writes; the others' calls are no-ops."""
+        extra = manifestlib.check_extra({k: v for k, v in fields.items() if k != "config"}, "run.annotate(...)")
+        if "config" in fields:
+            extra["config"] = manifestlib.check_extra({"c": fields["config"]}, "run.annotate(config=...)")["c"]
+        if self._run is not None:
+            self._mark()
+            self._run.update_manifest(**extra)
+
+    def _mark(self) -> None:
+        """A resumed run becomes incomplete at its first write, not when it is opened: a resume
+        refused before then (a damaged checkpoint, a config error) leaves the run as it was."""
+        if not self._marked and self._run is not None:
+            self._run.mark_incomplete()
+        self._marked = True
 
     # ---------------------------------------------------------------------------- the step
 
@@ -143,29 +168,87 @@ class RecordingRun:
 
         return tap(tree, name, kind)
 
-    def _start_recording(self, program: Any) -> Any:
-        """The first step was traced: complete the manifest, open the trace writer."""
-        from replay.record.recorder import Recorder
-
-        schema, run = program.schema, self._run
-        recorded = run.manifest.get("record")
-        if recorded is not None:  # resuming: the step must be the one recorded
-            if run.manifest["schema"] != schema.to_json() or recorded != program.options.to_json():
-                raise RecordError(f"{self.path}: the step records a different schema or options than the run did; "
-                                  "resume with the same step, config and run.step(...) arguments")
-            if run.manifest.get("program_hash") != program.program_hash:
+    def _start_recording(self, program: Any) -> None:
+        """The wrapped step's first call was traced: its schema, program and options into the
+        manifest (checked against the run's on a resume), the exported program, the trace opened."""
+        if run_open.process_index() == 0 and self._run is not None:
+            recorded = self._run.manifest.get("record")
+            if recorded is not None and recorded != program.options.to_json():
+                raise RecordError(f"{self.path}: the step records different options than the run did; resume with "
+                                  "the same step, config and run.step(...) arguments")
+            if recorded is not None and self._run.manifest.get("program_hash") != program.program_hash:
                 raise RecordError(f"{self.path}: the step compiles to a different program than the run recorded; "
                                   "resume with the same code and config")
-        else:
-            if self._entrypoint is not None:  # make() checked here, not on another machine at replay
-
-                check_entrypoint(self._entrypoint, run.manifest.get("config"), program, self.next_step)
-            run.update_manifest(schema=schema.to_json(), program_hash=program.program_hash,
-                                record=program.options.to_json(), trace_first_step=self.next_step)
-            run.schema = schema
+        resuming = "schema" in self.manifest and self.manifest["schema"] != _PENDING_JSON
+        if not resuming and self._entrypoint is not None:  # make() checked here, not on another machine at replay
+            check_entrypoint(self._entrypoint, self.manifest.get("config"), program, self.next_step)
+        self.begin(program.schema, program.program_hash, record=program.options.to_json())
+        if not resuming:
             self._record_exported(program)
-        self._open_examples(program, resume=recorded is not None)
-        return Recorder(schema, run.writer(), "layer" if schema.tensors else "step")
+        self._open_examples(program, resume=resuming)
+
+    def begin(self, schema: Schema, program_hash: str | None = None, *, level: str | None = None,
+              record: dict | None = None, timeline: Any = None) -> None:
+        """Opens the trace for a loop whose step computes its own record (the trainer's does, in
+        its own program); `run.step` calls it for the step it wraps. Then `run.record(...)` once
+        a step. On a new run the schema, the step's program hash and `record` (the step options,
+        JSON) go into run.json, the trace starting at `next_step`; a resumed run must declare the
+        schema it recorded (its program may differ: a resume on another host count compiles
+        another one, and its records say whether it computes the same bits). level: "off" writes
+        no records (the loop records nothing, checkpoints still count), default "layer" when the
+        schema has tensors, else "step". timeline: bench/multihost_dispatch.py's per-step times."""
+        from replay.record.recorder import Recorder
+
+        if self._recorder is not None:
+            raise RecordError(f"{self.path}: run.begin was called already; a run records one step program")
+        recorded = self.manifest.get("schema")
+        resuming = recorded is not None and recorded != _PENDING_JSON
+        if resuming and recorded != schema.to_json():
+            raise RecordError(f"{self.path}: the step records a different schema than the run did; resume with "
+                              "the same step, config and run.step(...) arguments")
+        self._mark()
+        if not resuming and self._run is not None:
+            fields = dict(schema=schema.to_json(), program_hash=program_hash, trace_first_step=self.next_step)
+            if record is not None:
+                fields["record"] = record
+            self._run.update_manifest(**fields)
+            self._run.schema = schema
+        writer = self._run.writer() if self._run is not None else None
+        self._recorder = Recorder(schema, writer, level or ("layer" if schema.tensors else "step"), timeline=timeline)
+
+    def record(self, step: int, record: dict, example_hashes: Any) -> None:
+        """Hands step `step`'s record to the trace writer: `record` holds the step's device arrays
+        by the names replay.record.recorder.to_record reads (the schema's metrics, "rng",
+        "example_<name>", and at the layer level "fingerprints" and "rms"); example_hashes: the
+        batch's per-example hashes in global order (uint64[B], or a gather still in flight,
+        replay/record/gather.py). Fetched to the host only once ready, after later steps were
+        dispatched. Steps are consecutive; the first after a resume may restart at a checkpoint
+        the trace already reaches past (its records are then rewritten only if bit-identical)."""
+        if self._recorder is None:
+            raise RecordError(f"{self.path}: call run.begin(schema, ...) before run.record")
+        if self.finished:
+            raise RecordError(f"{self.path}: the run is finished; a step cannot be recorded after run.finish()")
+        if step != self.next_step and not (self._first_record and step < self.next_step
+                                           and (step == 0 or step in self._checkpoints.steps())):
+            raise RecordError(f"run.record({step}, ...): the next step to record is {self.next_step}")
+        self._first_record = False
+        self._recorder.record(step, record, example_hashes)
+        self.next_step = step + 1
+
+    @property
+    def last_record(self) -> StepRecord | None:
+        """The newest record written (one or more steps behind the dispatched step)."""
+        return None if self._recorder is None else self._recorder.last
+
+    @property
+    def rewritten(self) -> int:
+        """Steps of a resumed run recorded again bit-identically to what the trace held."""
+        return 0 if self._recorder is None else self._recorder.rewritten
+
+    def flush(self) -> None:
+        """Writes every record still held on device (run.save and run.finish do it too)."""
+        if self._recorder is not None:
+            self._recorder.flush()
 
     def _record_exported(self, program: Any) -> None:
         """The step as a jax.export program and the example store's layout, into the manifest, so
@@ -208,76 +291,60 @@ class RecordingRun:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise RecordError(f"run.save({step!r}, state): the step is an int >= 0")
         state = as_state(state)  # an NNX step's graph nodes: their recorded Variables
-        if self._step is not None and step != self.next_step:
-            raise RecordError(f"run.save({step}, state): the wrapped step has run up to step {self.next_step}; "
+        stepping = self._step is not None or self._recorder is not None
+        if stepping and step != self.next_step:
+            raise RecordError(f"run.save({step}, state): the recorded step has run up to step {self.next_step}; "
                               f"checkpoint k is the state entering step k, so save it as {self.next_step}")
-
         check_state(state)
-        if data is not None:
-            data_iterator.check_iterator(data, f"run.save({step}, state, data=...)")
-            _one_process(f"run.save({step}, state, data=...)")
-        self._check_data_style(step, data is not None)
-        self._ckpt.wait()  # the save in flight first: a failure is its, and it may be this step
-        if step in self._ckpt.steps():
-            return  # the state entering a step is a pure function of the run: the saved one stands
-        if self._step is None:
+        if not isinstance(state, (dict, list, tuple)) and len(_leaves(state)) == 1 and _leaves(state)[0] is state:
+            raise RecordError(f"run.save({step}, state): the state is a single array, which orbax's StandardSave "
+                              "does not save; save a dict of it ({'w': w}) and restore it alike")
+        self.flush()  # the trace always reaches at least as far as the newest checkpoint
+        try:
+            saved = self._checkpoints.save(step, state, data, wait, before_write=self._mark)
+        except CheckpointDiskFullError as e:
+            failed = getattr(e, "step", step)  # the save in flight, or this one
+            writer = self._recorder.writer if self._recorder is not None else None
+            last = writer.next_step - 1 if writer is not None and writer.next_step else step - 1
+            where = self._checkpoints.ckpt.path
+            raise DiskFullError(disk_full_message(where / str(failed), f"saving checkpoint {failed}", last, self.path,
+                                                  self._resume_command), str(where), last) from e
+        if saved and not stepping:
             self.next_step = step
-        stored = None if data is None else data_iterator.payload(data)
-        self._fingerprints[str(step)] = self._ckpt.save(step, state, stored, wait=wait)
-        if stored is not None:
-            self._data_fingerprints[str(step)] = data_iterator.fingerprint(stored)
-        self._record_checkpoints()
-
-    def _record_checkpoints(self, final: bool = False) -> None:
-        """The manifest's checkpoints and their fingerprints: those complete on disk (an
-        asynchronous save's once it is; none that `keep_checkpoints` pruned)."""
-        listed = self._ckpt.steps()
-        done = [k for k in self._fingerprints if int(k) in listed]
-        entries = {ckpts.FINGERPRINTS_KEY: {k: self._fingerprints[k] for k in done},
-                   "checkpoints": sorted(int(k) for k in done) if final else listed}
-        if self._data_fingerprints:
-            entries[data_iterator.DATA_FINGERPRINTS_KEY] = {k: v for k, v in self._data_fingerprints.items()
-                                                             if int(k) in listed}
-        self._run.update_manifest(**entries)
-
-    def _check_data_style(self, step: int, with_data: bool) -> None:
-        """One layout per run: every checkpoint holds the iterator's state, or none does."""
-        if not self._fingerprints or with_data == bool(self._data_fingerprints):
-            return
-        first = min(int(k) for k in self._fingerprints)
-        if with_data:
-            raise RecordError(f"run.save({step}, state, data=...): checkpoint {first} of this run was saved without "
-                              "data=; give data= to every run.save of a run, or to none")
-        raise RecordError(f"run.save({step}, state): this run's checkpoints hold its data iterator's state (checkpoint "
-                          f"{first} was saved with data=); give data= here too")
 
     def restore(self, like: Any, step: int | None = None, data: Any = None) -> Any:
-        """Checkpoint `step` (default: the latest) restored onto the structure of `like` and verified;
-        the wrapped step continues from there (resuming a crashed run re-records, and checks, the
-        steps already in its trace). data: the run's data iterator, set to the state saved with
-        the checkpoint (required when the checkpoint holds one, so the resumed run is fed from there)."""
-        self._ckpt.wait()
-        have = self._ckpt.steps()
-        if not have:
+        """Checkpoint `step` restored onto the structure of `like` (arrays or ShapeDtypeStructs,
+        with the shardings to restore onto) and verified against its recorded fingerprint; the
+        recorded step continues from there (resuming a crashed run re-records, and checks, the
+        steps already in its trace). Default: the newest checkpoint a resumed run's trace reaches,
+        one with a recorded fingerprint before one without (an asynchronous save can land just
+        before a crash, its fingerprint not yet in run.json). A checkpoint restored unverified
+        (saved before replay recorded fingerprints) is said in `run.notes`.
+        data: the run's data iterator, set to the state saved with the checkpoint (required when
+        the checkpoint holds one, so the resumed run is fed from there)."""
+        self._checkpoints.ckpt.wait()
+        if not self._checkpoints.steps():
             raise RecordError(f"{self.path}: no checkpoint to restore")
-        step = have[-1] if step is None else step
-        if data is not None:
-            data_iterator.check_iterator(data, f"run.restore(like, {step}, data=...)")
-        if step in have and self._ckpt.is_composite(step) != (data is not None):
-            raise RecordError(f"run.restore(like, {step}, data=it): checkpoint {step} holds the data iterator's state; "
-                              "pass the iterator so it resumes there" if data is None else
-                              f"run.restore(like, {step}, data=...): checkpoint {step} was saved without data=, so it "
-                              "holds no data iterator state to restore")
-        import jax
-
-        nodes, like = like, as_state(like)
-        state = self._ckpt.restore(step, jax.tree.map(spec, like), self._fingerprints.get(str(step)))
-        if like is not nodes:  # graph nodes: restored in place, as an NNX loop holds its state
-            _nnx_update(nodes, state)
-        if data is not None:
-            data.set_state(self._ckpt.restore_data(step, self._data_fingerprints.get(str(step))))
-        self.next_step = step
+        step = self.newest_checkpoint() if step is None else step
+        if step is None:
+            raise RecordError(f"{self.path}: no checkpoint at or before step {self._trace_end}, where its trace ends")
+        state = self._checkpoints.restore(like, step, data)
+        self.next_step, self._first_record = step, True
         return state
+
+    def newest_checkpoint(self) -> int | None:
+        """The checkpoint `restore()` takes by default (None: none the trace reaches)."""
+        return self._checkpoints.newest(self._trace_end)
+
+    @property
+    def checkpoints(self) -> list[int]:
+        """The steps checkpointed on disk."""
+        return self._checkpoints.steps()
+
+    @property
+    def notes(self) -> list[str]:
+        """What could not be checked (a checkpoint restored unverified), one line each."""
+        return self._checkpoints.notes
 
     # ---------------------------------------------------------------------------- the end
 
@@ -285,13 +352,13 @@ class RecordingRun:
         """Writes the last record and marks the run complete (the only way a run becomes complete)."""
         if self.finished:
             return
-        if self._step is not None:
-            self._step.flush()
+        self.flush()
         self._close_examples()
-        self._ckpt.wait()
-        self._record_checkpoints(final=True)
-        self._ckpt.close()
-        self._run.finish()
+        self._checkpoints.ckpt.wait()
+        self._checkpoints.record(final=True)
+        self._checkpoints.ckpt.close()
+        if self._run is not None:
+            self._run.finish()
         self.finished = True
 
     def close(self) -> None:
@@ -299,16 +366,16 @@ class RecordingRun:
         if self.finished:
             return
         try:
-            if self._step is not None:
-                self._step.flush()
+            self.flush()
         finally:
             self._close_examples()
             try:
-                if self._ckpt.wait() is not None:  # an asynchronous save completed: its fingerprint counts
-                    self._record_checkpoints()
+                if self._checkpoints.ckpt.wait() is not None:  # an asynchronous save completed: its fingerprint counts
+                    self._checkpoints.record()
             finally:
-                self._ckpt.close()
-                self._run.close()
+                self._checkpoints.ckpt.close()
+                if self._run is not None:
+                    self._run.close()
                 self.finished = True
 
     def __enter__(self) -> "RecordingRun":
@@ -318,46 +385,43 @@ class RecordingRun:
         self.finish() if exc_type is None else self.close()
 
 
-def as_state(tree: Any) -> Any:
-    from replay.record.nnx_step import as_state as nodes_state  # Flax only when given graph nodes
-
-    return nodes_state(tree)
-
-
-def _nnx_update(nodes: Any, state: Any) -> None:
-    from flax import nnx
-
-    from replay.record.nnx_step import _is_metric
-
-    nodes = nodes if isinstance(nodes, (tuple, list)) else (nodes,)
-    nnx.update(tuple(n for n in nodes if not _is_metric(n)), state)
-
-
-def _one_process(call: str) -> None:
-    import jax
-
-    if jax.process_count() > 1:  # orbax's JsonSave writes process 0's value only
-        raise RecordError(f"{call}: a run of {jax.process_count()} processes has one data iterator per host, and "
-                          "saving their states with the checkpoint is not supported yet; give the loop batch_at")
-
-
-def _inside(path: Path, folder: Path) -> bool:
-    p, f = Path(path).resolve(), Path(folder).resolve()
-    return p == f or f in p.parents
-
-
 def init(path: str | os.PathLike, *, config: Any = None, entrypoint: str | Callable | None = None,
          dataset_size: int | None = None, checkpoints: Any = None, resume: bool = False,
-         store_examples: bool = False, keep_checkpoints: int = 0) -> RecordingRun:
+         store_examples: bool = False, keep_checkpoints: int = 0, replayable: str | None = None,
+         manifest: dict | None = None, state_step: Callable[[Any], int] | None = None,
+         resume_command: str | None = None) -> RecordingRun:
     """Starts recording a run into `path` (a new or empty folder), or resumes a crashed one.
 
+    Several processes (jax.distributed): every process calls it with the same path; process 0
+    creates the run and writes its trace and run.json, the others wait for it and save their
+    shards of each checkpoint.
+
+    entrypoint: the @replay.entrypoint function that rebuilds the loop as a replay.Loop.
+    replayable: instead, "module:function" of the loop's own replay-protocol factory (a loop that
+      implements replay/engine/protocol.py itself, as the trainer does); its step records itself
+      through `run.begin` and `run.record`. A resume with it accepts the factory's runs from
+      before they were recorded through replay.init.
+    manifest: the loop's own run.json keys (JSON; `run.annotate` adds more later).
     store_examples: keep every distinct example's rows in the run (RUN/examples/rows.bin) so a
       replay needs no user code. Off by default: its disk is the distinct examples fed, which for
       a pretraining run is the dataset itself (terabytes at a million steps); turn it on for runs
       you will replay elsewhere or pack into bug reports.
     keep_checkpoints: the newest N checkpoints kept on disk (older ones deleted after a save; the
       steps before the oldest kept one can no longer be replayed); 0 keeps all. With your own
-      `checkpoints=` manager its max_to_keep decides instead."""
+      `checkpoints=` manager its max_to_keep decides instead.
+    state_step: reads the step a saved state is at (a TrainState's .step); a restore then refuses
+      a checkpoint holding another step as damaged.
+    resume_command: how to continue this run, said when a full disk stops it (default
+      `replay.init(PATH, resume=True)`).
+
+    Cost at a million steps: O(1) here; the run's records stream to disk (traces/writer.py)."""
     return RecordingRun(path, config=config, entrypoint=entrypoint, dataset_size=dataset_size,
                         checkpoints=checkpoints, resume=resume, store_examples=store_examples,
-                        keep_checkpoints=keep_checkpoints)
+                        keep_checkpoints=keep_checkpoints, replayable=replayable, manifest=manifest,
+                        state_step=state_step, resume_command=resume_command)
+
+
+def _leaves(tree: Any) -> list:
+    import jax
+
+    return jax.tree.leaves(tree)

@@ -2,7 +2,7 @@
 
 Call k (counted from the run's first step, or from the checkpoint `run.restore` resumed from)
 hashes the batch on the host, dispatches the one compiled program (the user's step plus its
-record, replay/record/program.py) and hands the record to replay.record.recorder.Recorder, which
+record, replay/record/program.py) and hands the record to `run.record` (replay.record.recorder.Recorder), which
 fetches step k's record only after step k+1 has been dispatched: the host never waits for the
 device to record. The wrapper returns exactly what the user's step returns.
 """
@@ -25,26 +25,34 @@ class RecordedStep:
         self.__wrapped__ = step
         self.__name__ = getattr(step, "__name__", "step")
         self.__doc__ = getattr(step, "__doc__", None)
-        self._recorder = None
+        self._started = False
 
     def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
         run = self._run
         if run.finished:
             raise RecordError(f"{run.path}: the run is finished; a recorded step cannot run after run.finish()")
-        if self._recorder is None:
+        if not self._started:
+            _one_process(run.path)
             self.program.compile(state, batch)
-            self._recorder = run._start_recording(self.program)
+            run._start_recording(self.program)
+            self._started = True
         hashes = example_hashes(batch, self.options.batch_axis)
         if len(hashes) != self.program.batch:
             raise RecordError(f"step {run.next_step}: the batch has {len(hashes)} examples, the first had "
                               f"{self.program.batch}; a recorded run feeds the same number every step")
         new_state, metrics, record = self.program(state, batch)
-        self._recorder.record(run.next_step, record, hashes)  # writes step k-1's record, fetched now
+        run.record(run.next_step, record, hashes)  # writes step k-1's record, fetched now
         if run._examples is not None:  # rows of examples not stored yet (replay/record/examples_store.py)
             run._examples.add(batch, hashes)
-        run.next_step += 1
         return new_state, metrics
 
     def flush(self) -> None:
-        if self._recorder is not None:
-            self._recorder.flush()
+        self._run.flush()
+
+
+def _one_process(path: Any) -> None:
+    import jax
+
+    if jax.process_count() > 1:  # the batch hashed here is this host's only; a global record needs them all
+        raise RecordError(f"{path}: run.step records one process's loop; a run of {jax.process_count()} processes "
+                          "is not supported by run.step yet (run.begin/run.record take hashes gathered across hosts)")

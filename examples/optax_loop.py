@@ -42,6 +42,7 @@ class Config:
     lr_bump_at: int = -1  # an injected bug: step at which the learning rate is doubled (-1: never)
     refeed_at: int = -1  # an injected bug: step that is fed the batch of step refeed_at - 5 (-1: never)
     poison_at: int = -1  # an injected bug: step whose example POISONED gets a huge target (64), its loss a spike
+    reset_opt_at: int = -1  # an edit between steps: the loop resets the optimizer state before step k (-1: never)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
@@ -150,6 +151,8 @@ def train(cfg: Config, out: str) -> str:
     step = run.step(batch_axis=0, metric_kinds=METRIC_KINDS)(loop.step)  # replay
     state = loop.init()
     for k in range(cfg.steps):
+        if k == cfg.reset_opt_at:  # the loop edits its state between two steps (before checkpoint k, if any)
+            state = state._replace(opt_state=optimizer(cfg).init(state.params))
         if k % cfg.checkpoint_every == 0:
             run.save(k, state)  # replay
         state, metrics = step(state, loop.batch_at(k))

@@ -117,6 +117,8 @@ def bisect(run_a: Run, run_b: Run, refine: bool = True):
     first = report.comparison.first
     if first is None:
         _check_checkpoints(report, run_a, run_b)
+    if first is not None and first.kind == "state" and report.hardware is None and _edits(report, run_a, run_b):
+        return report  # the traces say it: one loop changed its state between two steps (no replay needed)
     if first is not None and first.kind == "data":
         _data_at(report, run_a, run_b, report.comparison.first_step, first.positions or [])
     report.bits_expected = _bits_expected(run_a, run_b)
@@ -136,6 +138,21 @@ def bisect(run_a: Run, run_b: Run, refine: bool = True):
                             "trace scan only (--no-refine): the traces alone do not show every step's state, so "
                             "a divergence they do not record would go unnoticed")
     return report
+
+
+def _edits(report: BisectReport, run_a: Run, run_b: Run) -> bool:
+    """The divergence begins with the state entering a step: did one run's loop edit it there?"""
+    from replay.engine.edits import describe, state_edits
+
+    step = report.comparison.first_step
+    for name, run in (("B", run_b), ("A", run_a)):
+        leaves = state_edits(run, step)
+        if leaves:
+            report.edits = {"run": name, "step": step, "leaves": leaves}
+            report.notes.append(describe(leaves, step, name) + "; every step before it computes the same bits in "
+                                "both runs, so the difference is the loop's edit, not a step's computation")
+            return True
+    return False
 
 
 def _check_checkpoints(report: BisectReport, run_a: Run, run_b: Run) -> None:

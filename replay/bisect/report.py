@@ -45,6 +45,7 @@ class BisectReport:
     hardware: dict | None = None  # replay/bisect/replica.py: the runs differ in one device's replica results only
     rerun_checks: dict = field(default_factory=dict)  # replica.py: "A"/"B" -> its first SDC re-run from the divergence
     checkpoints: dict | None = None  # traces agree: "A"/"B" -> listed checkpoints checked intact (_check_checkpoints)
+    edits: dict | None = None  # replay/bisect/edits.py: {"run", "step", "leaves"}: a loop changed its state between steps
 
     @property
     def checkpoint_note(self) -> str | None:
@@ -83,6 +84,8 @@ class BisectReport:
     def cause(self) -> str | None:
         if self.hardware is not None:  # one replica's results: a chip, not the program or the data
             return "hardware"
+        if self.edits is not None:  # the loop changed the state between steps: not a step's computation
+            return "edit"
         if self.refinement and self.refinement.get("cause"):
             return self.refinement["cause"]
         first = self.comparison.first
@@ -91,6 +94,8 @@ class BisectReport:
 
     @property
     def layer(self) -> str | None:
+        if self.edits is not None:
+            return "state/" + self.edits["leaves"][0]
         if self.refinement and self.refinement.get("cause"):
             r = self.refinement
             return r.get("layer") if r["cause"] in TENSOR_KINDS else None
@@ -140,7 +145,7 @@ class BisectReport:
                 "step": c.first_step, "kind": c.first.kind, "name": c.first.name,
                 **({"fields": [{"kind": d.kind, "name": d.name} for d in c.diffs]} if self.found_before_trace else {})},
             "fields": self.fields(), "permutation": self.permutation, "hardware": self.hardware,
-            "rerun_checks": self.rerun_checks, "checkpoints": self.checkpoints,
+            "rerun_checks": self.rerun_checks, "checkpoints": self.checkpoints, "edits": self.edits,
             "manifest_diff": [{"key": m.key, "a": m.a, "b": m.b} for m in self.manifest],
             "examples": [{"run": e.run, "position": e.position, "hash": e.example_hash, "seen_before": e.seen}
                          for e in self.examples],

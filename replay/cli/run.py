@@ -60,6 +60,13 @@ def run(
         _render(report)
     if not report.exact:
         raise typer.Exit(EXIT_DIVERGED)
+    if report.stopped_at is not None:  # everything replayed matched, but not every step asked for was replayed
+        k = report.stopped_at
+        from replay.engine.edits import describe
+
+        console.fail(f"steps {k}..{last} not replayed: {describe(report.edit['leaves'], k)}, and no checkpoint holds "
+                     f"the edited state; save one after the edit (run.save({k}, state)) to replay past it, or replay "
+                     f"up to step {k - 1}")
 
 
 def _render(report) -> None:

@@ -19,6 +19,7 @@ from traces import FieldDiff, Run, TraceCorruptError, diff_records
 from traces.schema import METRIC_DTYPES
 from replay.record.recorder import to_record
 from replay.engine.damage import describe_damage, run_damage, shown_path
+from replay.engine.edits import describe, state_edits
 from replay.record import checkpoints as ckpts
 
 
@@ -44,6 +45,12 @@ class ReplayReport:
     steps: list[StepResult] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     value_dtype: str = "float32"  # of the recorded metrics and RMS values: how their bits are shown
+    edit: dict | None = None  # {"step", "leaves", "followed"}: the loop changed its state between steps (edits.py)
+
+    @property
+    def stopped_at(self) -> int | None:
+        """The step replay could not follow the loop to (an edit with no checkpoint after it)."""
+        return self.edit["step"] if self.edit and not self.edit["followed"] else None
 
     @property
     def in_range(self) -> list[StepResult]:
@@ -65,7 +72,7 @@ class ReplayReport:
             "replayed": len(self.in_range), "bit_exact": sum(s.exact for s in self.in_range),
             "warmup_replayed": len(self.steps) - len(self.in_range),
             "warmup_bit_exact": sum(s.exact for s in self.steps if s.warmup),
-            "all_bit_exact": self.exact, "contract": self.contract.to_json(), "notes": self.notes,
+            "all_bit_exact": self.exact, "contract": self.contract.to_json(), "notes": self.notes, "edit": self.edit,
             "first_mismatch": None if first is None else {
                 "step": first.step, "warmup": first.warmup,
                 "fields": [{"kind": d.kind, "name": d.name, "recorded": d.a, "replayed": d.b, "distance": d.distance,
@@ -169,6 +176,14 @@ def replay(run: Run, replayable: Any, first: int, last: int, contract: Contract,
     # its metrics at once would make the host wait for the device before building the next batch.
     pending = None
     for step in range(start, last + 1):
+        edited = state_edits(run, step) if step > start else []
+        if edited:  # the loop changed its state between step - 1 and step (replay/engine/edits.py)
+            if step not in replayable.checkpoint_steps():
+                report.edit = {"step": step, "leaves": edited, "followed": False}
+                break
+            state = replayable.restore(step)  # saved after the edit: the state the run really fed
+            report.edit = {"step": step, "leaves": edited, "followed": True}
+            report.notes.append(describe(edited, step) + f"; replay restarted from checkpoint {step}, which holds it")
         state, metrics, hashes = replayable.step(state, step)
         if pending is not None:
             verify(*pending)

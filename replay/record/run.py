@@ -21,7 +21,9 @@ and completed then (with the program hash and the step options replay needs).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -362,27 +364,38 @@ class RecordingRun:
         self.finished = True
 
     def close(self) -> None:
-        """Stops recording without marking the run complete (it stays INCOMPLETE, resumable)."""
+        """Stops recording without marking the run complete (it stays INCOMPLETE, resumable).
+        Called while an error is being handled (an `except` block, or a `with` block left by
+        one), a failure of the records or the save still in flight is not raised: the first
+        error stands."""
+        self._close(quiet=sys.exc_info()[1] is not None)
+
+    def _close(self, quiet: bool) -> None:
         if self.finished:
             return
         try:
-            self.flush()
+            with contextlib.suppress(Exception) if quiet else contextlib.nullcontext():
+                self.flush()
         finally:
             self._close_examples()
             try:
-                if self._checkpoints.ckpt.wait() is not None:  # an asynchronous save completed: its fingerprint counts
-                    self._checkpoints.record()
+                with contextlib.suppress(Exception) if quiet else contextlib.nullcontext():
+                    if self._checkpoints.ckpt.wait() is not None:  # an asynchronous save completed: it counts
+                        self._checkpoints.record()
             finally:
-                self._checkpoints.ckpt.close()
-                if self._run is not None:
-                    self._run.close()
-                self.finished = True
+                try:
+                    with contextlib.suppress(Exception) if quiet else contextlib.nullcontext():
+                        self._checkpoints.ckpt.close()
+                finally:
+                    if self._run is not None:
+                        self._run.close()
+                    self.finished = True
 
     def __enter__(self) -> "RecordingRun":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.finish() if exc_type is None else self.close()
+        self.finish() if exc_type is None else self._close(quiet=True)
 
 
 def init(path: str | os.PathLike, *, config: Any = None, entrypoint: str | Callable | None = None,

@@ -282,8 +282,9 @@ def _program_name(side: _Side) -> str:
 def _loop_fields(s: _LoopSide) -> list[tuple[str, str, Callable[[], Any]]]:
     """(kind, name, value) of everything one step of a loop computes, in causal order: the state
     entering it, forward (taps, then outputs), loss (its metrics, then per-example ones),
-    backward (gradient taps), update (the new state's leaves); each kind's recorded metrics after
-    its tensors. Taps come from the user's code; without it (an exported program), a layer-level
+    backward (gradient taps), update (the new state's leaves); each kind's recorded metrics before
+    its tensors, as the trace orders a record's fields (traces/compare.py diff_records), so the
+    field named agrees with the trace's first (a learning rate `lr` before the parameters it moves). Taps come from the user's code; without it (an exported program), a layer-level
     record's fingerprints stand in for them."""
     sch = s.schema
     rec = lambda: s.own()[1]  # noqa: E731
@@ -302,11 +303,12 @@ def _loop_fields(s: _LoopSide) -> list[tuple[str, str, Callable[[], Any]]]:
                 by_kind[kind].append((kind, f"{name} (fingerprint)",
                                       (lambda i=i: None if rec().fingerprints is None else np.uint64(rec().fingerprints[i]))))
     by_kind["update"] = [("update", n, (lambda x=x: x)) for n, x in tree_leaves(s.own()[0], "update")]
+    metrics: dict[str, list] = {k: [] for k in by_kind}
     for i, (name, kind) in enumerate(sch.metrics):
-        by_kind[kind if kind in by_kind else "update"].append((kind, name, (lambda i=i: rec().metrics[i])))
+        metrics[kind if kind in metrics else "update"].append((kind, name, (lambda i=i: rec().metrics[i])))
     for i, name in enumerate(sch.example_metrics):
         by_kind["loss"].append(("loss", f"example_{name}", (lambda i=i: rec().example_metrics[i])))
-    return [f for k in ("state", "forward", "loss", "backward", "update") for f in by_kind[k]]
+    return [f for k in ("state", "forward", "loss", "backward", "update") for f in metrics[k] + by_kind[k]]
 
 
 def refine_loop_step(ra: Replayer, rb: Replayer, step: int, states: tuple[Any, Any],

@@ -83,6 +83,9 @@ def check_bisect_lr(runs: dict[str, Path]) -> None:
     assert result.exit_code == 1, result.output
     report = json.loads(result.stdout)
     assert (report["first_step"], report["cause"]) == (LR_AT, "update"), report
+    # The layer named is the trace's first differing field in causal order (a recorded `lr` before the
+    # parameters it moves: the recomputation orders each kind's metrics before its tensors, as the trace does).
+    assert report["layer"] == report["fields"][0]["name"], (report["layer"], report["fields"][:2])
     # The first op that differs (replay/bisect/first_op.py): the schedule's `step == lr_bump_at`, an op whose
     # inputs are the same in both runs except for the constant the config baked in.
     op = report["refinement"]["op"]

@@ -368,6 +368,7 @@ def refine_loop_step(ra: Replayer, rb: Replayer, step: int, states: tuple[Any, A
         return out
     kind, name = first
     out.update(cause=kind, layer=name, first_intermediate=name)
+    _summarize_global(out, rows)
     out["op"] = _first_op(a, b, out["notes"])
     if focus is not None and focus[1] != name.removesuffix(" (fingerprint)"):
         out["notes"].append(f"recomputed, the first field to differ at step {step} is {name}; the trace's is {focus[1]}")
@@ -376,6 +377,23 @@ def refine_loop_step(ra: Replayer, rb: Replayer, step: int, states: tuple[Any, A
                shape=detail["shape"], dtype_a=detail["dtype_a"], dtype_b=detail["dtype_b"], at=detail.get("at"),
                a_value=detail.get("a_value"), b_value=detail.get("b_value"))
     return out
+
+
+def _summarize_global(out: dict, rows: list[dict]) -> None:
+    """Every leaf of a part of the new state differs (update/params.*: a change every parameter
+    shares, the learning rate, the optimizer's settings, a scaled gradient): say so, not just the
+    first leaf's name. A part is the state's top-level entry (params, opt_state, ...)."""
+    parts: dict[str, list[bool]] = {}
+    for r in rows:
+        if r.get("kind") == "update" and r["name"].startswith("update/"):
+            part = r["name"][len("update/"):].split(".", 1)[0]
+            parts.setdefault(part, []).append(r["equal"])
+    for part, equal in parts.items():
+        if len(equal) > 1 and not any(equal):
+            out["global"] = {"kind": "update", "part": part, "differing": len(equal), "of": len(equal)}
+            out["notes"].append(f"all {len(equal)} leaves of the new state's {part} differ: a change they all share "
+                                "(the learning rate, the optimizer's settings, a scaled gradient), not one layer's")
+            return
 
 
 def _first_op(a: _LoopSide, b: _LoopSide, notes: list[str]) -> dict | None:

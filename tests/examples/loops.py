@@ -90,6 +90,12 @@ def check_bisect_lr(runs: dict[str, Path]) -> None:
     # inputs are the same in both runs except for the constant the config baked in.
     op = report["refinement"]["op"]
     assert op["op"] == "eq" and op["first_differing_input"] is None and "constant" in op["reason"], op
+    # A loop that records its `lr`: every parameter moves with it, summarized as such, not as one layer.
+    summary = report["refinement"].get("global") or {}
+    if report["fields"][0]["name"] == "lr":
+        assert summary.get("differing") == summary.get("of") and summary.get("of", 0) > 1, report["refinement"]
+        assert any(note.startswith(f"all {summary['of']} leaves of the new state's {summary['part']} differ") for note in
+                   report["refinement"]["notes"]), report["refinement"]["notes"]
 
 
 def check_bisect_refeed(runs: dict[str, Path]) -> None:

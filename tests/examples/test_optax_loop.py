@@ -34,6 +34,10 @@ def test_compare_eval_of_a_loop_without_evaluate_names_the_field(runs, monkeypat
     loops.check_compare_eval_names_the_loop_field_to_add(runs, monkeypatch)
 
 
+def test_bisect_names_the_learning_rate_change_at_lr_and_all_parameters(runs):
+    loops.check_bisect_lr(runs)  # the example records lr: the layer named is lr, every parameter summarized
+
+
 def test_spike_attributes_the_poisoned_example(runs):
     loops.check_spike_names_the_poisoned_example(runs, optax_loop.POISONED)
 

@@ -297,6 +297,9 @@ def _loop_fields(s: _LoopSide) -> list[tuple[str, str, Callable[[], Any]]]:
                 by_kind["forward"].append(("forward", name, (lambda x=tree: x)))
             elif kind in ("forward", "backward"):
                 by_kind[kind] += [(kind, n, (lambda x=x: x)) for n, x in tree_leaves(tree, name)]
+        recorded = {name: i for i, name in enumerate(sch.tensor_names)}
+        for kind in ("forward", "backward"):  # in the trace's order (execution order, replay/record/taps.py)
+            by_kind[kind].sort(key=lambda f: recorded.get(f[1], len(recorded)))
     else:
         for i, (name, kind) in enumerate(sch.tensors):
             if kind in ("forward", "backward"):

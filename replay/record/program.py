@@ -32,7 +32,7 @@ from replay.record.errors import RecordError
 from replay.record.options import StepOptions
 from traces import Schema
 from replay.record.packed import pack
-from replay.record.taps import collecting
+from replay.record.taps import collecting, tap_leaves, tap_order
 
 RESERVED = ("rng", "fingerprints", "rms")  # keys of the record dict (trainer.recorder.to_record)
 
@@ -142,6 +142,7 @@ class Program:
         self._rep = None  # the sharding of the chained rows
         self._entering = None  # jitted: the rows of a state entering a step, when they are not chained
         self._last_new = self._last_update = None  # the new state's leaves and rows of the last call
+        self._tap_order: dict[str, list[int]] = {}  # tap name -> its leaves in execution order (taps.tap_order)
 
     # ---------------------------------------------------------------------------- building
 
@@ -156,6 +157,7 @@ class Program:
         self.batch = batch_size(batch, self.options.batch_axis)
         self.abstract = (jax.tree.map(spec, state), jax.tree.map(spec, batch))  # what replay/record/export.py exports for
         n_state = len(jax.tree.leaves(state))
+        self._tap_order = tap_order(self.fn, self.abstract) if self.options.level == "layer" else {}
         rep = self._rep = _replicated(self.abstract) if self.options.level == "layer" and n_state else None
         lowered = None
         if rep is not None:
@@ -299,7 +301,7 @@ class Program:
             for kind in ("forward", "backward"):
                 for name, k, tree in taps:
                     if k == kind:
-                        tensors += [(_join(name, p), kind, _bits(x)) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+                        tensors += [(n, kind, _bits(x)) for n, x in tap_leaves(tree, name, self._tap_order.get(name))]
                 if kind == "forward":
                     tensors += [(n, "forward", x) for n, x in outputs]
             tensors += [(_join("update", p), "update", _bits(x))

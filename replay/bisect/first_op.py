@@ -5,19 +5,21 @@ Taps and fingerprints name the first differing *tensor* a loop records; this nam
 differing *op*, for any JAX loop (linen, NNX, Equinox, plain), without hooks in the user's
 model: the step is what JAX traces, so its jaxpr holds every op the step runs, forward,
 backward and update, in program order, each with the user's source line. Each step's jaxpr is
-re-emitted as one jitted program that returns every op's outputs (one compile and one run per
-side, not one dispatch per op). An op whose inputs are equal in both runs but whose outputs are
-not computes differently (its parameters or code); one whose inputs differ only because a
-constant baked into the step differs (a learning rate, a flag) is named as such; one fed a
-differing input of the step (the state, the batch) names that input.
+re-emitted as one jitted program that returns every op's outputs (one run per side, not one
+dispatch per op; one compile for both when they are one program up to constants, see Cost).
+An op whose inputs are equal in both runs but whose outputs are not computes differently (its
+parameters or code); one whose inputs differ only because a constant baked into the step
+differs (a learning rate, a flag, an array closed over) is named as such; one fed a differing
+input of the step (the state, the batch) names that input.
 
 Inner `jit`s are inlined (their ops are named one by one); control flow (`scan`, `while`,
 `cond`) and custom-derivative calls are one op each. The programs are not the step's own
 compiled program, so their bits need not equal the step's; both runs go through the same
 construction, so what differs between them is what their inputs, constants and code make
-differ. Cost: two compiles of a program the size of the step, and every intermediate of one
-step on the host (about the step's activation memory), once, for the step bisect found; never
-proportional to the run's length.
+differ. Cost: one compile of a program the size of the step when the two steps are one program
+up to their inputs and literal constants (the same code, or another config value baked in), two
+otherwise; every intermediate of one step on the host (about the step's activation memory),
+once, for the step bisect found; never proportional to the run's length.
 """
 
 from __future__ import annotations
@@ -57,15 +59,15 @@ def _bits(x: Any) -> bytes:
     return a.dtype.str.encode() + str(a.shape).encode() + a.tobytes()
 
 
-def _emit(closed: Any) -> tuple[Callable, list[_Op], int]:
-    """(fn(*consts, *args) -> every op's outputs in order, the ops, how many consts)."""
+def _emit(closed: Any) -> list[_Op]:
+    """The ops of `closed`, inner jits inlined, in the order _all_outputs returns their outputs."""
     from jax.extend import core
 
     ops: list[_Op] = []
 
     def walk(jaxpr: Any, refs: list, inner_refs_out: list) -> None:
-        """Describes the ops of `jaxpr` whose inputs are `refs`; appends its outputs' refs."""
-        env: dict = dict(zip(jaxpr.invars, refs))
+        """Describes the ops of `jaxpr` whose constants, then inputs, are `refs`; appends its outputs' refs."""
+        env: dict = dict(zip([*jaxpr.constvars, *jaxpr.invars], refs))
 
         def ref(v: Any) -> Any:
             return ("lit", v.val) if isinstance(v, core.Literal) else env[v]
@@ -74,9 +76,9 @@ def _emit(closed: Any) -> tuple[Callable, list[_Op], int]:
             ins = [ref(v) for v in eqn.invars]
             if eqn.primitive.name in _INLINE and "jaxpr" in eqn.params:
                 sub = eqn.params["jaxpr"]
-                sub_consts = [("subconst", id(sub), i) for i in range(len(sub.consts))]
+                sub_consts = [("lit", c) for c in sub.consts]  # compared by value, as literals are
                 outs: list = []
-                walk(sub.jaxpr, [*ins] if not sub.jaxpr.constvars else [*sub_consts, *ins], outs)
+                walk(sub.jaxpr, [*sub_consts, *ins], outs)
                 for v, r in zip(eqn.outvars, outs):
                     env[v] = r
                 continue
@@ -87,23 +89,17 @@ def _emit(closed: Any) -> tuple[Callable, list[_Op], int]:
         inner_refs_out.extend(ref(v) for v in jaxpr.outvars)
 
     jaxpr = closed.jaxpr
-    n_consts = len(closed.consts)
     walk(jaxpr, [("const", i) for i in range(len(jaxpr.constvars))] + [("arg", i) for i in range(len(jaxpr.invars))], [])
-
-    def fn(*values: Any) -> list:
-        from jax._src import core as jcore
-
-        return jcore.eval_jaxpr(_all_outputs(jaxpr), values[:n_consts], *values[n_consts:])
-
-    return fn, ops, n_consts
+    return ops
 
 
-def _all_outputs(jaxpr: Any) -> Any:
-    """`jaxpr` with inner jits inlined and every op's outputs as its outputs, in op order."""
+def _all_outputs(jaxpr: Any) -> tuple[Any, list]:
+    """(`jaxpr` with inner jits inlined and every op's outputs as its outputs, in op order; its
+    literal inputs in order, as (eqn index, input index, Literal))."""
     from jax._src import core as jcore
     from jax.extend import core
 
-    eqns, outs = [], []
+    eqns, outs, literals = [], [], []
 
     def inline(j: Any, env: dict) -> list:
         def sub(v: Any) -> Any:
@@ -122,14 +118,46 @@ def _all_outputs(jaxpr: Any) -> Any:
             new_outvars = [jcore.Var(v.aval) for v in eqn.outvars]  # dropped outputs too: every one is returned
             for v, nv in zip(eqn.outvars, new_outvars):
                 env[v] = nv
-            eqns.append(eqn.replace(invars=[sub(v) for v in eqn.invars], outvars=new_outvars))
+            invars = [sub(v) for v in eqn.invars]
+            literals.extend((len(eqns), i, v) for i, v in enumerate(invars) if isinstance(v, core.Literal))
+            eqns.append(eqn.replace(invars=invars, outvars=new_outvars))
             outs.extend(new_outvars)
         return [sub(v) for v in j.outvars]
 
     inline(jaxpr, {})
     info = jaxpr.debug_info
     info = info._replace(result_paths=tuple(f"op {i}" for i in range(len(outs)))) if info is not None else None
-    return jaxpr.replace(outvars=outs, eqns=eqns, debug_info=info)
+    return jaxpr.replace(outvars=outs, eqns=eqns, debug_info=info), literals
+
+
+def _lifted(jaxpr: Any, literals: list, which: list[int]) -> Any:
+    """`jaxpr` with the literal inputs `literals[i]`, i in `which`, turned into inputs (first, in
+    that order): two steps that differ only in such constants run one program, fed each its own."""
+    from jax._src import core as jcore
+
+    if not which:
+        return jaxpr
+    new = {}
+    for i in which:
+        at, j, lit = literals[i]
+        new[(at, j)] = jcore.Var(lit.aval)
+    eqns = [eqn.replace(invars=[new.get((k, j), v) for j, v in enumerate(eqn.invars)]) if any((k, j) in new for j in
+            range(len(eqn.invars))) else eqn for k, eqn in enumerate(jaxpr.eqns)]
+    info = jaxpr.debug_info
+    if info is not None and info.arg_names is not None:
+        info = info._replace(arg_names=(*(f"constant {i}" for i in which), *info.arg_names))
+    return jaxpr.replace(invars=[*(new[literals[i][:2]] for i in which), *jaxpr.invars], eqns=eqns, debug_info=info)
+
+
+def _liftable(lit: Any) -> bool:
+    import jax
+
+    dtype = getattr(lit.aval, "dtype", None)
+    return dtype is not None and not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+
+
+def _literal_value(lit: Any) -> np.ndarray:
+    return np.asarray(lit.val, dtype=lit.aval.dtype)
 
 
 # Every op's outputs are the program's outputs, so XLA's optimizations have little to work on and
@@ -138,25 +166,60 @@ def _all_outputs(jaxpr: Any) -> Any:
 _FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
-def _values(step: Callable, args: tuple, cache: dict) -> tuple[list[_Op], list, list, list]:
-    """(ops, every op's outputs on the host, consts, flat args) of `step(*args)`. Two steps with
-    the same jaxpr up to its constants (the same code, other data or state) share one compile."""
-    import jax
+class _Side:
+    """One step traced: its jaxpr with every op's outputs, its ops, constants and flat inputs."""
 
-    closed = jax.make_jaxpr(step)(*args)
-    flat = jax.tree.leaves(args)
-    key = (str(closed.jaxpr), tuple((np.shape(c), str(np.asarray(c).dtype)) for c in closed.consts))
-    if key not in cache:
-        fn, ops, _ = _emit(closed)
-        lowered = jax.jit(fn).lower(*closed.consts, *flat)
+    def __init__(self, step: Callable, args: tuple):
+        import jax
+
+        closed = jax.make_jaxpr(step)(*args)
+        self.flat = jax.tree.leaves(args)
+        self.consts = list(closed.consts)
+        self.ops = _emit(closed)
+        self.jaxpr, self.literals = _all_outputs(closed.jaxpr)
+        self.const_avals = tuple((np.shape(c), str(np.asarray(c).dtype)) for c in self.consts)
+
+    def template(self) -> tuple:
+        """What the program is, its literal inputs' values aside (their types are in it)."""
+        return str(_lifted(self.jaxpr, self.literals, list(range(len(self.literals))))), self.const_avals
+
+    def values(self, compiled: Any, which: list[int]) -> list:
+        """Every op's outputs on the host, from `compiled` (this step's program with the literals
+        `which` as its first inputs)."""
+        import jax
+
+        lifted = [_literal_value(self.literals[i][2]) for i in which]
+        return list(jax.device_get(compiled(*self.consts, *lifted, *self.flat)))
+
+    def compile(self, which: list[int]) -> Any:
+        import jax
+        from jax._src import core as jcore
+
+        jaxpr, n = _lifted(self.jaxpr, self.literals, which), len(self.consts)
+        lifted = [_literal_value(self.literals[i][2]) for i in which]
+
+        def every_op(*values: Any) -> list:
+            return jcore.eval_jaxpr(jaxpr, values[:n], *values[n:])
+
+        lowered = jax.jit(every_op).lower(*self.consts, *lifted, *self.flat)
         try:
-            compiled = lowered.compile(compiler_options=_FAST_COMPILE)
+            return lowered.compile(compiler_options=_FAST_COMPILE)
         except Exception:  # noqa: BLE001 - a backend without these options: its default compile
-            compiled = lowered.compile()
-        cache[key] = (compiled, ops)
-    compiled, ops = cache[key]
-    outs = jax.device_get(compiled(*closed.consts, *flat))
-    return ops, list(outs), list(closed.consts), flat
+            return lowered.compile()
+
+
+def _outputs(a: _Side, b: _Side) -> tuple[list, list]:
+    """Every op's outputs of both steps. Steps that are one program up to the values of some
+    literal constants (the same code, other data or state, or another config value baked in as a
+    literal: a learning rate, a step number) share one compile, the differing constants its inputs
+    (an op computes the same bits from a value whether it is baked in or fed); literals equal in
+    both stay baked in, as in a step compiled alone."""
+    if a.template() == b.template():
+        which = [i for i, (x, y) in enumerate(zip(a.literals, b.literals)) if _bits(x[2].val) != _bits(y[2].val)]
+        if all(_liftable(a.literals[i][2]) for i in which):
+            compiled = a.compile(which)
+            return a.values(compiled, which), b.values(compiled, which)
+    return a.values(a.compile([]), []), b.values(b.compile([]), [])
 
 
 def first_differing_op(step_a: Callable, step_b: Callable, args_a: tuple, args_b: tuple) -> dict:
@@ -165,9 +228,9 @@ def first_differing_op(step_a: Callable, step_b: Callable, args_a: tuple, args_b
     when every op agrees. Each step is traced with its own code."""
     import jax
 
-    cache: dict = {}
-    ops_a, outs_a, consts_a, flat_a = _values(step_a, args_a, cache)
-    ops_b, outs_b, consts_b, flat_b = _values(step_b, args_b, cache)
+    a, b = _Side(step_a, args_a), _Side(step_b, args_b)
+    outs_a, outs_b = _outputs(a, b)
+    ops_a, consts_a, flat_a, ops_b, consts_b, flat_b = a.ops, a.consts, a.flat, b.ops, b.consts, b.flat
     at_a = at_b = 0
     for i, (oa, ob) in enumerate(zip(ops_a, ops_b)):
         if oa.primitive != ob.primitive or oa.n_out != ob.n_out:
@@ -211,4 +274,4 @@ def _resolve(ref: tuple, ops: list[_Op], outs: list, consts: list, flat: list) -
     if kind == "out":
         start = sum(op.n_out for op in ops[:ref[1]])
         return outs[start + ref[2]]
-    return np.zeros(0)  # an inner jit's closed-over constant: compared through its op's outputs instead
+    raise ValueError(f"unknown input reference {ref!r}")

@@ -62,6 +62,11 @@ def _leaves(batch: Any, batch_axis: int) -> list[tuple[str, np.ndarray]]:
 
 
 def batch_size(batch: Any, batch_axis: int) -> int:
+    import jax
+
+    leaves = jax.tree_util.tree_leaves(batch)
+    if leaves and all(isinstance(x, jax.Array) and x.ndim > batch_axis for x in leaves):
+        return int(leaves[0].shape[batch_axis])  # read from the shape: a global array of several hosts has no host copy
     return _leaves(batch, batch_axis)[0][1].shape[0]
 
 

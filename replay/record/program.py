@@ -143,6 +143,7 @@ class Program:
         self._entering = None  # jitted: the rows of a state entering a step, when they are not chained
         self._last_new = self._last_update = None  # the new state's leaves and rows of the last call
         self._tap_order: dict[str, list[int]] = {}  # tap name -> its leaves in execution order (taps.tap_order)
+        self._everywhere = None  # several processes: the record replicated on every device, so each reads it
 
     # ---------------------------------------------------------------------------- building
 
@@ -158,6 +159,7 @@ class Program:
         self.abstract = (jax.tree.map(spec, state), jax.tree.map(spec, batch))  # what replay/record/export.py exports for
         n_state = len(jax.tree.leaves(state))
         self._tap_order = tap_order(self.fn, self.abstract) if self.options.level == "layer" else {}
+        self._everywhere = _replicated(self.abstract) if jax.process_count() > 1 else None
         rep = self._rep = _replicated(self.abstract) if self.options.level == "layer" and n_state else None
         lowered = None
         if rep is not None:
@@ -255,7 +257,10 @@ class Program:
             raise RecordError("a replay.tap inside a function JAX transforms on its own (the loss function of "
                               "jax.grad, scan, vmap, an inner jit) cannot be recorded; return that value from it "
                               "(has_aux=True) and tap it at the step's top level") from None
-        return new_state, metrics, pack(record), update
+        packed = pack(record)
+        if self._everywhere is not None:  # several devices: every process reads the record whole
+            packed = jax.lax.with_sharding_constraint(packed, self._everywhere)
+        return new_state, metrics, packed, update
 
     # ---------------------------------------------------------------------------- the record
 

@@ -185,7 +185,10 @@ class RecordingRun:
         if not resuming and self._entrypoint is not None:  # make() checked here, not on another machine at replay
             check_entrypoint(self._entrypoint, self.manifest.get("config"), program, self.next_step)
         self.begin(program.schema, program.program_hash, record=program.options.to_json())
-        if not resuming:
+        if self._store_examples and run_open.processes() > 1:
+            raise RecordError(f"{self.path}: replay.init(store_examples=True) on {run_open.processes()} processes: each "
+                              "holds only its rows; record without it (replays then need the loop's code)")
+        if not resuming and self._run is not None:  # process 0 writes the run's files
             self._record_exported(program)
         self._open_examples(program, resume=resuming)
 
@@ -267,8 +270,8 @@ class RecordingRun:
     def _open_examples(self, program: Any, resume: bool) -> None:
         from replay.record import examples_store
 
-        store = self._run.manifest.get(examples_store.KEY)
-        if isinstance(store, dict) and store.get("leaves"):
+        store = self.manifest.get(examples_store.KEY)
+        if self._run is not None and isinstance(store, dict) and store.get("leaves"):
             self._examples = examples_store.ExampleWriter(self.path, program.options.batch_axis, resume=resume)
 
     def _close_examples(self) -> None:

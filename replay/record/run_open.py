@@ -25,6 +25,12 @@ def process_index() -> int:
     return jax.process_index()
 
 
+def processes() -> int:
+    import jax
+
+    return jax.process_count()
+
+
 def create(path: Path, manifest: dict) -> Run | None:
     """A new run: created by process 0 (returned); other processes wait for its run.json (None)."""
     if process_index() != 0:

@@ -6,7 +6,9 @@ sharding constraint). Placed by default on the first device, a state saved repli
 mesh would meet batches the loop shards over that mesh, and the step would refuse arguments on
 different devices. So a leaf the Loop gives no sharding takes the one orbax recorded with the
 checkpoint (its mesh shape, axis names, device ids and partition spec), when those devices exist
-here; otherwise the first device, as before.
+here; when they do not but as many devices do (a run of several processes, whose CPU device ids
+are per process, replayed by one process), the same mesh on this machine's first devices in
+order; otherwise the first device, as before.
 
 Cost: reads the checkpoint's metadata file once per restore (no array data).
 """
@@ -38,10 +40,34 @@ def saved_shardings(metadata: Any) -> dict[str, Any]:
             continue
         try:
             sharding = meta.to_jax_sharding()
-        except Exception:  # noqa: BLE001 - saved on devices this machine lacks: the default placement
-            continue
+        except Exception:  # noqa: BLE001 - saved on devices this machine lacks
+            sharding = _same_mesh_here(meta)  # e.g. a run of several processes replayed in one
+            if sharding is None:
+                continue  # the default placement
         out[_path(path)] = sharding
     return out
+
+
+def _same_mesh_here(meta: Any) -> Any:
+    """The saved NamedSharding's mesh shape, axis names and partition spec on this machine's first
+    devices in order, when it has as many as the mesh held (a run of several processes, whose
+    device ids are per process, replayed by one; or another machine with the same count); None
+    otherwise."""
+    import jax
+    import numpy as np
+
+    shape, names = getattr(meta, "shape", None), getattr(meta, "axis_names", None)
+    spec = getattr(meta, "partition_spec", None)
+    if shape is None or names is None or spec is None:
+        return None
+    n = int(np.prod(shape))
+    if n > jax.device_count():
+        return None
+    try:
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]).reshape(tuple(shape)), tuple(names))
+        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+    except Exception:  # noqa: BLE001 - a layout that cannot be rebuilt here: the default placement
+        return None
 
 
 def with_saved_shardings(abstract: Any, given: set[str], saved: dict[str, Any]) -> Any:

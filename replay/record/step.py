@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from replay.record.errors import RecordError
 from replay.record.hashing import example_hashes
+from replay.record.multihost import gathered_hashes
 from replay.record.options import StepOptions
 from replay.record.program import Program
 
@@ -32,11 +33,11 @@ class RecordedStep:
         if run.finished:
             raise RecordError(f"{run.path}: the run is finished; a recorded step cannot run after run.finish()")
         if not self._started:
-            _one_process(run.path)
             self.program.compile(state, batch)
             run._start_recording(self.program)
             self._started = True
-        hashes = example_hashes(batch, self.options.batch_axis)
+        hashes = (example_hashes(batch, self.options.batch_axis) if _processes() == 1
+                  else gathered_hashes(batch, self.options.batch_axis))  # several hosts: replay/record/multihost.py
         if len(hashes) != self.program.batch:
             raise RecordError(f"step {run.next_step}: the batch has {len(hashes)} examples, the first had "
                               f"{self.program.batch}; a recorded run feeds the same number every step")
@@ -50,9 +51,7 @@ class RecordedStep:
         self._run.flush()
 
 
-def _one_process(path: Any) -> None:
+def _processes() -> int:
     import jax
 
-    if jax.process_count() > 1:  # the batch hashed here is this host's only; a global record needs them all
-        raise RecordError(f"{path}: run.step records one process's loop; a run of {jax.process_count()} processes "
-                          "is not supported by run.step yet (run.begin/run.record take hashes gathered across hosts)")
+    return jax.process_count()

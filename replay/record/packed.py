@@ -71,8 +71,24 @@ def pack(record: dict) -> PackedRecord:
             raise TypeError(f"record value {key!r} is {x.dtype}; a packed record holds float32 or uint32")
         layout.append((key, tuple(x.shape), x.dtype.name))
         parts.append((jax.lax.bitcast_convert_type(x, jnp.uint32) if x.dtype != jnp.uint32 else x).reshape(-1))
-    words = jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.uint32)
+    words = jnp.concatenate(_one_layout(parts)) if parts else jnp.zeros((0,), jnp.uint32)
     return PackedRecord(words, tuple(layout))
+
+
+def _one_layout(parts: list) -> list:
+    """Under explicit sharding (a jax.make_mesh mesh's default axis type) each value's type carries
+    its sharding, and values of different shardings (a per-example metric split over the data
+    axis, a replicated loss, RNG words on no mesh) cannot be concatenated: the record's small
+    values are all made replicated on the step's mesh first. Nothing changes otherwise."""
+    import jax
+
+    meshes = [getattr(jax.typeof(p).sharding, "mesh", None) for p in parts]
+    mesh = next((m for m in meshes if m is not None and not m.empty
+                 and any(t == jax.sharding.AxisType.Explicit for t in m.axis_types)), None)
+    if mesh is None:
+        return parts
+    everywhere = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return [jax.sharding.reshard(p, everywhere) for p in parts]
 
 
 def _flatten(r: PackedRecord) -> tuple[tuple, tuple]:

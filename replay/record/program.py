@@ -120,6 +120,25 @@ def _replicated(abstract: tuple) -> Any:
     return None
 
 
+def _placed(abstract: tuple, jit_options: dict) -> tuple:
+    """The inputs as the step's jit places them: a host array (a replayed batch_at's numpy rows)
+    takes the step's in_shardings, as the array the loop fed while recording had them, so the
+    step traces for the same types (under explicit sharding a type carries its sharding) and
+    compiles to the same program."""
+    import jax
+
+    given = jit_options.get("in_shardings")
+    if not isinstance(given, (tuple, list)) or len(given) != len(abstract):
+        return abstract
+    out = []
+    for tree, sharding in zip(abstract, given):
+        if isinstance(sharding, jax.sharding.Sharding):
+            tree = jax.tree.map(lambda x, s=sharding: x if x.sharding is not None
+                                else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree)
+        out.append(tree)
+    return tuple(out)
+
+
 def _without_one_device_sharding(x: Any) -> Any:
     import jax
 
@@ -156,7 +175,7 @@ class Program:
 
         check_state(state)
         self.batch = batch_size(batch, self.options.batch_axis)
-        self.abstract = (jax.tree.map(spec, state), jax.tree.map(spec, batch))  # what replay/record/export.py exports for
+        self.abstract = _placed((jax.tree.map(spec, state), jax.tree.map(spec, batch)), self.jit_options)  # what export.py exports for
         n_state = len(jax.tree.leaves(state))
         self._tap_order = tap_order(self.fn, self.abstract) if self.options.level == "layer" else {}
         self._everywhere = _replicated(self.abstract) if jax.process_count() > 1 else None

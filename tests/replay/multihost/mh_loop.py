@@ -28,7 +28,7 @@ def batch_at(step: int) -> dict:
 
 
 def _shardings():
-    # Auto axes: replay does not record steps under explicit sharding (jax.sharding.AxisType.Explicit) yet
+    # Auto axes: the loop the trainer-style multi-host tests were written for (explicit: test_explicit_sharding.py)
     mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     return NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
 

@@ -21,6 +21,7 @@ class StepOptions:
     level: str = "layer"  # "step": metrics, RNG words, example hashes; "layer": also tensor fingerprints
     rng: tuple[str, ...] = ()  # state leaves (dotted tree paths) holding raw uint32 key words
     metric_kinds: dict = field(default_factory=dict)  # metric -> causal kind (default: loss, else update)
+    metrics: tuple[str, ...] | None = None  # the step's outputs recorded (with the loss); None: every one
 
     def __post_init__(self):
         if not isinstance(self.batch_axis, int) or isinstance(self.batch_axis, bool) or self.batch_axis < 0:
@@ -34,13 +35,23 @@ class StepOptions:
                 raise RecordError(f"run.step(metric_kinds={{{name!r}: {kind!r}}}): a kind is one of "
                                   f"{', '.join(METRIC_KINDS)}")
         object.__setattr__(self, "rng", tuple(self.rng))
+        if self.metrics is not None:
+            if isinstance(self.metrics, str) or not all(isinstance(m, str) for m in self.metrics):
+                raise RecordError(f"run.step(metrics={self.metrics!r}): give the names of the outputs to record, "
+                                  "a list of str")
+            object.__setattr__(self, "metrics", tuple(self.metrics))
 
     def to_json(self) -> dict:
         d = asdict(self)
         d["rng"] = list(self.rng)
+        if self.metrics is None:
+            del d["metrics"]  # as runs recorded before the option: their resume compares these options
+        else:
+            d["metrics"] = list(self.metrics)
         return d
 
     @classmethod
     def from_json(cls, d: dict) -> "StepOptions":
         return cls(batch_axis=int(d.get("batch_axis", 0)), loss=d.get("loss", "loss"), level=d.get("level", "layer"),
-                   rng=tuple(d.get("rng", ())), metric_kinds=dict(d.get("metric_kinds", {})))
+                   rng=tuple(d.get("rng", ())), metric_kinds=dict(d.get("metric_kinds", {})),
+                   metrics=None if d.get("metrics") is None else tuple(d["metrics"]))

@@ -290,8 +290,15 @@ class Program:
 
         o, B = self.options, self.batch
         scalars, examples, outputs = [], [], []
-        for path, x in jax.tree_util.tree_flatten_with_path(metrics)[0]:
-            name, x = _path(path, "/") or "metric", jnp.asarray(x)
+        flat = [(_path(path, "/") or "metric", x) for path, x in jax.tree_util.tree_flatten_with_path(metrics)[0]]
+        if o.metrics is not None:  # run.step(metrics=...): only these outputs (and the loss) are recorded
+            unknown = [m for m in o.metrics if m not in {n for n, _ in flat}]
+            if unknown:
+                raise RecordError(f"run.step(metrics=...): the step returns no output {unknown[0]!r} (its outputs: "
+                                  f"{', '.join(n for n, _ in flat[:12]) or 'none'}); name outputs it returns")
+            flat = [(n, x) for n, x in flat if n in o.metrics or n == o.loss]
+        for name, x in flat:
+            x = jnp.asarray(x)
             if x.ndim == 0:
                 scalars.append((name, x))
             elif x.shape == (B,) and jnp.issubdtype(x.dtype, jnp.floating):

@@ -118,7 +118,8 @@ class RecordingRun:
     # ---------------------------------------------------------------------------- the step
 
     def step(self, fn: Callable | None = None, *, batch_axis: int = 0, loss: str | None = "loss",
-             level: str = "layer", rng: tuple[str, ...] | list[str] = (), metric_kinds: dict | None = None) -> Any:
+             level: str = "layer", rng: tuple[str, ...] | list[str] = (), metric_kinds: dict | None = None,
+             metrics: tuple[str, ...] | list[str] | None = None) -> Any:
         """Wraps the train step `(state, batch) -> (state, metrics)`; usable as `@run.step(...)` or `run.step(fn)`.
 
         batch_axis: the axis of every batch leaf that indexes examples (hashed per example).
@@ -128,9 +129,11 @@ class RecordingRun:
         rng: dotted paths of state leaves holding raw uint32 key words (typed keys are found alone).
         metric_kinds: causal kind of a metric ("forward", "backward", "update", ...); default
           "update", the last, so an unknown metric is never named as a cause before what feeds it.
+        metrics: the names of the step's outputs to record (the loss always is); default every one
+          (a step that returns a hundred logging scalars records them all: choose here).
         """
         options = StepOptions(batch_axis=batch_axis, loss=loss, level=level, rng=tuple(rng),
-                              metric_kinds=dict(metric_kinds or {}))
+                              metric_kinds=dict(metric_kinds or {}), metrics=metrics)
 
         def wrap(f: Callable) -> Any:
             from replay.record.nnx_step import FunctionalStep  # RecordedStep, with its calls checked

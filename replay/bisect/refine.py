@@ -91,8 +91,8 @@ def _walk(items: list[tuple[str, Callable[[], Any], Callable[[], Any]]],
     fps_a = diff.fingerprints([va for _, va, _ in values])
     fps_b = diff.fingerprints([vb for _, _, vb in values])
     first, pair, rows = None, None, []
-    for (name, va, vb), fpa, fpb in zip(values, fps_a, fps_b):
-        d = diff.summary(va, vb, (fpa, fpb))
+    summaries = diff.summaries([(va, vb) for _, va, vb in values], list(zip(fps_a, fps_b)))  # one program
+    for (name, va, vb), d in zip(values, summaries):
         rows.append(_brief(name, d))
         if first is None and not d["equal"]:
             first, pair = name, (va, vb)
@@ -351,8 +351,8 @@ def refine_loop_step(ra: Replayer, rb: Replayer, step: int, states: tuple[Any, A
     diff = DeviceDiff()
     fps_a, fps_b = diff.fingerprints([v[2] for v in values]), diff.fingerprints([v[3] for v in values])
     first, pair, rows = None, None, []
-    for (kind, name, va, vb), fpa, fpb in zip(values, fps_a, fps_b):
-        d = diff.summary(va, vb, (fpa, fpb))
+    summaries = diff.summaries([(va, vb) for _, _, va, vb in values], list(zip(fps_a, fps_b)))  # one program
+    for (kind, name, va, vb), d in zip(values, summaries):
         rows.append({"kind": kind, **_brief(name, d)})
         if first is None and not d["equal"]:
             first, pair = (kind, name), (va, vb)

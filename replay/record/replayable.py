@@ -16,13 +16,14 @@ at or before it).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from replay.errors import ReplayUnavailable
 from replay.record import checkpoints as ckpts
-from replay.record import data_iterator, saved_layout
+from replay.record import data_iterator, examples_store, saved_layout
 from replay.record.data_iterator import IteratorFeed, next_batch
 from replay.record.hashing import example_hashes
 from replay.record.loop import MARK, Loop
@@ -68,6 +69,12 @@ class LoopReplay:
         # Errors while tracing are the Loop's step's (or a state it does not take), never Program.compile's.
         call_user_as(function_name(_user_function(loop.step)), self.program.compile, self._abstract, batch)
         self.schema = self.program.schema
+        self._trace, self._batch_tree = run.trace, __import__("jax").tree.structure(batch)
+        self._stored = _stored_rows(run)
+        self._check_loop_at: int | None = None  # the first step after a restore: the loop's own batch compared there
+        if self._stored is not None:
+            self.restore_notes.append("fed the run's stored rows (RUN/examples) at every step it holds, the bytes the "
+                                      "run fed, not the loop's batch_at or data iterator")
         if self.schema.to_json() != run.schema.to_json():
             self.restore_notes.append("the loop's step records a different schema here than the run recorded "
                                       "(different outputs, taps or state): its records are compared field by field")
@@ -90,6 +97,7 @@ class LoopReplay:
         state = ckpts.restore(self._manager, step, self._abstract, fingerprint)
         if self._feed is not None:
             self._feed.restore(step)
+        self._check_loop_at = step
         return state
 
     def _restore_data(self, step: int) -> Any:
@@ -104,8 +112,43 @@ class LoopReplay:
         return ckpts.restore_data(self._manager, step, fingerprint)
 
     def batch(self, step: int) -> Any:
-        """The batch step `step` is fed: batch_at(step), or the data iterator's (see the module doc)."""
+        """The batch step `step` is fed: the run's stored rows of it when it kept them (what it fed,
+        whatever the loop's data now gives), else batch_at(step) or the data iterator's (see the
+        module doc). At the first step after a restore the loop's own batch is compared with the
+        stored one: a data pipeline (or an iterator's set_state) that does not reproduce the run's
+        stream is named in a note."""
+        stored = self._stored_batch(step)
+        if stored is None:
+            return self._own_batch(step)
+        if self._check_loop_at == step:
+            self._check_loop_at = None
+            own = example_hashes(self._own_batch(step), self.options.batch_axis)
+            recorded = np.asarray(self._trace.read(step).example_hashes, np.uint64)
+            if not np.array_equal(own, recorded):
+                n = int(np.sum(own != recorded)) if own.shape == recorded.shape else len(recorded)
+                how = "its data iterator, restored at that checkpoint (set_state)," if self._feed else "its batch_at"
+                self.restore_notes.append(f"the loop's own data does not reproduce step {step}'s batch ({n} of "
+                                          f"{len(recorded)} examples differ): {how} gives other rows than the run fed; "
+                                          "replay fed the stored rows")
+        return stored
+
+    def _own_batch(self, step: int) -> Any:
         return self._call(self.loop.batch_at, step) if self._feed is None else self._feed.batch(step)
+
+    def _stored_batch(self, step: int) -> Any:
+        import jax
+
+        if self._stored is None or step not in self._trace:
+            return None
+        try:
+            leaves = self._stored.batch(step, np.asarray(self._trace.read(step).example_hashes, np.uint64))
+        except examples_store.ExampleStoreError as e:
+            # Not stored (a step before the store began), or the store is damaged: the loop's own batch.
+            if "not stored" not in str(e) and not any(n.startswith("the example store") for n in self.restore_notes):
+                self.restore_notes.append(f"the example store could not give step {step}'s rows ({e}); fed the loop's "
+                                          "own batch")
+            return None
+        return jax.tree.unflatten(self._batch_tree, leaves)
 
     def step(self, state: Any, step: int) -> tuple[Any, dict, np.ndarray]:
         batch = self.batch(step)
@@ -157,6 +200,14 @@ def _as_saved(abstract: Any, loop: Loop, manager: Any) -> Any:
         return abstract
     layout = saved_layout.saved_shardings(ckpts.state_metadata(manager, saved[-1]))
     return saved_layout.with_saved_shardings(abstract, saved_layout.given_shardings(loop.abstract_state), layout)
+
+
+def _stored_rows(run: Run) -> Any:
+    """The run's example store, when it kept one (replay/record/examples_store.py), else None."""
+    entry = run.manifest.get(examples_store.KEY)
+    if not isinstance(entry, dict) or not entry.get("leaves"):
+        return None
+    return examples_store.ExampleReader(Path(run.path), entry, complete=run.status == "complete")
 
 
 def _user_function(step: Any) -> Any:

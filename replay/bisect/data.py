@@ -30,7 +30,10 @@ class SeenBefore:
 
 def seen_before(runs: dict[str, Run], step: int, positions: list[int], limit: int = 5) -> list[SeenBefore]:
     """For each differing example of each run at `step`: where it was fed earlier, in either run
-    (the first `limit` places, in order).
+    (the first `limit` places, in order). A place in the same run is marked `same_epoch` when the
+    run declares its dataset's size (replay.init(dataset_size=N): epoch e feeds example slots
+    e*N .. e*N + N - 1, a step's batch its B slots in order): an example fed again in a later
+    epoch is what multi-epoch training does, one fed twice in an epoch is repeated data.
 
     One search for all the examples of both batches, through the segments' indexes
     (traces.fed): at 1.4M steps about a block read a hash a segment, never the records. The
@@ -47,6 +50,7 @@ def seen_before(runs: dict[str, Run], step: int, positions: list[int], limit: in
     else:
         places = {other: fed(run, queries, before_step=step + 1, limit=limit + extra) for other, run in runs.items()}
     width = {name: run.schema.examples_per_step for name, run in runs.items()}
+    sizes = {name: _dataset_size(run) for name, run in runs.items()}
     found: list[SeenBefore] = []
     for name, pairs in wanted.items():
         for pos, target in pairs:
@@ -55,9 +59,19 @@ def seen_before(runs: dict[str, Run], step: int, positions: list[int], limit: in
                 # Earlier than (step, pos) in the run itself; earlier than `step` in the other run.
                 limit_slot = step * width[other] + (pos if other == name else 0)
                 earlier = [(s, p) for s, p in places[other].get(int(target), []) if s * width[other] + p < limit_slot]
-                seen += [{"run": other, "step": s, "position": p} for s, p in earlier[:limit]]
+                for s, p in earlier[:limit]:
+                    place = {"run": other, "step": s, "position": p}
+                    if other == name and sizes[name]:
+                        n = sizes[name]
+                        place["same_epoch"] = (s * width[name] + p) // n == (step * width[name] + pos) // n
+                    seen.append(place)
             found.append(SeenBefore(name, pos, f"{int(target):016x}", seen))
     return found
+
+
+def _dataset_size(run: Run) -> int | None:
+    size = run.manifest.get("dataset_size")
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
 
 
 def _data_at(report: BisectReport, run_a: Run, run_b: Run, step: int, positions: list[int]) -> None:

@@ -129,8 +129,10 @@ class BisectReport:
                  "positions": None, "recomputed": True} for row in r.get("compared", []) if not row["equal"]]
 
     def repeated(self, run: str) -> list[SeenBefore]:
-        """Examples of `run`'s divergent batch that the same run had already fed."""
-        return [e for e in self.examples if e.run == run and any(s["run"] == run for s in e.seen)]
+        """Examples of `run`'s divergent batch that the same run had already fed, in the same epoch
+        where the run declares its dataset's size (a later epoch feeding it again is expected)."""
+        return [e for e in self.examples if e.run == run
+                and any(s["run"] == run and s.get("same_epoch", True) for s in e.seen)]
 
     def to_json(self) -> dict:
         """Strict JSON: a NaN or infinite value is null, with its repr beside it."""

@@ -150,7 +150,7 @@ def render(report) -> None:
         for run in ("B", "A"):
             rep = report.repeated(run)
             if rep:
-                where = sorted({s["step"] for e in rep for s in e.seen if s["run"] == run})
+                where = sorted({s["step"] for e in rep for s in e.seen if s["run"] == run and s.get("same_epoch", True)})
                 rows.append((f"already seen by {run}", f"{len(rep)} of them, first fed at steps {', '.join(map(str, where[:12]))}"))
     method = report.method
     if r.get("found_by") == "replay" and method == "trace scan":

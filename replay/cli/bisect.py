@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Callable, Annotated, Optional
 
 import typer
 
 from replay.cli import console
+from replay.engine.human_names import namer
 from replay.errors import EXIT_DIVERGED
 from replay.cli.bisect_cross import run_cross
 from replay.engine.code import allowing
@@ -69,7 +70,7 @@ def bisect(
     if json_out:
         console.print_json(report.to_json())
     else:
-        render(report)
+        render(report, namer(a.manifest))
     if report.failure is not None:
         with named_as_bundle(a), named_as_bundle(b):
             raise report.failure  # one error line after the trace scan's report: 2 bad input, 3 a bug
@@ -99,7 +100,8 @@ def _num(x) -> str:
     return "" if x is None else f"{x:.6g}" if isinstance(x, float) else str(x)
 
 
-def render(report) -> None:
+def render(report, shown: Callable[[str], str] = str) -> None:
+    """The report for people; `shown`: the display name of a recorded tensor (replay/engine/human_names.py)."""
     if report.manifest:
         console.print_table([(m.key, str(m.a), str(m.b)) for m in report.manifest[:30]],
                             columns=("what differs before any step ran", "A", "B"))
@@ -130,11 +132,11 @@ def render(report) -> None:
     if report.failure is not None:
         rows.append(("not confirmed by replay", "the replay this answer needs failed (the error below)"))
     if report.layer:
-        rows.append(("layer", report.layer))
+        rows.append(("layer", shown(report.layer)))
     r = report.refinement or {}
     if r.get("first_intermediate"):
         rows.append(("first intermediate that differs" if r.get("cause") == "forward" else "first tensor that differs",
-                     r["first_intermediate"]))
+                     shown(r["first_intermediate"])))
     op = r.get("op") or {}
     if op.get("op"):
         rows.append(("first op that differs", f"{op['op']} at {op.get('where')}"))
@@ -181,14 +183,14 @@ def render(report) -> None:
                        f"{c.first.name}), after the divergent step {s}: {there}")
     elif c.diffs:
         console.print_table(
-            [(d.kind, d.name, _num(d.a), _num(d.b),
+            [(d.kind, shown(d.name), _num(d.a), _num(d.b),
               "" if not d.distance or d.distance.get("nan") else f"abs {d.distance['abs']:.3g} ulp {d.distance['ulp']}")
              for d in c.diffs[:15]],
             columns=("kind", "field", "A", "B", "distance"),
             title=f"recorded fields that differ at step {c.first_step}, causal order",
         )
     if r.get("compared"):
-        _render_refinement(r)
+        _render_refinement(r, shown)
     for note in report.notes + r.get("notes", []):
         console.status(note)
 
@@ -214,9 +216,9 @@ def _render_partial(report) -> None:
             console.status(note)
 
 
-def _render_refinement(r: dict) -> None:
+def _render_refinement(r: dict, shown: Callable[[str], str] = str) -> None:
     d = r.get("distances") or {}
-    rows = [("layer", str(r.get("layer"))), ("first that differs", str(r.get("first_intermediate")))]
+    rows = [("layer", shown(str(r.get("layer")))), ("first that differs", shown(str(r.get("first_intermediate"))))]
     if d:
         rows += [("max abs", _num(d.get("max_abs"))), ("max relative", _num(d.get("max_rel"))),
                  ("max ULP", _num(d.get("max_ulp"))),
@@ -234,7 +236,7 @@ def _render_refinement(r: dict) -> None:
     cut = next((i for i, x in enumerate(compared) if not x["equal"]), len(compared))
     lo, hi = max(0, cut - 3), min(len(compared), cut + 4)
     table = [(f"({lo} before: all equal)", "", "", "")] if lo else []
-    table += [(x["name"], "equal" if x["equal"] else "differs",
+    table += [(shown(x["name"]), "equal" if x["equal"] else "differs",
                "" if x["equal"] else f"{100 * x['share_differing']:.4g}%", "" if x["equal"] else _num(x.get("max_ulp")))
               for x in compared[lo:hi]]
     rest = compared[hi:]

@@ -57,7 +57,9 @@ def run(
     if json_out:
         console.print_json(report.to_json())
     else:
-        _render(report)
+        from replay.engine.human_names import namer
+
+        _render(report, namer(target.manifest))
     if not report.exact:
         raise typer.Exit(EXIT_DIVERGED)
     if report.stopped_at is not None:  # everything replayed matched, but not every step asked for was replayed
@@ -69,7 +71,8 @@ def run(
                      f"up to step {k - 1}")
 
 
-def _render(report) -> None:
+def _render(report, shown=str) -> None:
+    """The report for people; `shown`: the display name of a recorded tensor (replay/engine/human_names.py)."""
     j = report.to_json()
     exact_word = "bit-exact" if report.contract.expect_bits else "bit-identical (not promised here)"
     rows = [
@@ -89,7 +92,7 @@ def _render(report) -> None:
         console.print_text(f"all {len(report.steps)} replayed steps are bit-identical to the trace", style="green")
         return
     console.print_table(
-        [(d.kind, d.name, "" if d.a is None else repr(d.a), "" if d.b is None else repr(d.b),
+        [(d.kind, shown(d.name), "" if d.a is None else repr(d.a), "" if d.b is None else repr(d.b),
           _fmt_distance(d.distance), "" if d.positions is None else ", ".join(map(str, d.positions[:16])))
          for d in first.diffs[:20]],
         columns=("kind", "field or layer", "recorded", "replayed", "distance", "examples"),

@@ -57,7 +57,8 @@ def git_commit(where: Path) -> dict | None:
 # Keys replay writes itself (here, at the first step and with every checkpoint): never a loop's extra key.
 REPLAY_KEYS = ("format_version", "recorded_by", "replayable", "entrypoint", "entrypoint_path", "config", "environment",
             "argv", "checkpoint_dir", "dataset_size", "git", "schema", "program_hash", "record", "trace_first_step",
-            "checkpoints", "checkpoint_fingerprints", "data_state_fingerprints", "exported", "example_store")
+            "checkpoints", "checkpoint_fingerprints", "data_state_fingerprints", "exported", "example_store",
+            "state_names")
 
 
 def check_extra(extra: dict | None, call: str) -> dict:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from replay.engine.human_names import node_labels
 from replay.record.errors import RecordError
 from replay.record.program import Program
 from replay.record.step import RecordedStep
@@ -227,6 +228,8 @@ class NnxRecordedStep:
             self._functional = Functional(self._fn, nodes)
             self._step = RecordedStep(self._run, self._functional, self._options)
             self._step.program = NnxProgram(self._functional, self._options)
+            # What a person calls each node of the recorded state (shown in place of its tuple index).
+            self._step.program.state_names = node_labels(tuple(n for n in nodes if not _is_metric(n)))
             self._add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
         state = self._functional.state_of(nodes)
         new_state, (_, (totals, out)) = self._step(state, batch)

@@ -163,6 +163,7 @@ class Program:
         self._last_new = self._last_update = None  # the new state's leaves and rows of the last call
         self._tap_order: dict[str, list[int]] = {}  # tap name -> its leaves in execution order (taps.tap_order)
         self._everywhere = None  # several processes: the record replicated on every device, so each reads it
+        self.state_names: dict | None = None  # an NNX step's node index -> its name (replay/engine/human_names.py)
 
     # ---------------------------------------------------------------------------- building
 

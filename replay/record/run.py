@@ -34,6 +34,7 @@ from replay.record.errors import RecordError
 from replay.record.options import StepOptions
 from replay.record.orbax_io import CheckpointDiskFullError
 from traces import Run, Schema, StepRecord
+from replay.engine.human_names import STATE_NAMES_KEY
 from replay.record import manifest as manifestlib
 from replay.record.entry_check import check_entrypoint
 from replay.record.program import check_state
@@ -193,6 +194,8 @@ class RecordingRun:
                               "holds only its rows; record without it (replays then need the loop's code)")
         if not resuming and self._run is not None:  # process 0 writes the run's files
             self._record_exported(program)
+            if program.state_names:
+                self._run.update_manifest(**{STATE_NAMES_KEY: program.state_names})
         self._open_examples(program, resume=resuming)
 
     def begin(self, schema: Schema, program_hash: str | None = None, *, level: str | None = None,

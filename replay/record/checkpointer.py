@@ -82,8 +82,8 @@ class Checkpointer:
     # ------------------------------------------------------------------------ writing
 
     def save(self, step: int, state: Any, data: dict | None = None, wait: bool = True) -> str | None:
-        """Save `state` (and `data`, a data iterator's payload, replay/record/data_iterator.py, in
-        the same orbax step) as checkpoint `step`; returns the state's fingerprint (computed on
+        """Save `state` (and `data`, a data iterator's payload, replay/record/data_iterator.py, or
+        the orbax args its own handler saves it with, grain's, in the same orbax step) as checkpoint `step`; returns the state's fingerprint (computed on
         device before the write starts: the state may be donated to the next step). Returns None
         (and writes nothing) if that step is already saved: the state entering step k is a pure
         function of the run, so the existing checkpoint stands. All processes must call it.
@@ -103,8 +103,10 @@ class Checkpointer:
         if step in self.steps():
             return None
         fingerprint = state_fingerprint(state)  # a collective, on device: every process computes it
+        # data: a payload dict (replay's JSON item), or the orbax args of the iterator's own handler (grain's)
+        data_args = ocp.args.JsonSave(data) if isinstance(data, dict) else data
         args = (ocp.args.StandardSave(state) if data is None else ocp.args.Composite(
-            **{ckpts.STATE: ocp.args.StandardSave(state), ckpts.DATA: ocp.args.JsonSave(data)}))
+            **{ckpts.STATE: ocp.args.StandardSave(state), ckpts.DATA: data_args}))
         unquiet = quiet_until_released()  # from before the writer threads start: they may fail at once
         try:
             with _quiet_orbax():

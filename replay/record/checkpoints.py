@@ -184,6 +184,19 @@ def restore_data(manager: Any, step: int, fingerprint: str | None) -> Any:
                  "the checkpoint was saved without run.save(..., data=)")
         raise CheckpointDamagedError(f"{where}: checkpoint {step} holds no data iterator state ({saved}); "
                                      f"{_WHAT_TO_DO}")
+    grain_file = where / data_iterator.GRAIN_FILE.format(index=0, count=1)
+    if grain_file.is_file():  # written by grain's own handler (a grain iterator): read without it
+        try:
+            text = grain_file.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise CheckpointDamagedError(f"{grain_file}: the data iterator state of checkpoint {step} cannot be read "
+                                         f"({e}); {_WHAT_TO_DO}") from None
+        stored = data_iterator.from_grain_text(text, fingerprint)
+        if stored is None:
+            raise CheckpointDamagedError(f"{grain_file}: the data iterator state of checkpoint {step} is damaged (its "
+                                         f"fingerprint differs from {fingerprint} recorded when it was saved); "
+                                         f"{_WHAT_TO_DO}")
+        return data_iterator.state_of(stored)
     try:
         with _quiet_orbax():
             stored = manager.restore(step, args=ocp.args.Composite(**{DATA: ocp.args.JsonRestore()}))[DATA]

@@ -3,7 +3,9 @@
 The protocol is grain's (`grain.DatasetIterator`, `grain.DataLoader`'s iterator): an iterator
 with `get_state()` and `set_state(state)`. `run.save(k, state, data=it)` stores `it.get_state()`
 in checkpoint k, in the same orbax step as the train state (an `ocp.args.Composite` of
-`state=StandardSave`, `data=JsonSave`, replay/record/checkpoints.py), and records a fingerprint of
+`state=StandardSave` and `data=JsonSave`, or for a grain iterator grain's own
+`CheckpointSave`, so grain and a CheckpointManager registered with its handler read it:
+replay/record/checkpoints.py), and records a fingerprint of
 it in the manifest ("data_state_fingerprints") that every restore checks, as the state's is.
 
 At replay, `replay.Loop(data=make_iterator)` gives a function returning a fresh iterator;
@@ -46,6 +48,38 @@ def payload(it: Any) -> dict:
         raise RecordError(f"run.save(..., data=): {type(it).__name__}.get_state() returned a {type(state).__name__} "
                           "that JSON does not hold exactly; return bytes or a dict of str, int, float, bool and lists")
     return {"format": FORMAT, "kind": "json", "value": state}
+
+
+def save_args(it: Any, stored: dict) -> Any:
+    """How checkpoint k holds the iterator: a grain iterator through grain's own orbax handler
+    (`grain.checkpoint.CheckpointSave`: DATA/process_<i>-of-<n>.json, what grain's restore and a
+    user's CheckpointManager registered with grain's handler read), anything else as replay's
+    JSON payload. Either way the manifest's fingerprint is of `stored`, the same state."""
+    if type(it).__module__.split(".")[0] == "grain":
+        try:
+            from grain.checkpoint import CheckpointSave
+        except ImportError:  # a grain without orbax support: replay's own item
+            return stored
+        return CheckpointSave(item=it)
+    return stored
+
+
+GRAIN_FILE = "process_{index}-of-{count}.json"  # grain's CheckpointHandler's file (one per process)
+
+
+def from_grain_text(text: str, fingerprint_recorded: str | None) -> dict:
+    """The stored payload of a grain-written iterator state: grain writes a DatasetIterator's JSON
+    state, and a DataLoader iterator's bytes decoded; the payload whose fingerprint was recorded
+    is the one (without one: JSON when the text parses). None when neither matches."""
+    candidates = []
+    try:
+        candidates.append({"format": FORMAT, "kind": "json", "value": json.loads(text)})
+    except ValueError:
+        pass
+    candidates.append({"format": FORMAT, "kind": "bytes", "value": base64.b64encode(text.encode()).decode("ascii")})
+    if fingerprint_recorded is None:
+        return candidates[0]
+    return next((c for c in candidates if fingerprint(c) == fingerprint_recorded), None)
 
 
 def state_of(stored: dict) -> Any:

@@ -43,8 +43,9 @@ class RunCheckpoints:
             return False
         before_write()
         stored = None if data is None else data_iterator.payload(data)
+        saved_as = None if data is None else data_iterator.save_args(data, stored)
         # every process: the fingerprint is a collective, taken before the next step donates the state
-        self.fingerprints[str(step)] = self.ckpt.save(step, state, stored, wait=wait)
+        self.fingerprints[str(step)] = self.ckpt.save(step, state, saved_as, wait=wait)
         if stored is not None:
             self.data_fingerprints[str(step)] = data_iterator.fingerprint(stored)
         self.record()

@@ -54,9 +54,9 @@ def test_each_checkpoint_holds_the_iterator_state_in_the_same_orbax_step(runs):
     from traces import Run
 
     manifest = Run.open(runs["clean"]).manifest
-    for k in (0, 10, 20, 30):
-        stored = json.loads((runs["clean"] / "checkpoints" / str(k) / "data" / "metadata").read_text())
-        assert stored["value"] == {"next_index": k}, stored
+    for k in (0, 10, 20, 30):  # a grain iterator: saved by grain's own handler, in its layout
+        stored = json.loads((runs["clean"] / "checkpoints" / str(k) / "data" / "process_0-of-1.json").read_text())
+        assert stored == {"next_index": k}, stored
         assert (runs["clean"] / "checkpoints" / str(k) / "state").is_dir()
     assert sorted(manifest["data_state_fingerprints"], key=int) == ["0", "10", "20", "30"]
 
@@ -96,14 +96,22 @@ def test_bisect_of_identical_runs_exits_0(runs):
 
 def test_a_replay_whose_iterator_is_not_restored_is_caught_as_data(runs, monkeypatch):
     """Had replay not restored the iterator state saved with checkpoint 10 (a fresh iterator, at
-    batch 0), the replay from it would be fed other batches: caught at step 10 as data, not
-    reported bit-exact."""
+    batch 0): the run stored its rows, so the replay feeds those (bit-exact) and names the iterator
+    that does not reproduce the run's stream; without stored rows it would be fed other batches,
+    caught at step 10 as data, never reported bit-exact."""
+    import replay.record.replayable as replayable
     from replay.record.data_iterator import IteratorFeed
 
     def fresh_instead(self, step):
         self._it, self.position, self._last = self.fresh(), step, None
 
     monkeypatch.setattr(IteratorFeed, "restore", fresh_instead)
+    result = invoke("run", str(runs["clean"]), "--steps", "12:13", "--json")
+    report = json.loads(result.stdout)
+    assert result.exit_code == 0 and report["all_bit_exact"], result.output
+    assert any("the loop's own data does not reproduce step 10's batch" in n and "set_state" in n
+               for n in report["notes"]), report["notes"]
+    monkeypatch.setattr(replayable, "_stored_rows", lambda run: None)  # as a run that stored no rows
     result = invoke("run", str(runs["clean"]), "--steps", "12:13", "--json")
     assert result.exit_code == 1, result.output
     first = json.loads(result.stdout)["first_mismatch"]
@@ -116,7 +124,7 @@ def test_a_damaged_iterator_state_is_refused(runs, tmp_path, damage):
 
     copy = tmp_path / "run"
     shutil.copytree(runs["clean"], copy)
-    stored = copy / "checkpoints" / "10" / "data" / "metadata"
+    stored = copy / "checkpoints" / "10" / "data" / "process_0-of-1.json"  # grain's layout
     text = stored.read_text()
     damaged = text.replace('"next_index": 10', '"next_index": 0') if damage == "another position" else text[:20]
     assert damaged != text

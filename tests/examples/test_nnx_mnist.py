@@ -156,3 +156,27 @@ def test_a_loop_step_that_fails_at_replay_is_named_with_its_whole_message(runs, 
     line = assert_one_line_error(result, "broken_step (your code) raised ValueError: Mismatch details (1 found):",
                                  "leaf conv.kernel: expected float32[3,3,1,4]")
     assert "Program.compile" not in line, line
+
+
+# ------------------------------------------------------------------------ names people know (human_names.py)
+
+def test_the_nodes_are_named_in_run_json_and_shown_by_name(runs):
+    from replay.engine.human_names import namer
+
+    manifest = Run.open(runs["clean"]).manifest
+    assert manifest["state_names"] == {"0": "model", "1": "optimizer"}
+    shown = namer(manifest)
+    assert shown("update/0.conv.kernel.value") == "update/model.conv.kernel"
+    assert shown("state/1.opt_state.0.mu.conv.kernel.value") == "state/optimizer.opt_state.0.mu.conv.kernel"
+    assert shown("grad/linear.bias.value") == "grad/linear.bias" and shown("loss") == "loss"
+
+
+def test_bisect_tables_show_human_names_and_json_keeps_the_raw_ones(runs):
+    result = invoke("bisect", str(runs["clean"]), str(runs["lr"]), "--json")
+    report = json.loads(result.stdout)
+    assert result.exit_code == 1, result.output
+    raw = [f["name"] for f in report["fields"] if f["name"].startswith("update/")]
+    assert raw and all(name.endswith(".value") and name.startswith(("update/0.", "update/1.")) for name in raw), raw
+    text = invoke("bisect", str(runs["clean"]), str(runs["lr"])).stdout
+    assert "update/model." in text and ".value" not in text and "update/0." not in text, text[-3000:]
+

@@ -19,6 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
 from replay.errors import ReplayUnavailable
@@ -69,7 +70,7 @@ class LoopReplay:
         # Errors while tracing are the Loop's step's (or a state it does not take), never Program.compile's.
         call_user_as(function_name(_user_function(loop.step)), self.program.compile, self._abstract, batch)
         self.schema = self.program.schema
-        self._trace, self._batch_tree = run.trace, __import__("jax").tree.structure(batch)
+        self._trace, self._batch_tree = run.trace, jax.tree.structure(batch)
         self._stored = _stored_rows(run)
         self._check_loop_at: int | None = None  # the first step after a restore: the loop's own batch compared there
         if self._stored is not None:
@@ -136,8 +137,6 @@ class LoopReplay:
         return self._call(self.loop.batch_at, step) if self._feed is None else self._feed.batch(step)
 
     def _stored_batch(self, step: int) -> Any:
-        import jax
-
         if self._stored is None or step not in self._trace:
             return None
         try:

@@ -185,7 +185,7 @@ class RecordingRun:
             if recorded is not None and self._run.manifest.get("program_hash") != program.program_hash:
                 raise RecordError(f"{self.path}: the step compiles to a different program than the run recorded; "
                                   "resume with the same code and config")
-        resuming = "schema" in self.manifest and self.manifest["schema"] != _PENDING_JSON
+        resuming = self._recorded_schema() is not None
         if not resuming and self._entrypoint is not None:  # make() checked here, not on another machine at replay
             check_entrypoint(self._entrypoint, self.manifest.get("config"), program, self.next_step)
         self.begin(program.schema, program.program_hash, record=program.options.to_json())
@@ -212,8 +212,8 @@ class RecordingRun:
 
         if self._recorder is not None:
             raise RecordError(f"{self.path}: run.begin was called already; a run records one step program")
-        recorded = self.manifest.get("schema")
-        resuming = recorded is not None and recorded != _PENDING_JSON
+        recorded = self._recorded_schema()
+        resuming = recorded is not None
         if resuming and recorded != schema.to_json():
             raise RecordError(f"{self.path}: the step records a different schema than the run did; resume with "
                               "the same step, config and run.step(...) arguments")
@@ -226,6 +226,11 @@ class RecordingRun:
             self._run.schema = schema
         writer = self._run.writer() if self._run is not None else None
         self._recorder = Recorder(schema, writer, level or ("layer" if schema.tensors else "step"), timeline=timeline)
+
+    def _recorded_schema(self) -> dict | None:
+        """The schema run.json holds once a first step declared it (None before: a new run's placeholder)."""
+        recorded = self.manifest.get("schema")
+        return None if recorded is None or recorded == _PENDING_JSON else recorded
 
     def record(self, step: int, record: dict, example_hashes: Any) -> None:
         """Hands step `step`'s record to the trace writer: `record` holds the step's device arrays
@@ -307,7 +312,7 @@ class RecordingRun:
             raise RecordError(f"run.save({step}, state): the recorded step has run up to step {self.next_step}; "
                               f"checkpoint k is the state entering step k, so save it as {self.next_step}")
         check_state(state)
-        if not isinstance(state, (dict, list, tuple)) and len(_leaves(state)) == 1 and _leaves(state)[0] is state:
+        if hasattr(state, "shape") and hasattr(state, "dtype"):  # a bare array (check_state: every leaf is one)
             raise RecordError(f"run.save({step}, state): the state is a single array, which orbax's StandardSave "
                               "does not save; save a dict of it ({'w': w}) and restore it alike")
         self.flush()  # the trace always reaches at least as far as the newest checkpoint
@@ -441,9 +446,3 @@ def init(path: str | os.PathLike, *, config: Any = None, entrypoint: str | Calla
                         checkpoints=checkpoints, resume=resume, store_examples=store_examples,
                         keep_checkpoints=keep_checkpoints, replayable=replayable, manifest=manifest,
                         state_step=state_step, resume_command=resume_command)
-
-
-def _leaves(tree: Any) -> list:
-    import jax
-
-    return jax.tree.leaves(tree)

@@ -8,13 +8,17 @@ The lines that exist only for replay end in `# replay`. The model is linen's fun
 (`model.apply(params, ...)`): a token and position embedding, causal self-attention blocks,
 logits tied to the embedding, no dropout (as in most current LMs). The batch is sharded
 over `jax.devices()` along its batch axis with a NamedSharding (one device works the same), and
-the step is jitted with `donate_argnums=0`. The task is a copy task (the second half of each
-row repeats the first): learnable, though 30 steps only start it (loss ~4.7 to ~4.4).
+the step is jitted with `donate_argnums=0`. The optimizer accumulates gradients as nanodo's does,
+`optax.MultiSteps(..., every_k_schedule=2)`: each step feeds one micro-batch, and every second
+step applies an update (inside MultiSteps' `lax.cond`, where the learning-rate schedule runs).
+The task is a copy task (the second half of each row repeats the first): learnable, though 30
+steps (15 updates) only start it.
 
 The data is a grain pipeline (`grain.MapDataset` -> `IterDataset`), consumed as an iterator,
-as streaming loops do; its state is checkpointed by orbax with the train state:
-`run.save(k, state, data=it)` saves `it.get_state()` in checkpoint k's orbax step, and replay
-restores it with the checkpoint it starts from (`replay.Loop(data=...)`). Batch i of the stream
+as streaming loops do. The loop checkpoints through its own orbax `CheckpointManager`, registered
+with grain's handler for the iterator (the layout grain documents); replay records through it:
+`run.save(k, state, data=it)` writes checkpoint k once, the state and grain's iterator state in
+one orbax step, and replay restores both from it (`replay.Loop(data=...)`). Batch i of the stream
 is a pure function of (seed, i): token rows drawn from a generator seeded with (seed, i).
 `evaluate` (each row's mean next-token loss) and `eval_batches` (rows of a seed stream training
 never draws from) are for `replay compare A B --eval`.
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -33,6 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
+from grain import checkpoint as grain_checkpoint
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import replay
@@ -51,7 +58,10 @@ class Config:
     lr: float = 3e-3
     warmup: int = 5
     checkpoint_every: int = 10
-    lr_bump_at: int = -1  # an injected bug: step at which the learning rate is doubled (-1: never)
+    accumulate: int = 2  # optax.MultiSteps applies the accumulated gradients every this many steps
+    # An injected bug: the update applied at this step (or the next: MultiSteps applies one every
+    # `accumulate` steps) has its learning rate doubled (-1: never).
+    lr_bump_at: int = -1
     refeed_at: int = -1  # an injected bug: step that is fed the batch of step refeed_at - 5 (-1: never)
     # An injected bug: at this step example POISONED's targets are ids past the vocabulary (a tokenizer that does
     # not match the model). JAX's gather fills NaN there, so that example's loss (and the step's) is NaN.
@@ -129,13 +139,16 @@ def dataset(cfg: Config) -> grain.IterDataset:
 
 
 def schedule(cfg: Config) -> optax.Schedule:
-    # Warm up from lr / warmup, not 0: a zero rate would leave step 0's parameters unchanged.
-    base = optax.warmup_cosine_decay_schedule(cfg.lr / cfg.warmup, cfg.lr, cfg.warmup, max(cfg.steps, cfg.warmup + 1))
-    return lambda step: jnp.where(step == cfg.lr_bump_at, 2.0, 1.0) * base(step)
+    """The rate of the `update`-th applied update (MultiSteps' inner optimizer counts applied updates)."""
+    # Warm up from lr / warmup, not 0: a zero rate would leave the first update's parameters unchanged.
+    updates = max(cfg.steps // cfg.accumulate, cfg.warmup + 1)
+    base = optax.warmup_cosine_decay_schedule(cfg.lr / cfg.warmup, cfg.lr, cfg.warmup, updates)
+    return lambda update: jnp.where(update == cfg.lr_bump_at // cfg.accumulate, 2.0, 1.0) * base(update)
 
 
-def optimizer(cfg: Config) -> optax.GradientTransformation:
-    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule(cfg), weight_decay=1e-4))
+def optimizer(cfg: Config) -> optax.MultiSteps:
+    inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule(cfg), weight_decay=1e-4))
+    return optax.MultiSteps(inner, every_k_schedule=cfg.accumulate)
 
 
 def init_state(cfg: Config) -> State:
@@ -158,8 +171,10 @@ def train_step(state: State, batch: dict, cfg: Config) -> tuple[State, dict]:
     (loss, example_loss), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     replay.tap(grads, "grad")  # replay
     updates, opt_state = optimizer(cfg).update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": jnp.asarray(schedule(cfg)(state.step), jnp.float32),
+    params = optax.apply_updates(state.params, updates)  # zero updates while MultiSteps accumulates
+    applies = state.step % cfg.accumulate == cfg.accumulate - 1
+    lr = jnp.where(applies, schedule(cfg)(state.step // cfg.accumulate), 0.0)  # the rate this step applies
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": jnp.asarray(lr, jnp.float32),
                "example_loss": example_loss}
     return State(state.step + 1, params, opt_state), metrics
 
@@ -177,19 +192,29 @@ def make(config: dict) -> replay.Loop:
 METRIC_KINDS = {"grad_norm": "backward", "lr": "update"}
 
 
+def checkpoint_manager(directory: str | Path, cfg: Config) -> ocp.CheckpointManager:
+    """The loop's own manager: the train state and grain's iterator, in the layout grain documents.
+    create=False: orbax makes the folder at the first save, after replay.init made the run's."""
+    options = ocp.CheckpointManagerOptions(save_interval_steps=cfg.checkpoint_every, create=False)
+    return ocp.CheckpointManager(Path(directory).absolute(), options=options, item_handlers={
+        "state": ocp.StandardCheckpointHandler(), "data": grain_checkpoint.CheckpointHandler()})
+
+
 def train(cfg: Config, out: str) -> str:
-    loop = make(dataclasses.asdict(cfg))
-    run = replay.init(out, config=dataclasses.asdict(cfg), entrypoint=make, store_examples=True)  # replay
+    config = dataclasses.asdict(cfg)
+    loop, manager = make(config), checkpoint_manager(Path(out) / "checkpoints", cfg)
+    run = replay.init(out, config=config, entrypoint=make, store_examples=True, checkpoints=manager)  # replay
     step = run.step(batch_axis=0, metric_kinds=METRIC_KINDS)(loop.step)  # replay
     state, batches = loop.init(), loop.data()
     for k in range(cfg.steps):
-        if k % cfg.checkpoint_every == 0:
+        if manager.should_save(k):  # the loop's own policy; run.save saves through its manager, once
             run.save(k, state, data=batches)  # replay
         state, metrics = step(state, next(batches))
         if k % 5 == 4 or k == cfg.steps - 1:
             print(f"step {k:5d}  loss {float(metrics['loss']):.5f}")
     run.save(cfg.steps, state, data=batches)  # replay
     run.finish()  # replay
+    manager.close()
     return out
 
 

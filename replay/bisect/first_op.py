@@ -12,42 +12,30 @@ parameters or code); one whose inputs differ only because a constant baked into 
 differs (a learning rate, a flag, an array closed over) is named as such; one fed a differing
 input of the step (the state, the batch) names that input.
 
-Inner `jit`s are inlined (their ops are named one by one); control flow (`scan`, `while`,
-`cond`) and custom-derivative calls are one op each. The programs are not the step's own
-compiled program, so their bits need not equal the step's; both runs go through the same
-construction, so what differs between them is what their inputs, constants and code make
-differ. Cost: one compile of a program the size of the step when the two steps are one program
-up to their inputs and literal constants (the same code, or another config value baked in), two
-otherwise; every intermediate of one step on the host (about the step's activation memory),
-once, for the step bisect found; never proportional to the run's length.
+Inner calls (`jit`, `remat`, `custom_jvp`/`custom_vjp` bodies: the step is evaluated, not
+differentiated) are inlined and their ops named one by one; the search descends into the branch
+of a `cond` (`lax.cond`, `lax.switch`, optax.MultiSteps' accumulation) that both runs took, and
+names the cond itself when they took different branches (replay/bisect/op_program.py). `scan`
+and `while` are still one op each: the first differing op is then the loop, named at its line,
+not the op of its first differing iteration. An op's location names the user's innermost line
+and the library's (`linen_lm.py:120 (<lambda>), called from optax/_src/transform.py:88`).
+The programs are not the step's own compiled program, so their bits need not equal the step's;
+both runs go through the same construction, so what differs between them is what their inputs,
+constants and code make differ. Cost: one compile of a program the size of the step (a cond's
+branches each once, as in the step) when the two steps are one program up to their inputs and
+literal constants (the same code, or another config value baked in, in a cond's branch too), two
+otherwise; every intermediate of one step on the host (about the step's activation memory; a
+cond's untaken branches as zeros of their ops' shapes), once, for the step bisect found; never
+proportional to the run's length.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
-_INLINE = ("pjit", "closed_call", "core_call", "jit")
-
-
-@dataclass
-class _Op:
-    primitive: str
-    where: str
-    inputs: list  # per input: ("arg", i) | ("const", i) | ("lit", value) | ("out", op index, output index)
-    n_out: int
-
-
-def _where(eqn: Any) -> str:
-    from jax._src import source_info_util
-
-    info = eqn.source_info
-    frame = source_info_util.user_frame(info.traceback) if info is not None else None
-    stack = str(info.name_stack) if info is not None else ""
-    loc = f"{frame.file_name.rsplit('/', 1)[-1]}:{frame.start_line} ({frame.function_name})" if frame else "?"
-    return f"{stack + ' ' if stack else ''}{loc}"
+from replay.bisect.op_program import Op, trace
 
 
 def _bits(x: Any) -> bytes:
@@ -57,78 +45,6 @@ def _bits(x: Any) -> bytes:
         x = jax.random.key_data(x)
     a = np.asarray(x)
     return a.dtype.str.encode() + str(a.shape).encode() + a.tobytes()
-
-
-def _emit(closed: Any) -> list[_Op]:
-    """The ops of `closed`, inner jits inlined, in the order _all_outputs returns their outputs."""
-    from jax.extend import core
-
-    ops: list[_Op] = []
-
-    def walk(jaxpr: Any, refs: list, inner_refs_out: list) -> None:
-        """Describes the ops of `jaxpr` whose constants, then inputs, are `refs`; appends its outputs' refs."""
-        env: dict = dict(zip([*jaxpr.constvars, *jaxpr.invars], refs))
-
-        def ref(v: Any) -> Any:
-            return ("lit", v.val) if isinstance(v, core.Literal) else env[v]
-
-        for eqn in jaxpr.eqns:
-            ins = [ref(v) for v in eqn.invars]
-            if eqn.primitive.name in _INLINE and "jaxpr" in eqn.params:
-                sub = eqn.params["jaxpr"]
-                sub_consts = [("lit", c) for c in sub.consts]  # compared by value, as literals are
-                outs: list = []
-                walk(sub.jaxpr, [*sub_consts, *ins], outs)
-                for v, r in zip(eqn.outvars, outs):
-                    env[v] = r
-                continue
-            k = len(ops)
-            ops.append(_Op(eqn.primitive.name, _where(eqn), ins, len(eqn.outvars)))
-            for j, v in enumerate(eqn.outvars):
-                env[v] = ("out", k, j)
-        inner_refs_out.extend(ref(v) for v in jaxpr.outvars)
-
-    jaxpr = closed.jaxpr
-    walk(jaxpr, [("const", i) for i in range(len(jaxpr.constvars))] + [("arg", i) for i in range(len(jaxpr.invars))], [])
-    return ops
-
-
-def _all_outputs(jaxpr: Any) -> tuple[Any, list]:
-    """(`jaxpr` with inner jits inlined and every op's outputs as its outputs, in op order; its
-    literal inputs in order, as (eqn index, input index, Literal))."""
-    from jax._src import core as jcore
-    from jax.extend import core
-
-    eqns, outs, literals = [], [], []
-
-    def inline(j: Any, env: dict) -> list:
-        def sub(v: Any) -> Any:
-            return v if isinstance(v, core.Literal) else env.get(v, v)
-
-        for eqn in j.eqns:
-            if eqn.primitive.name in _INLINE and "jaxpr" in eqn.params:
-                closed = eqn.params["jaxpr"]
-                inner_env = dict(zip(closed.jaxpr.invars, [sub(v) for v in eqn.invars]))
-                for cv, c in zip(closed.jaxpr.constvars, closed.consts):
-                    inner_env[cv] = core.Literal(c, cv.aval)
-                results = inline(closed.jaxpr, inner_env)
-                for v, r in zip(eqn.outvars, results):
-                    env[v] = r
-                continue
-            new_outvars = [jcore.Var(v.aval) for v in eqn.outvars]  # dropped outputs too: every one is returned
-            for v, nv in zip(eqn.outvars, new_outvars):
-                env[v] = nv
-            invars = [sub(v) for v in eqn.invars]
-            literals.extend((len(eqns), i, v) for i, v in enumerate(invars) if isinstance(v, core.Literal))
-            eqns.append(eqn.replace(invars=invars, outvars=new_outvars))
-            outs.extend(new_outvars)
-        return [sub(v) for v in j.outvars]
-
-    inline(jaxpr, {})
-    info = jaxpr.debug_info
-    info = info._replace(result_paths=tuple(f"op {i}" for i in range(len(outs)))) if info is not None else None
-    return jaxpr.replace(outvars=outs, eqns=eqns, debug_info=info), literals
-
 
 def _lifted(jaxpr: Any, literals: list, which: list[int]) -> Any:
     """`jaxpr` with the literal inputs `literals[i]`, i in `which`, turned into inputs (first, in
@@ -175,8 +91,7 @@ class _Side:
         closed = jax.make_jaxpr(step)(*args)
         self.flat = jax.tree.leaves(args)
         self.consts = list(closed.consts)
-        self.ops = _emit(closed)
-        self.jaxpr, self.literals = _all_outputs(closed.jaxpr)
+        self.ops, self.top, self.jaxpr, self.literals = trace(closed)
         self.const_avals = tuple((np.shape(c), str(np.asarray(c).dtype)) for c in self.consts)
 
     def template(self) -> tuple:
@@ -225,45 +140,84 @@ def _outputs(a: _Side, b: _Side) -> tuple[list, list]:
 def first_differing_op(step_a: Callable, step_b: Callable, args_a: tuple, args_b: tuple) -> dict:
     """{"op", "where", "same_inputs", "reason", "ops_compared", ...} of the first op of
     `step_a(*args_a)` vs `step_b(*args_b)` whose outputs differ bit for bit, or {"op": None}
-    when every op agrees. Each step is traced with its own code."""
+    when every op agrees. Each step is traced with its own code. An op inside a `cond` is named
+    with the conds it is in ("inside": each one's location and the branch both runs took)."""
     import jax
 
     a, b = _Side(step_a, args_a), _Side(step_b, args_b)
-    outs_a, outs_b = _outputs(a, b)
-    ops_a, consts_a, flat_a, ops_b, consts_b, flat_b = a.ops, a.consts, a.flat, b.ops, b.consts, b.flat
-    at_a = at_b = 0
-    for i, (oa, ob) in enumerate(zip(ops_a, ops_b)):
-        if oa.primitive != ob.primitive or oa.n_out != ob.n_out:
-            return {"op": oa.primitive, "op_b": ob.primitive, "where": oa.where, "where_b": ob.where, "ops_compared": i,
-                    "reason": "the two steps run different operations here (different code)"}
-        va, vb = outs_a[at_a:at_a + oa.n_out], outs_b[at_b:at_b + ob.n_out]
-        at_a, at_b = at_a + oa.n_out, at_b + ob.n_out
-        if all(_bits(x) == _bits(y) for x, y in zip(va, vb)):
-            continue
-        ins_a = [_resolve(r, ops_a, outs_a, consts_a, flat_a) for r in oa.inputs]
-        ins_b = [_resolve(r, ops_b, outs_b, consts_b, flat_b) for r in ob.inputs]
+    outs = _outputs(a, b)
+    paths = [jax.tree_util.keystr(p, simple=True, separator=".") or "input"
+             for p, _ in jax.tree_util.tree_flatten_with_path(args_a)[0]]
+    first_input = next((p for p, x, y in zip(paths, a.flat, b.flat) if _bits(x) != _bits(y)), None)
+    search = _Search(a, b, outs, first_input)
+    found = search.level(a.top, b.top, [])
+    if found is not None:
+        return found
+    if len(a.top) != len(b.top):
+        return {"op": None, "ops_compared": search.compared,
+                "reason": f"the two steps have {len(a.top)} and {len(b.top)} operations (different code)"}
+    return {"op": None, "ops_compared": search.compared, "reason": "every op agrees bit for bit"}
+
+
+class _Search:
+    """Both steps' ops walked in program order, into the branch of each cond both runs took."""
+
+    def __init__(self, a: _Side, b: _Side, outs: tuple[list, list], first_input: str | None):
+        self.a, self.b, self.outs, self.first_input, self.compared = a, b, outs, first_input, 0
+
+    def value(self, side: int, ref: tuple) -> Any:
+        s = (self.a, self.b)[side]
+        return _resolve(ref, s.ops, self.outs[side], s.consts, s.flat)
+
+    def level(self, top_a: list[int], top_b: list[int], inside: list) -> dict | None:
+        for ka, kb in zip(top_a, top_b):
+            oa, ob = self.a.ops[ka], self.b.ops[kb]
+            self.compared += 1
+            if oa.primitive != ob.primitive or oa.n_out != ob.n_out:
+                return {"op": oa.primitive, "op_b": ob.primitive, "where": oa.where, "where_b": ob.where,
+                        "ops_compared": self.compared, "inside": inside,
+                        "reason": "the two steps run different operations here (different code)"}
+            va = self.outs[0][oa.offset:oa.offset + oa.n_out]
+            vb = self.outs[1][ob.offset:ob.offset + ob.n_out]
+            if all(_bits(x) == _bits(y) for x, y in zip(va, vb)):
+                continue
+            if oa.branches is not None and ob.branches is not None:
+                ia, ib = (_branch(self.value(s, o.inputs[0]), len(o.branches)) for s, o in ((0, oa), (1, ob)))
+                if ia == ib:
+                    where = {"op": "cond", "where": oa.where, "branch": ia, "of": len(oa.branches)}
+                    found = self.level(oa.branches[ia], ob.branches[ib], [*inside, where])
+                    if found is not None:
+                        return found
+                else:
+                    return self.named(oa, ob, va, inside, f"the two runs take different branches of this cond "
+                                      f"(A branch {ia}, B branch {ib} of {len(oa.branches)}): ")
+            return self.named(oa, ob, va, inside, "")
+
+    def named(self, oa: Op, ob: Op, va: list, inside: list, why: str) -> dict:
+        ins_a = [self.value(0, r) for r in oa.inputs]
+        ins_b = [self.value(1, r) for r in ob.inputs]
         same = len(ins_a) == len(ins_b) and all(_bits(x) == _bits(y) for x, y in zip(ins_a, ins_b))
-        paths = [jax.tree_util.keystr(p, simple=True, separator=".") or "input"
-                 for p, _ in jax.tree_util.tree_flatten_with_path(args_a)[0]]
-        first_input = next((p for p, x, y in zip(paths, flat_a, flat_b) if _bits(x) != _bits(y)), None)
         if same:
             reason = "its inputs are equal in both runs and its outputs are not: the op itself computes differently " \
                      "(its parameters or code)"
-        elif first_input is None:
+        elif self.first_input is None:
             reason = "the step's inputs are equal; this op is the first fed a constant that differs between the two " \
                      "steps (a value the code or config bakes in, e.g. a learning rate)"
         else:
-            reason = f"the step's input {first_input} differs; this is the first op that reads the difference"
-        return {"op": oa.primitive, "where": oa.where, "same_inputs": same, "first_differing_input": first_input,
-                "shape": list(np.shape(va[0])), "dtype": str(np.asarray(va[0]).dtype), "ops_compared": i + 1,
-                "reason": reason}
-    if len(ops_a) != len(ops_b):
-        return {"op": None, "ops_compared": min(len(ops_a), len(ops_b)),
-                "reason": f"the two steps have {len(ops_a)} and {len(ops_b)} operations (different code)"}
-    return {"op": None, "ops_compared": len(ops_a), "reason": "every op agrees bit for bit"}
+            reason = f"the step's input {self.first_input} differs; this is the first op that reads the difference"
+        where = oa.where + "".join(f", inside cond at {c['where']} (branch {c['branch']} of {c['of']})"
+                                   for c in reversed(inside))
+        return {"op": oa.primitive, "where": where, "user_frame": oa.frames.get("user"),
+                "library_frame": oa.frames.get("library"), "inside": inside, "same_inputs": same,
+                "first_differing_input": self.first_input, "shape": list(np.shape(va[0])),
+                "dtype": str(np.asarray(va[0]).dtype), "ops_compared": self.compared, "reason": why + reason}
 
 
-def _resolve(ref: tuple, ops: list[_Op], outs: list, consts: list, flat: list) -> Any:
+def _branch(index: Any, n: int) -> int:
+    return int(np.clip(int(np.asarray(index)), 0, n - 1))  # lax.cond clamps its index so
+
+
+def _resolve(ref: tuple, ops: list[Op], outs: list, consts: list, flat: list) -> Any:
     kind = ref[0]
     if kind == "lit":
         return ref[1]
@@ -272,6 +226,5 @@ def _resolve(ref: tuple, ops: list[_Op], outs: list, consts: list, flat: list) -
     if kind == "const":
         return consts[ref[1]]
     if kind == "out":
-        start = sum(op.n_out for op in ops[:ref[1]])
-        return outs[start + ref[2]]
+        return outs[ops[ref[1]].offset + ref[2]]
     raise ValueError(f"unknown input reference {ref!r}")

@@ -78,7 +78,7 @@ def check_replay_catches_another_trace(runs: dict[str, Path], tmp: Path) -> None
     assert first["step"] == LR_AT and first["fields"][0]["kind"] == "update", first
 
 
-def check_bisect_lr(runs: dict[str, Path]) -> None:
+def check_bisect_lr(runs: dict[str, Path]) -> dict:
     result = invoke("bisect", str(runs["clean"]), str(runs["lr"]), "--json")
     assert result.exit_code == 1, result.output
     report = json.loads(result.stdout)
@@ -96,6 +96,7 @@ def check_bisect_lr(runs: dict[str, Path]) -> None:
         assert summary.get("differing") == summary.get("of") and summary.get("of", 0) > 1, report["refinement"]
         assert any(note.startswith(f"all {summary['of']} leaves of the new state's {summary['part']} differ") for note in
                    report["refinement"]["notes"]), report["refinement"]["notes"]
+    return report
 
 
 def check_bisect_refeed(runs: dict[str, Path]) -> None:

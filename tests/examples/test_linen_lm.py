@@ -1,6 +1,8 @@
-"""examples/linen_lm.py (a Flax linen decoder-only LM, optax, the batch sharded with a
-NamedSharding, a donated jitted step, a grain data iterator whose state orbax checkpoints with
-the train state) records, replays bit-exactly from a checkpoint, and bisect names injected bugs.
+"""examples/linen_lm.py (a Flax linen decoder-only LM, optax with gradient accumulation by
+optax.MultiSteps, the batch sharded with a NamedSharding, a donated jitted step, a grain data
+iterator checkpointed with the train state through the loop's own orbax CheckpointManager)
+records, replays bit-exactly from a checkpoint, and bisect names injected bugs (the learning
+rate's at the schedule's op inside MultiSteps' cond).
 A replay whose iterator was not restored, or restored from a damaged state, is caught. (The
 entering-state check of the NNX test is left out: the step is functional, nothing can alias its
 input, and it would add ~3.5 s of compiles to a ~30 s module.)"""
@@ -8,6 +10,7 @@ input, and it would add ~3.5 s of compiles to a ~30 s module.)"""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from tests.cli_util import invoke
 from tests.examples import loops
@@ -61,6 +64,27 @@ def test_each_checkpoint_holds_the_iterator_state_in_the_same_orbax_step(runs):
     assert sorted(manifest["data_state_fingerprints"], key=int) == ["0", "10", "20", "30"]
 
 
+def test_each_checkpoint_is_written_once_by_the_loops_own_manager_and_grain_restores_it(runs):
+    """run.save wrote through the loop's CheckpointManager: replay records its folder and keeps no
+    copy of its own (each orbax step folder exists once in the run), and the loop restores its
+    iterator from a checkpoint with grain's handler, as it would to resume."""
+    import orbax.checkpoint as ocp
+    from grain import checkpoint as grain_checkpoint
+
+    from traces import Run
+
+    cfg, run = linen_lm.Config(), runs["clean"]
+    assert Run.open(run).manifest["checkpoint_dir"] == "checkpoints"
+    saved = sorted(p.parent.relative_to(run) for p in run.rglob("_CHECKPOINT_METADATA"))
+    assert saved == [Path("checkpoints", str(k)) for k in (0, 10, 20, 30)], saved
+    manager = linen_lm.checkpoint_manager(run / "checkpoints", cfg)
+    assert manager.all_steps() == [0, 10, 20, 30]
+    resumed = iter(linen_lm.dataset(cfg))
+    manager.restore(10, args=ocp.args.Composite(data=grain_checkpoint.CheckpointRestore(resumed)))
+    manager.close()
+    assert (next(resumed)["inputs"] == linen_lm.batch_rows(cfg, 10)["inputs"]).all()
+
+
 def test_the_state_and_taps_reach_the_record(runs):
     from traces import Run
 
@@ -83,7 +107,14 @@ def test_a_replay_against_another_trace_is_caught(runs, tmp_path):
 
 
 def test_bisect_names_the_learning_rate_change_as_update(runs):
-    loops.check_bisect_lr(runs)
+    op = loops.check_bisect_lr(runs)["refinement"]["op"]
+    # MultiSteps applies the update inside a lax.cond: the op named is the schedule's `eq` inside it (not
+    # the cond), at the schedule's line in the example, called from optax's scale_by_learning_rate.
+    line = next(i for i, text in enumerate(Path(linen_lm.__file__).read_text().splitlines(), 1)
+                if "update == cfg.lr_bump_at" in text)
+    assert [c["op"] for c in op["inside"]] == ["cond"] and "optax/" in op["inside"][0]["where"], op["inside"]
+    assert op["user_frame"] == f"linen_lm.py:{line} (schedule.<locals>.<lambda>)", op
+    assert op["library_frame"].startswith("optax/") and op["where"].startswith(op["user_frame"]), op
 
 
 def test_bisect_names_a_refed_batch_as_data_and_where_it_was_first_fed(runs):

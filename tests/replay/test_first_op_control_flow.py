@@ -1,0 +1,79 @@
+"""replay/bisect/first_op.py descends into the branch of a `cond` both runs took and into
+custom-derivative calls' bodies (before, each was one op: bisect named `cond`, not the op inside
+it, e.g. the learning-rate schedule inside optax.MultiSteps' cond), and locates an op by the user's line and the library's."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from replay.bisect.first_op import first_differing_op
+from tests.replay.test_first_op_compiles import compiles
+
+STATE = {"w": jnp.linspace(-1.0, 1.0, 6, dtype=jnp.float32), "n": jnp.int32(4), "k": jnp.int32(1)}
+BATCH = jnp.linspace(0.5, 2.0, 6, dtype=jnp.float32)
+
+
+def limited(limit: float):
+    @jax.custom_vjp
+    def f(x):
+        return jnp.minimum(x, limit)
+
+    f.defvjp(lambda x: (f(x), x), lambda x, g: (g * (x < limit),))
+    return f
+
+
+def smooth(scale: float):
+    @jax.custom_jvp
+    def f(x):
+        return jnp.tanh(x) * scale
+
+    f.defjvp(lambda p, t: (f(p[0]), t[0] * scale))
+    return f
+
+
+def step(state: dict, batch: jax.Array, bump_at: int = -1, lr: float = 0.1, skip: bool = False):
+    g = jax.grad(lambda w: jnp.sum(jnp.tanh(w * batch) ** 2))(state["w"])
+
+    def apply(w, g, n):  # inside the cond: the schedule's `n == bump_at`
+        return w - lr * jnp.where(n == bump_at, 2.0, 1.0) * g
+
+    w = jax.lax.cond(jnp.logical_and(state["n"] >= 0, not skip), apply, lambda w, g, n: w, state["w"], g, state["n"])
+    w = jax.lax.switch(state["k"], [lambda w: w, lambda w: w * 0.5, lambda w: w + 1.0], w)  # a cond of 3 branches
+    return {"w": w, "n": state["n"] + 1, "k": state["k"]}, {"loss": jnp.sum(w)}
+
+
+def test_a_constant_inside_a_cond_names_the_op_inside_it_with_one_compile():
+    with compiles() as names:
+        r = first_differing_op(step, functools.partial(step, bump_at=4), (STATE, BATCH), (STATE, BATCH))
+    assert (r["op"], r["first_differing_input"]) == ("eq", None) and "constant" in r["reason"], r
+    assert [(c["op"], c["branch"], c["of"]) for c in r["inside"]] == [("cond", 1, 2)], r["inside"]
+    assert "inside cond at" in r["where"] and "apply)" in r["where"], r["where"]
+    assert len(names) == 1, names  # the constant became an input of the cond: one program for both
+    same = first_differing_op(step, step, (STATE, BATCH), (STATE, BATCH))  # the other branch's zeros agree too
+    assert same["op"] is None and "every op agrees" in same["reason"], same
+
+
+def test_custom_derivative_bodies_are_searched():
+    # Evaluated, not differentiated, a custom_vjp / custom_jvp call computes its body: its ops are named.
+    def measured(state, batch, limit=1.0, scale=1.0):
+        return state, {"a": limited(limit)(state["w"] * batch), "b": smooth(scale)(state["w"])}
+
+    for other, op in (({"limit": 0.5}, "min"), ({"scale": 2.0}, "mul")):
+        r = first_differing_op(measured, functools.partial(measured, **other), (STATE, BATCH), (STATE, BATCH))
+        assert (r["op"], r["first_differing_input"]) == (op, None) and "constant" in r["reason"], (other, r)
+        assert "f)" in r["where"], r["where"]  # the custom function's own line
+
+
+def test_a_library_op_is_located_at_the_users_line_and_the_librarys():
+    def scheduled(state, batch, lr=0.1):
+        rate = optax.cosine_decay_schedule(lr, 10)(state["n"])
+        return {**state, "w": state["w"] - rate * batch}, {}
+
+    r = first_differing_op(scheduled, functools.partial(scheduled, lr=0.2), (STATE, BATCH), (STATE, BATCH))
+    assert r["user_frame"].startswith("test_first_op_control_flow.py:") and "scheduled)" in r["user_frame"], r
+    assert r["library_frame"].startswith("optax/schedules/_schedule.py:"), r  # the cosine's mul
+    assert r["user_frame"] in r["where"] and f"in {r['library_frame']}" in r["where"], r["where"]

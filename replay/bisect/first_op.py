@@ -15,16 +15,19 @@ input of the step (the state, the batch) names that input.
 Inner calls (`jit`, `remat`, `custom_jvp`/`custom_vjp` bodies: the step is evaluated, not
 differentiated) are inlined and their ops named one by one; the search descends into the branch
 of a `cond` (`lax.cond`, `lax.switch`, optax.MultiSteps' accumulation) that both runs took, and
-names the cond itself when they took different branches (replay/bisect/op_program.py). `scan`
-and `while` are still one op each: the first differing op is then the loop, named at its line,
-not the op of its first differing iteration. An op's location names the user's innermost line
+names the cond itself when they took different branches (replay/bisect/op_program.py). A `scan`
+or `while` is one op of the program; when it differs, both runs' bodies are run from its inputs
+one iteration at a time to the first differing iteration, which is searched as a step of its own
+(replay/bisect/op_loops.py: the op, "inside" naming the loop and the iteration). An op's location names the user's innermost line
 and the library's (`linen_lm.py:120 (<lambda>), called from optax/_src/transform.py:88`).
 The programs are not the step's own compiled program, so their bits need not equal the step's;
 both runs go through the same construction, so what differs between them is what their inputs,
 constants and code make differ. Cost: one compile of a program the size of the step (a cond's
 branches each once, as in the step) when the two steps are one program up to their inputs and
 literal constants (the same code, or another config value baked in, in a cond's branch too), two
-otherwise; every intermediate of one step on the host (about the step's activation memory; a
+otherwise, plus, for a differing loop, its body compiled alone and as an every-op program (a
+body's size each) and one dispatch per iteration up to the first differing one; every
+intermediate of one step on the host (about the step's activation memory; a
 cond's untaken branches as zeros of their ops' shapes), once, for the step bisect found; never
 proportional to the run's length.
 """
@@ -35,6 +38,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from replay.bisect.op_loops import search_loop
 from replay.bisect.op_program import Op, trace
 
 
@@ -191,26 +195,52 @@ class _Search:
                 else:
                     return self.named(oa, ob, va, inside, f"the two runs take different branches of this cond "
                                       f"(A branch {ia}, B branch {ib} of {len(oa.branches)}): ")
+            if oa.loop is not None and ob.loop is not None:
+                ins = ([self.value(0, r) for r in oa.inputs], [self.value(1, r) for r in ob.inputs])
+                inner, t, length = search_loop(oa.loop, oa.primitive, ins, ob.loop, lambda x, y: _bits(x) == _bits(y))
+                if inner is not None and inner.get("op") is not None:
+                    return self.within(inner, oa, inside, {"op": oa.primitive, "where": oa.where, "iteration": t,
+                                                           "of": length})
             return self.named(oa, ob, va, inside, "")
+
+    def reason(self, same: bool) -> str:
+        if same:
+            return "its inputs are equal in both runs and its outputs are not: the op itself computes differently " \
+                   "(its parameters or code)"
+        if self.first_input is None:
+            return "the step's inputs are equal; this op is the first fed a constant that differs between the two " \
+                   "steps (a value the code or config bakes in, e.g. a learning rate)"
+        return f"the step's input {self.first_input} differs; this is the first op that reads the difference"
+
+    def within(self, inner: dict, loop: Op, inside: list, entry: dict) -> dict:
+        """`inner` (found in a loop body searched as a step) as an op of this step."""
+        inner["where"] += _inside([entry, *reversed(inside)])
+        inner["inside"] = [*inside, entry, *inner.get("inside", [])]
+        inner["ops_compared"] += self.compared
+        if "same_inputs" in inner:  # the body's inputs are the loop's: what differs there is the step's
+            inner["first_differing_input"], inner["reason"] = self.first_input, self.reason(inner["same_inputs"])
+        return inner
 
     def named(self, oa: Op, ob: Op, va: list, inside: list, why: str) -> dict:
         ins_a = [self.value(0, r) for r in oa.inputs]
         ins_b = [self.value(1, r) for r in ob.inputs]
         same = len(ins_a) == len(ins_b) and all(_bits(x) == _bits(y) for x, y in zip(ins_a, ins_b))
-        if same:
-            reason = "its inputs are equal in both runs and its outputs are not: the op itself computes differently " \
-                     "(its parameters or code)"
-        elif self.first_input is None:
-            reason = "the step's inputs are equal; this op is the first fed a constant that differs between the two " \
-                     "steps (a value the code or config bakes in, e.g. a learning rate)"
-        else:
-            reason = f"the step's input {self.first_input} differs; this is the first op that reads the difference"
-        where = oa.where + "".join(f", inside cond at {c['where']} (branch {c['branch']} of {c['of']})"
-                                   for c in reversed(inside))
+        reason = self.reason(same)
+        where = oa.where + _inside(reversed(inside))
         return {"op": oa.primitive, "where": where, "user_frame": oa.frames.get("user"),
                 "library_frame": oa.frames.get("library"), "inside": inside, "same_inputs": same,
                 "first_differing_input": self.first_input, "shape": list(np.shape(va[0])),
                 "dtype": str(np.asarray(va[0]).dtype), "ops_compared": self.compared, "reason": why + reason}
+
+
+def _inside(entries: Any) -> str:
+    """", inside cond at WHERE (branch 1 of 2), inside scan at WHERE (iteration 3 of 8)", innermost first."""
+    text = ""
+    for c in entries:
+        at = (f"branch {c['branch']} of {c['of']}" if "branch" in c else
+              f"iteration {c['iteration']}" + (f" of {c['of']}" if c.get("of") is not None else ""))
+        text += f", inside {c['op']} at {c['where']} ({at})"
+    return text
 
 
 def _branch(index: Any, n: int) -> int:

@@ -9,8 +9,9 @@ at most the cond's ops' outputs once per branch are held); which branch ran is r
 index afterwards, so the search descends into the branch each run took. Literals inside a
 branch become inputs of the cond, so two steps that differ only in a constant baked into a
 branch (a learning-rate schedule inside optax.MultiSteps' cond) are still one program, the
-constant one of its inputs. `scan` and `while` stay one op each: their bodies run many times,
-and holding every iteration's intermediates is what the cost promise rules out.
+constant one of its inputs. `scan` and `while` stay one op each here (their bodies run many
+times, and holding every iteration's intermediates is what the cost promise rules out); a loop
+that differs is searched afterwards, iteration by iteration (replay/bisect/op_loops.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class Op:
     n_out: int
     frames: dict = field(default_factory=dict)  # "user" and "library": the op's innermost frames of each
     branches: list | None = None  # a cond's op indices per branch (None: one op)
+    loop: dict | None = None  # a scan's or while's params (its body, its operands' layout)
     offset: int = 0  # where its outputs start among the program's outputs
     width: int = 0  # its outputs and those of every op inside it
 
@@ -147,7 +149,8 @@ def flatten(jaxpr: Any, var_env: dict, ref_env: dict, level: Level) -> tuple[lis
             continue
         k = len(level.ops)
         where, frames = _where(eqn)
-        op = Op(eqn.primitive.name, where, [ref(v) for v in eqn.invars], len(eqn.outvars), frames)
+        op = Op(eqn.primitive.name, where, [ref(v) for v in eqn.invars], len(eqn.outvars), frames,
+                loop=dict(eqn.params) if eqn.primitive.name in ("scan", "while") else None)
         level.ops.append(op)
         level.top.append(k)
         invars = [sub(v) for v in eqn.invars]

@@ -77,3 +77,31 @@ def test_a_library_op_is_located_at_the_users_line_and_the_librarys():
     assert r["user_frame"].startswith("test_first_op_control_flow.py:") and "scheduled)" in r["user_frame"], r
     assert r["library_frame"].startswith("optax/schedules/_schedule.py:"), r  # the cosine's mul
     assert r["user_frame"] in r["where"] and f"in {r['library_frame']}" in r["where"], r["where"]
+
+
+def looped(state: dict, rows: jax.Array, scale: float = 1.0, stop: int = 3):
+    def body(c, x):
+        return c * 0.9 + x * scale, jnp.sum(c)
+
+    carry, ys = jax.lax.scan(body, state["w"], rows)  # one iteration per row of the batch
+    out = jax.lax.while_loop(lambda c: c[0] < stop, lambda c: (c[0] + 1, c[1] * 1.5), (0, carry))[1]
+    return {**state, "w": out}, {"loss": jnp.sum(ys)}
+
+
+ROWS = jnp.arange(24, dtype=jnp.float32).reshape(4, 6) / 10
+
+
+def test_a_scan_is_searched_at_its_first_differing_iteration():
+    r = first_differing_op(looped, looped, (STATE, ROWS), (STATE, ROWS.at[2, 3].add(1.0)))
+    assert (r["op"], r["first_differing_input"]) == ("mul", "1"), r  # x * scale, at the third row
+    assert [(c["op"], c["iteration"], c["of"]) for c in r["inside"]] == [("scan", 2, 4)], r["inside"]
+    assert "inside scan at test_first_op_control_flow.py:" in r["where"] and "(iteration 2 of 4)" in r["where"], r
+    r = first_differing_op(looped, functools.partial(looped, scale=2.0), (STATE, ROWS), (STATE, ROWS))
+    assert (r["op"], r["first_differing_input"], r["inside"][0]["iteration"]) == ("mul", None, 0), r
+    assert "constant" in r["reason"], r
+
+
+def test_a_while_loop_that_runs_longer_is_searched_in_its_condition():
+    r = first_differing_op(looped, functools.partial(looped, stop=5), (STATE, ROWS), (STATE, ROWS))
+    assert (r["op"], r["first_differing_input"]) == ("lt", None) and "constant" in r["reason"], r
+    assert [(c["op"], c["iteration"]) for c in r["inside"]] == [("while", 3)], r["inside"]

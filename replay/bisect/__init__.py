@@ -201,7 +201,27 @@ def _noise(report: BisectReport, run_a: Run, run_b: Run) -> None:
         report.failure = e
         return
     report.noise = verdict.to_json()
+    report.noise["because"] = _why_no_bits(run_a, run_b)
+    report.noise["inputs"] = _inputs(run_a, run_b, start, stop)
     report.replays += verdict.replays
+
+
+def _why_no_bits(run_a: Run, run_b: Run) -> list[dict]:
+    """The environment keys that withdraw the bit promise for this pair (process_count 2 vs 1, ...)."""
+    contract = evaluate(run_a.manifest.get("environment", {}), run_b.manifest.get("environment", {}), None, None)
+    return [{"key": k, "a": a, "b": b} for k, a, b in contract.differences]
+
+
+def _inputs(run_a: Run, run_b: Run, start: int, stop: int) -> dict:
+    """Whether both runs fed the same data and RNG over [start, stop): rounding noise explains only
+    differences of what the steps computed, never of what they were fed. Reads 2 x (stop - start)
+    records (stop - start <= NOISE_WINDOW)."""
+    for step in range(start, stop):
+        ra, rb = run_a.trace.read(step), run_b.trace.read(step)
+        for kind, x, y in (("data", ra.example_hashes, rb.example_hashes), ("rng", ra.rng, rb.rng)):
+            if x.shape != y.shape or not (x == y).all():
+                return {"equal": False, "step": step, "kind": kind, "steps": [start, stop]}
+    return {"equal": True, "steps": [start, stop]}
 
 
 def _run_steps(run: Run) -> int:
@@ -289,3 +309,18 @@ def _replay(report: BisectReport, run_a: Run, run_b: Run) -> None:
         report.failure = e  # after the report, so the trace scan's answer is not lost
     finally:
         report.replayed_steps = ra.replayed_steps + rb.replayed_steps
+        _processes_note(report, run_a, run_b)
+
+
+def _processes_note(report: BisectReport, run_a: Run, run_b: Run) -> None:
+    """Bisect replays in this one process: a run recorded on several is replayed measured only."""
+    import jax
+
+    counts = {n: (r.manifest.get("environment") or {}).get("process_count") for n, r in (("A", run_a), ("B", run_b))}
+    other = {n: c for n, c in counts.items() if isinstance(c, int) and c != jax.process_count()}
+    if report.replays and other:
+        who = (f"both runs were recorded on {other['A']} processes" if other.get("A") == other.get("B") else
+               " and ".join(f"{n} was recorded on {c} processes" for n, c in other.items()))
+        report.notes.append(f"{who}, replayed here in {jax.process_count()}: bisect's replays "
+                            "compare the two runs replayed alike, measured, not bit for bit against their traces "
+                            "(replay run on as many processes checks those bits)")

@@ -64,7 +64,7 @@ class BisectReport:
     @property
     def noise_only(self) -> bool:
         """The runs differ in bits, but only by rounding noise the contract allows for this pair."""
-        return self.noise is not None and not self.noise["above"]
+        return self.noise is not None and not self.noise["above"] and (self.noise.get("inputs") or {}).get("equal", True)
 
     @property
     def identical(self) -> bool:
@@ -86,6 +86,8 @@ class BisectReport:
             return "hardware"
         if self.edits is not None:  # the loop changed the state between steps: not a step's computation
             return "edit"
+        if self.noise_only and self.noise.get("because"):  # rounding the environment's difference explains
+            return "environment"
         if self.refinement and self.refinement.get("cause"):
             return self.refinement["cause"]
         first = self.comparison.first
@@ -96,6 +98,8 @@ class BisectReport:
     def layer(self) -> str | None:
         if self.edits is not None:
             return "state/" + self.edits["leaves"][0]
+        if self.cause == "environment":  # no layer caused it: the recorded fields that differ are in `fields`
+            return None
         if self.refinement and self.refinement.get("cause"):
             r = self.refinement
             return r.get("layer") if r["cause"] in TENSOR_KINDS else None

@@ -36,6 +36,12 @@ def bisect(
     sparsely or not at all), replays both runs from their checkpoints, read-only, to name the
     first intermediate that differs, or to find the divergent step by binary search. A replay
     the answer needs that fails is an error (after the trace scan's report), not a note.
+
+    Runs in one process, also for runs recorded on several: the trace scan and the noise floor
+    need no other, and refining replays run here, the two runs alike, measured against each
+    other rather than bit for bit against their traces (a note says so). A pair whose bits the
+    contract does not promise (another process or device count) and whose differences stay
+    within the noise floor, with equal data and RNG, is cause `environment`, naming the keys.
     """
     from replay.bisect import bisect as run_bisect
     from replay.bundle import open_run
@@ -168,11 +174,17 @@ def render(report, shown: Callable[[str], str] = str) -> None:
         if n["above"]:
             rows.append(("above the noise floor", f"step {n['first_step']}, {n['kind']} {n['field']}: "
                                                   f"{n['ratio']:.0f}x the floor (distance {n['distance']:.3g}, floor {n['floor']:.3g})"))
-        else:
-            rows.append(("verdict", f"numerical noise only: bits are not expected to match for this pair (another "
-                                    f"backend or device count), and over steps {n['steps'][0]}..{n['steps'][1] - 1} no "
-                                    f"recorded quantity exceeds {n['factor']:.0f}x the noise floor (largest "
-                                    f"{n['max_ratio_below']:.2g}x)"))
+        inputs = n.get("inputs") or {}
+        if inputs.get("equal") is False:  # rounding never changes what a step is fed
+            rows.append(("fed differently", f"step {inputs['step']}: the runs' {inputs['kind']} differ, which the "
+                                            "environment's rounding cannot explain: a real divergence"))
+        elif not n["above"]:
+            because = "; ".join(f"{d['key']} {d['a']} vs {d['b']}" for d in n.get("because") or []) \
+                or "another backend or device count"
+            fed = " the runs fed equal data and RNG, and" if inputs.get("equal") else ""
+            rows.append(("verdict", f"numerical noise only: bits are not expected to match for this pair ({because}), "
+                                    f"and over steps {n['steps'][0]}..{n['steps'][1] - 1}{fed} no recorded quantity "
+                                    f"exceeds {n['factor']:.0f}x the noise floor (largest {n['max_ratio_below']:.2g}x)"))
     console.print_table(rows, title=f"bisect {report.run_a} vs {report.run_b}")
     if c.diffs and report.found_before_trace:
         # The trace's first difference is a later step than the divergence: never shown as its fields.

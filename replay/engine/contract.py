@@ -215,7 +215,11 @@ def evaluate(recorded_env: dict, here_env: dict, recorded_program: str | None, h
         return Contract(True, f"bit-exact expected: mesh-invariant mode, recorded on {recorded_count} and replayed on "
                               f"{count} devices, both measured to agree ({counts})" + more,
                         diffs, fatal, unchecked, informational)
-    what = ", ".join(sorted(keys))
+    # The process count is named with its values: a cross-process reduction rounds otherwise than one
+    # process's, so that alone withdraws the bits, and the reader needs the count to replay on.
+    values = {k: (a, b) for k, a, b in diffs}
+    what = ", ".join(f"{k} (recorded {values[k][0]}, here {values[k][1]})" if k == "process_count" else k
+                     for k in sorted(keys))
     return Contract(False, f"measured only: {what} differ from the recording; distances are reported" + more,
                     diffs, fatal, unchecked, informational)
 

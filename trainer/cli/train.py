@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from replay.cli import console
+from replay.cli.distributed import Coordinator, NumProcesses, ProcessId, initialize
 from trainer.config import apply_overrides
 from trainer.presets import get_preset
 
@@ -20,16 +21,12 @@ def train(
     resume: Annotated[Optional[Path], typer.Option("--resume", help="Continue this run from its newest checkpoint.")] = None,
     inject: Annotated[Optional[list[str]], typer.Option("--inject", help="Inject a fault NAME@STEP (trainer/faults.py); repeatable.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
-    coordinator: Annotated[Optional[str], typer.Option(help="Multi-process: coordinator HOST:PORT (jax.distributed).")] = None,
-    num_processes: Annotated[int, typer.Option(help="Multi-process: number of processes.")] = 1,
-    process_id: Annotated[int, typer.Option(help="Multi-process: this process's index.")] = 0,
+    coordinator: Coordinator = None,
+    num_processes: NumProcesses = 1,
+    process_id: ProcessId = 0,
 ) -> None:
     """Train a run that records every step (new run: --preset and --out; or --resume RUN)."""
-    if coordinator is not None:
-        import jax
-
-        # Must come before anything touches a device.
-        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+    initialize(coordinator, num_processes, process_id)  # must come before anything touches a device
     from trainer.loop import StepInfo, load_resume_config, prepare, run_prepared
 
     from traces import Run

@@ -100,6 +100,9 @@ def _check_processes(target, coordinator: str | None) -> str | None:
     if coordinator is not None:
         from replay.engine.damage import shown_path
 
+        if recorded == 1:
+            console.fail(f"{shown_path(target)} was recorded in one process and this replay has {here}: replay it in "
+                         "one process, without --coordinator")
         console.fail(f"{shown_path(target)} was recorded on {recorded} processes and this replay has {here}: replay it on "
                      f"{recorded} (--num-processes {recorded}, once per --process-id), or in one process without "
                      "--coordinator (measured only)")

@@ -100,6 +100,10 @@ def usable(manifest: dict, where: str = "run.json") -> str | None:
         return f"its step was not exported: {entry['error']}"
     store = manifest.get(examples_store.KEY)
     if not isinstance(store, dict) or not store.get("leaves"):
+        processes = (manifest.get("environment") or {}).get("process_count", 1)
+        if isinstance(processes, int) and processes > 1:  # store_examples is refused on several processes
+            return (f"it was recorded on {processes} processes, which keep no example store, so its batches need "
+                    "your batch_at")
         return "it recorded no example store (replay.init(..., store_examples=True) keeps one), so its batches need your batch_at"
     return None
 

@@ -156,3 +156,15 @@ def test_rounding_noise_never_covers_runs_fed_different_data():
     assert BisectReport("A", "B", [], scan, noise={**noise, "inputs": {"equal": True}}).cause == "environment"
     report = BisectReport("A", "B", [], scan, noise={**noise, "inputs": fed})
     assert not report.noise_only and report.cause == "backward"
+
+
+def test_a_replay_without_the_code_names_the_process_count_not_store_examples(runs):
+    """A run of several processes keeps no example store (store_examples is refused there), so the
+    exported program has no batches to run on: the refusal says so, instead of suggesting the
+    store_examples=True that recording would refuse."""
+    from tests.cli_util import invoke
+
+    result = invoke("run", str(runs["two"].path), "--steps", "4:5")
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "recorded on 2 processes, which keep no example store" in result.stderr, result.stderr
+    assert "store_examples=True" not in result.stderr, result.stderr

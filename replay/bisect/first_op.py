@@ -17,9 +17,11 @@ differentiated) are inlined and their ops named one by one; the search descends 
 of a `cond` (`lax.cond`, `lax.switch`, optax.MultiSteps' accumulation) that both runs took, and
 names the cond itself when they took different branches (replay/bisect/op_program.py). A `scan`
 or `while` is one op of the program; when it differs, both runs' bodies are run from its inputs
-one iteration at a time to the first differing iteration, which is searched as a step of its own
-(replay/bisect/op_loops.py: the op, "inside" naming the loop and the iteration). An op's location names the user's innermost line
-and the library's (`linen_lm.py:120 (<lambda>), called from optax/_src/transform.py:88`).
+one iteration at a time to the first differing iteration, which is searched as a step of its
+own (replay/bisect/op_loops.py; "inside" names each enclosing cond and loop, with the branch or
+iteration). A cond or loop this cannot take apart (effects in a branch, a body that does not run
+alone) is named as one op, as before. An op's location names the user's innermost line and the
+library's (`linen_lm.py:146 (<lambda>), called from optax/_src/transform.py:1004 (...)`).
 The programs are not the step's own compiled program, so their bits need not equal the step's;
 both runs go through the same construction, so what differs between them is what their inputs,
 constants and code make differ. Cost: one compile of a program the size of the step (a cond's
@@ -197,7 +199,11 @@ class _Search:
                                       f"(A branch {ia}, B branch {ib} of {len(oa.branches)}): ")
             if oa.loop is not None and ob.loop is not None:
                 ins = ([self.value(0, r) for r in oa.inputs], [self.value(1, r) for r in ob.inputs])
-                inner, t, length = search_loop(oa.loop, oa.primitive, ins, ob.loop, lambda x, y: _bits(x) == _bits(y))
+                try:
+                    inner, t, length = search_loop(oa.loop, oa.primitive, ins, ob.loop,
+                                                   lambda x, y: _bits(x) == _bits(y))
+                except Exception:  # noqa: BLE001 - a loop its body cannot be run alone from: named as one op
+                    inner = None
                 if inner is not None and inner.get("op") is not None:
                     return self.within(inner, oa, inside, {"op": oa.primitive, "where": oa.where, "iteration": t,
                                                            "of": length})

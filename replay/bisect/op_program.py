@@ -154,7 +154,12 @@ def flatten(jaxpr: Any, var_env: dict, ref_env: dict, level: Level) -> tuple[lis
         level.ops.append(op)
         level.top.append(k)
         invars = [sub(v) for v in eqn.invars]
-        new = _cond(eqn, invars, op, level.ops) if eqn.primitive.name == "cond" else None
+        new = None
+        if eqn.primitive.name == "cond":
+            try:
+                new = _cond(eqn, invars, op, level.ops)
+            except Exception:  # noqa: BLE001 - a cond this cannot rewrite (effects, say) stays one op, as before
+                new = None
         if new is None:  # dropped outputs too get a var: every one is returned
             new = eqn.replace(invars=invars, outvars=[jcore.Var(v.aval) for v in eqn.outvars])
         level.append(new)
@@ -184,7 +189,6 @@ def _cond(eqn: Any, invars: list, op: Op, ops: list[Op]) -> Any:
         levels.append((lv, new_in, outs))
     if any(_extended(v.aval) for lv, _, _ in levels for v in lv.outs):
         return None
-    op.branches = [lv.top for lv, _, _ in levels]
     lits = [lit for lv, _, _ in levels for _, lit in lv.hoisted]
     n_operands = len(invars) - 1
 
@@ -207,8 +211,10 @@ def _cond(eqn: Any, invars: list, op: Op, ops: list[Op]) -> Any:
         return jax.make_jaxpr(run)(*(jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals))
 
     extra = [jcore.Var(v.aval) for lv, _, _ in levels for v in lv.outs]
-    return eqn.replace(invars=[*invars, *lits], outvars=[*(jcore.Var(v.aval) for v in eqn.outvars), *extra],
-                       params={**eqn.params, "branches": tuple(branch(i) for i in range(len(levels)))})
+    new = eqn.replace(invars=[*invars, *lits], outvars=[*(jcore.Var(v.aval) for v in eqn.outvars), *extra],
+                      params={**eqn.params, "branches": tuple(branch(i) for i in range(len(levels)))})
+    op.branches = [lv.top for lv, _, _ in levels]
+    return new
 
 
 def place(ops: list[Op], indices: list[int], start: int) -> int:

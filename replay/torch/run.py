@@ -171,13 +171,26 @@ class TorchRun:
             step = checkpoint.latest(self.path)
             if step is None:
                 raise TorchRecordError(f"{self.path}: has no checkpoint to resume from; record it again from step 0")
+        self._check_start(step)
+        checkpoint.load(self.path, step, model, optimizer, restore_rng=True)
+        self.next_step = step
+        return step
+
+    def resumed_at(self, step: int) -> int:
+        """Records from `step` on, the state entering it restored by the loop's own checkpointing
+        (replay/torch/olmo_core.py: OLMo-core's), not replay.torch's; steps already in the trace
+        from there on are recorded again and kept only if bit-identical. Returns `step`."""
+        if self.finished or self._in_step or self._stepped:
+            raise TorchRecordError("run.resumed_at(...): call it on a resumed run before its first recorded step")
+        self._check_start(step)
+        self.next_step = step
+        return step
+
+    def _check_start(self, step: int) -> None:
         end = self._run.trace.end if len(self._run.trace) else 0
         if step > end:
             raise TorchRecordError(f"{self.path}: checkpoint {step} is past the trace's end (step {end}); resume "
                                    f"from a checkpoint at or before it")
-        checkpoint.load(self.path, step, model, optimizer, restore_rng=True)
-        self.next_step = step
-        return step
 
     # ---------------------------------------------------------------------------- steps
 

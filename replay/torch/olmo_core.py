@@ -1,0 +1,249 @@
+"""Record OLMo-core's own `Trainer` (ai2-olmo-core) into a replay run: one callback.
+
+    from replay.torch.olmo_core import ReplayCallback
+    trainer_config = trainer_config.with_callback("replay", ReplayCallback("runs/olmo"))
+
+Per step (the trainer's global step g is replay step g - 1) it records what replay.torch
+records: the per-example hashes of `batch["input_ids"]` (equal to replay.torch's, and the JAX
+side's, for equal rows), the CE loss as exact float32 bits (and the LR, grad norm and Z loss
+when the trainer records them), the RNG hash, and per-module fingerprints of the train
+module's model and optimizer (replay/torch/taps.py: parameters and optimizer state entering the
+step, each leaf module's output, each gradient, each parameter after the update). The batch's
+instance indices (`batch["index"]`, OLMo-core's numpy loaders) go to `RUN/olmo_core/instances.bin`
+(int64 [steps, B], little-endian; `instances(RUN)` reads them): outside the trace, so two runs
+that feed the same rows from different positions of a dataset (duplicate documents) do not
+differ in their traces.
+
+The manifest's "olmo_core" section holds, for every fit that recorded into the run (a
+"segment": the first, and one per resume), the data loader's world size and rank, seed,
+dataset fingerprint, global batch size and `batches_processed` when it started and ended,
+and the checkpoint it resumed from: OLMo-core's saved state has a dataset fingerprint but no
+world size, so only this says which world size fed which steps. `dataset_size` (the loader's
+instances per epoch) is declared for `replay audit`.
+
+Checkpoints are OLMo-core's own: no second copy of the state is written. A fit that loaded a
+checkpoint (OLMo-core does that itself from `save_folder`) continues the replay run at the
+checkpoint's step (`TorchRun.resumed_at`); steps the trace already holds from there on must be
+recorded again bit-identically, so every resume is also a determinism check. The checkpoints
+saved are listed in the manifest ("olmo_core"."checkpoints": step and path). replay.torch's
+own checkpoints (replay/torch/checkpoint.py) are not written: a torch run is never replayed by
+replay's engine (it records no program), so its checkpoints serve only a resume, which
+OLMo-core's do, and `replay compare --eval`, which this run does not support.
+
+One process only: with a data-parallel world size above 1 each rank sees its slice of the
+global batch ([:, rank::world]), and a run records global batches, so it is refused in one line.
+
+Never imported by `import replay` or `import replay.torch`: it imports olmo_core.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Optional
+
+import numpy as np
+import torch
+from olmo_core.train.callbacks import Callback
+
+from replay.torch.errors import TorchRecordError
+from replay.torch.run import TorchRun
+from traces.sketch import DEFAULT_WIDTH
+
+log = logging.getLogger(__name__)
+
+SECTION = "olmo_core"
+INSTANCES = "olmo_core/instances.bin"
+# OLMo-core metric (namespace, name) -> the trace's metric (replay.torch.run.KNOWN_KINDS gives its kind)
+METRICS = ((("train", "CE loss"), "loss"), (("optim", "LR (group 0)"), "lr"),
+           (("optim", "total grad norm"), "grad_norm"), (("train", "Z loss"), "z_loss"))
+
+
+def instances(run_path: str | Path) -> np.ndarray | None:
+    """int64 [steps, B]: the instance index of every recorded example, or None when the batches
+    carried none. A crash can leave one step more than the trace holds (written a step earlier)."""
+    from traces.run import read_manifest
+
+    info = (read_manifest(Path(run_path)).get(SECTION) or {}).get("instances")
+    f = Path(run_path) / INSTANCES
+    if not info or not f.is_file():
+        return None
+    B = int(info["per_step"])
+    data = np.fromfile(f, dtype="<i8")
+    return data[: len(data) // B * B].reshape(-1, B)
+
+
+def _loader_state(trainer: Any) -> dict:
+    dl = trainer.data_loader
+    dataset = getattr(dl, "dataset", None)
+    return {"loader": type(dl).__name__, "world_size": int(dl.dp_world_size), "rank": int(dl.dp_rank),
+            "seed": getattr(dl, "seed", None), "global_batch_size": int(dl.global_batch_size),
+            "sequence_length": getattr(dataset, "sequence_length", None),
+            "dataset_fingerprint": getattr(dataset, "fingerprint", None),
+            "dataset_fingerprint_version": getattr(dataset, "fingerprint_version", None),
+            "epoch": getattr(dl, "_epoch", None), "batches_processed": int(dl.batches_processed)}
+
+
+@dataclass
+class ReplayCallback(Callback):
+    """Add to a `TrainerConfig`'s callbacks: `config.with_callback("replay", ReplayCallback(PATH))`.
+
+    path: the replay run's folder (new, or the run this training resumes). config: a JSON dict
+      stored as the run's config (checked equal on a resume). level, sketch_width: replay.torch.init's."""
+
+    path: str = ""
+    config: Optional[dict] = None
+    level: str = "layer"
+    sketch_width: int = DEFAULT_WIDTH
+    priority: ClassVar[int] = -1  # after the trainer's own callbacks in each event (the checkpointer's 1)
+
+    def __post_init__(self):
+        self._run: TorchRun | None = None
+        self._rec = None
+        self._index: torch.Tensor | None = None
+        self._saved: list[dict] = []  # checkpoints saved since the manifest was last written (any thread)
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------------------ the fit
+
+    def pre_train(self):
+        if not self.path:
+            raise TorchRecordError("ReplayCallback(path): name the folder to record the run into")
+        tr = self.trainer
+        if tr.data_loader.dp_world_size != 1 or (torch.distributed.is_initialized()
+                                                 and torch.distributed.get_world_size() != 1):
+            raise TorchRecordError("ReplayCallback records one process (world size 1): each rank sees only its "
+                                   "slice of the global batch; train in one process to record the run")
+        module = tr.train_module
+        resume = bool(tr.checkpoint_loaded) and (Path(self.path) / "run.json").is_file()
+        self._run = TorchRun(self.path, config=self.config, model=module.model, optimizer=module.optim,
+                             level=self.level, sketch_width=self.sketch_width, resume=resume)
+        if resume:
+            self._run.resumed_at(tr.global_step)
+        elif tr.global_step != 0:
+            self._run.close()
+            raise TorchRecordError(f"{self.path}: the trainer starts at step {tr.global_step} (a checkpoint it "
+                                   "loaded) and this folder holds no run to continue; record from step 0, or pass "
+                                   "the folder the run before the checkpoint was recorded into")
+        self._truncate_instances(tr.global_step)
+        section = dict(self._run._run.manifest.get(SECTION) or {})
+        section.update(olmo_core=_version(), checkpoints=section.get("checkpoints", []))
+        segment = {"start_step": tr.global_step, **_loader_state(tr),
+                   "resumed_from": tr.global_step if resume else None}
+        section["segments"] = [s for s in section.get("segments", []) if s["start_step"] < tr.global_step] + [segment]
+        fields = {SECTION: section}
+        if hasattr(tr.data_loader, "total_size"):  # instances per epoch: audit's epochs
+            fields["dataset_size"] = int(tr.data_loader.total_size)
+        self._run._run.update_manifest(**fields)
+        self._write_checkpoints()  # any saved before this callback's pre_train (the checkpointer's step 0)
+
+    def pre_step(self, batch: dict):
+        run = self._run
+        if run is None or run.finished:
+            return
+        if run.next_step != self.trainer.global_step - 1:
+            raise TorchRecordError(f"trainer step {self.trainer.global_step} does not follow the recorded step "
+                                   f"{run.next_step - 1}; every step of a recorded fit is recorded")
+        index = batch.get("index")
+        self._index = None if index is None else torch.as_tensor(index).detach().to("cpu", torch.int64)
+        self._rec = run.step(batch["input_ids"])
+        self._rec.__enter__()
+
+    def post_train_batch(self):
+        rec, self._rec = self._rec, None
+        if rec is None:
+            return
+        values = {}
+        for (namespace, name), ours in METRICS:
+            v = self.trainer.get_metric(name, namespace=namespace)
+            if v is not None:
+                values[ours] = v
+        if "loss" not in values:  # a step in the trainer's steps_to_skip trains nothing
+            rec.__exit__(RuntimeError, None, None)
+            log.warning("replay: step %d trained no batch (steps_to_skip?); the recording stops here, incomplete",
+                        self.trainer.global_step)
+            self._run.close()
+            return
+        rec.metrics(**values)
+        rec.__exit__(None, None, None)
+        self._write_instances()
+
+    def post_checkpoint_saved(self, path):
+        with self._lock:  # an async save calls this from another thread: the main thread writes it down
+            self._saved.append({"step": int(self.trainer.global_step), "path": str(path)})
+        if self._run is not None and not self._run.finished and threading.current_thread() is threading.main_thread():
+            self._run.flush()  # the trace reaches the checkpoint's step: a resume from it needs that
+            self._write_checkpoints()
+
+    def post_train(self):
+        run = self._run
+        if run is None or run.finished:
+            return
+        run.flush()  # the checkpoint list and segment end are written with the trace at its end
+        self._write_checkpoints(end=_loader_state(self.trainer)["batches_processed"])
+        run.finish()
+
+    def on_error(self, exc: BaseException):
+        run = self._run
+        if run is None or run.finished:
+            return
+        if self._rec is not None:
+            rec, self._rec = self._rec, None
+            rec.__exit__(type(exc), exc, None)
+        try:
+            run.flush()  # the last completed step's record: a checkpoint saved after it needs it to resume
+        finally:
+            run.close()
+
+    def close(self):
+        if self._run is not None and not self._run.finished:
+            self._run.close()
+
+    # ------------------------------------------------------------------------------ the manifest and files
+
+    def _write_checkpoints(self, end: int | None = None) -> None:
+        with self._lock:
+            saved, self._saved = self._saved, []
+        if not saved and end is None:
+            return
+        run = self._run._run
+        section = dict(run.manifest.get(SECTION) or {})
+        known = {c["step"] for c in section.get("checkpoints", [])}
+        section["checkpoints"] = section.get("checkpoints", []) + [c for c in saved if c["step"] not in known]
+        if end is not None and section.get("segments"):
+            section["segments"][-1].update(end_step=self.trainer.global_step, batches_processed_end=end)
+        run.update_manifest(**{SECTION: section})
+
+    def _truncate_instances(self, step: int) -> None:
+        f = Path(self.path) / INSTANCES
+        info = (self._run._run.manifest.get(SECTION) or {}).get("instances")
+        if f.is_file() and info:
+            keep = step * int(info["per_step"]) * 8
+            if f.stat().st_size > keep:
+                with open(f, "r+b") as fh:
+                    fh.truncate(keep)
+
+    def _write_instances(self) -> None:
+        index = self._index
+        if index is None:
+            return
+        run = self._run._run
+        section = run.manifest.get(SECTION) or {}
+        if "instances" not in section:
+            run.update_manifest(**{SECTION: {**section, "instances": {"per_step": int(index.numel()), "dtype": "<i8",
+                                                                      "file": INSTANCES}}})
+        f = Path(self.path) / INSTANCES
+        f.parent.mkdir(exist_ok=True)
+        with open(f, "ab") as fh:
+            fh.write(index.numpy().astype("<i8").tobytes())
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ai2-olmo-core")
+    except PackageNotFoundError:
+        return "unknown"

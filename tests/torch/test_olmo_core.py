@@ -1,0 +1,208 @@
+"""OLMo-core's own Trainer recorded through replay.torch.olmo_core.ReplayCallback.
+
+One module fixture trains five runs of a tiny `olmo3_1M` (~52k parameters, 512 tokens) on a numpy
+token file made here, on the CPU in this process, in seven fits of OLMo-core's Trainer:
+
+    a, a2   10 steps each
+    b       5 steps, then a second fit that OLMo-core resumes from its own step-5 checkpoint
+    lr      10 steps; from step K on the learning rate is doubled (a test callback)
+    refeed  as b, but the resumed loader starts one batch early (an off-by-one resume): step K
+            is fed the batch of step K - 1 again"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("olmo_core")
+
+from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig  # noqa: E402
+from olmo_core.data.data_loader import NumpyFSLDataLoader  # noqa: E402
+from olmo_core.nn.attention import AttentionBackendName, SlidingWindowAttentionConfig  # noqa: E402
+from olmo_core.nn.transformer import TransformerConfig  # noqa: E402
+from olmo_core.optim import AdamWConfig  # noqa: E402
+from olmo_core.train import Duration, TrainerConfig  # noqa: E402
+from olmo_core.train.callbacks import Callback  # noqa: E402
+from olmo_core.train.train_module import TransformerTrainModuleConfig  # noqa: E402
+
+import replay.torch  # noqa: E402
+import traces  # noqa: E402
+from replay.torch.olmo_core import ReplayCallback, instances  # noqa: E402
+from tests.cli_util import invoke  # noqa: E402
+
+VOCAB, SEQ, BATCH, STEPS, K = 512, 16, 4, 10, 5
+
+
+class DoubleLR(Callback):
+    """The injected learning-rate change: every param group's lr doubled from step `at` on."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def pre_optim_step(self):
+        if self.trainer.global_step - 1 == self.at:
+            for group in self.trainer.train_module.optim.param_groups:
+                group["lr"] *= 2
+
+
+class OffByOneResume(NumpyFSLDataLoader):
+    """A loader whose resume starts one global batch before where its checkpoint stopped."""
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict({**state_dict, "tokens_processed": state_dict["tokens_processed"] - self.global_batch_size})
+
+
+def _dataset(root: Path):
+    tokens = root / "tokens.npy"
+    if not tokens.exists():
+        np.random.default_rng(0).integers(1, VOCAB, size=SEQ * 64, dtype=np.uint16).tofile(tokens)
+    tok = TokenizerConfig(vocab_size=VOCAB, eos_token_id=0, pad_token_id=0)
+    ds = NumpyFSLDatasetConfig(tokenizer=tok, paths=[str(tokens)], sequence_length=SEQ, work_dir=str(root / "work")).build()
+    ds.prepare()
+    return ds
+
+
+def fit(root: Path, name: str, steps: int, callbacks: dict | None = None, loader_class=None) -> None:
+    """One fit of OLMo-core's Trainer; a second fit of the same name resumes from its checkpoint."""
+    torch.manual_seed(0)
+    model = TransformerConfig.olmo3_1M(
+        vocab_size=VOCAB, attn_backend=AttentionBackendName.torch,  # flash_2 (the default) needs a GPU
+        sliding_window=SlidingWindowAttentionConfig(pattern=[8, 8, 8, -1], force_full_attention_on_first_layer=False,
+                                                    force_full_attention_on_last_layer=True)).build(init_device="cpu")
+    module = TransformerTrainModuleConfig(rank_microbatch_size=BATCH * SEQ, max_sequence_length=SEQ,
+                                          optim=AdamWConfig(lr=1e-2)).build(model)
+    loader = NumpyDataLoaderConfig(global_batch_size=BATCH * SEQ, seed=0, work_dir=str(root / "work")).build(_dataset(root))
+    if loader_class is not None:
+        loader.__class__ = loader_class
+    config = TrainerConfig(save_folder=str(root / "olmo" / name), max_duration=Duration.steps(steps),
+                           metrics_collect_interval=1000, callbacks=dict(callbacks or {}))
+    # The user's side: the two lines the README shows.
+    config = config.with_callback("replay", ReplayCallback(str(root / name)))
+    config.build(module, loader).fit()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("olmo_core")
+    # torch.distributed.checkpoint logs every save and load at DEBUG through a logger that propagates
+    # to the root, where pytest's capture formats each record: 50 s of this module's 90 on 2 cores.
+    dcp = logging.getLogger("c10d-NullHandler-dcp_logger")
+    was = dcp.propagate
+    dcp.propagate = False
+    try:
+        fit(root, "a", STEPS)
+        fit(root, "a2", STEPS)
+        fit(root, "b", K)
+        fit(root, "b", STEPS)
+        fit(root, "lr", STEPS, callbacks={"double_lr": DoubleLR(at=K)})
+        fit(root, "refeed", K)
+        fit(root, "refeed", STEPS, loader_class=OffByOneResume)
+    finally:
+        dcp.propagate = was
+    return root
+
+
+def _same(x, y) -> bool:
+    return (x.metrics.tobytes(), x.example_hashes.tobytes(), x.fingerprints.tobytes()) == (
+        y.metrics.tobytes(), y.example_hashes.tobytes(), y.fingerprints.tobytes())
+
+
+@pytest.mark.slow
+def test_two_clean_runs_record_bit_identical_traces(runs):
+    ra, rb = traces.Run.open(runs / "a"), traces.Run.open(runs / "a2")
+    assert ra.status == rb.status == "complete" and len(ra.trace) == len(rb.trace) == STEPS
+    assert ra.schema == rb.schema and len(ra.schema.tensors) > 100, len(ra.schema.tensors)
+    for k in range(STEPS):
+        x, y = ra.trace.read(k), rb.trace.read(k)
+        assert _same(x, y) and x.rng.tobytes() == y.rng.tobytes(), k
+    result = invoke("bisect", str(runs / "a"), str(runs / "a2"), "--no-refine", "--json")
+    assert result.exit_code == 0, result.output
+    np.testing.assert_array_equal(instances(runs / "a"), instances(runs / "a2"))
+
+
+@pytest.mark.slow
+def test_a_run_resumed_from_olmo_cores_checkpoint_trains_bit_identically_one_rng_draw_ahead(runs):
+    """b stopped at step K and OLMo-core resumed it from its own checkpoint: every metric, example
+    and tensor is the uninterrupted run's, but torch's global RNG is one draw ahead from step K on:
+    the restore comes before the epoch's torch DataLoader iterator is made, which draws its base
+    seed from the global generator (the uninterrupted run drew it before step 0). bisect says rng."""
+    ra, rb = traces.Run.open(runs / "a"), traces.Run.open(runs / "b")
+    assert rb.status == "complete" and len(rb.trace) == STEPS
+    assert all(_same(ra.trace.read(k), rb.trace.read(k)) for k in range(STEPS))
+    assert [ra.trace.read(k).rng.tobytes() == rb.trace.read(k).rng.tobytes() for k in range(STEPS)] == [
+        k < K for k in range(STEPS)]
+    saved = torch.load(runs / "olmo" / "b" / f"step{K}" / "train" / "rank0.pt", weights_only=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(saved["rng"]["torch"]["state"])
+        torch.empty((), dtype=torch.int64).random_()  # the DataLoader iterator's base seed
+        np.testing.assert_array_equal(rb.trace.read(K).rng, replay.torch.step.rng_words())
+    result = invoke("bisect", str(runs / "a"), str(runs / "b"), "--no-refine", "--json")
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.stdout)
+    assert (report["first_step"], report["cause"]) == (K, "rng"), report
+    np.testing.assert_array_equal(instances(runs / "a"), instances(runs / "b"))
+
+
+@pytest.mark.slow
+def test_manifest_holds_the_loaders_world_size_seed_fingerprint_and_batches(runs):
+    manifest = json.loads((runs / "b" / "run.json").read_text())
+    section = manifest["olmo_core"]
+    first, second = section["segments"]
+    fingerprint = _dataset(runs).fingerprint
+    for seg in (first, second):
+        assert (seg["world_size"], seg["rank"], seg["seed"], seg["dataset_fingerprint"]) == (1, 0, 0, fingerprint)
+    assert (first["start_step"], first["batches_processed"], first["end_step"], first["batches_processed_end"]) == (0, 0, K, K)
+    assert (second["start_step"], second["resumed_from"], second["batches_processed"]) == (K, K, K)
+    assert (second["end_step"], second["batches_processed_end"]) == (STEPS, STEPS)
+    assert {c["step"] for c in section["checkpoints"]} >= {K, STEPS}
+    assert all(Path(c["path"]).name == f"step{c['step']}" for c in section["checkpoints"])
+    assert manifest["dataset_size"] == 64  # instances per epoch: audit's epochs
+
+
+@pytest.mark.slow
+def test_example_hashes_are_replay_torchs_of_the_instances_fed(runs):
+    """The recorded hashes are replay.torch's of the rows OLMo-core's dataset holds at the recorded
+    instance indices: the run says which instances it fed, and the hashes pair with any run's."""
+    ds, fed, trace = _dataset(runs), instances(runs / "a"), traces.Run.open(runs / "a").trace
+    assert fed.shape == (STEPS, BATCH) and len(np.unique(fed)) == STEPS * BATCH  # one epoch: no instance twice
+    for k in range(STEPS):
+        rows = torch.stack([torch.as_tensor(ds[int(i)]["input_ids"]) for i in fed[k]])
+        np.testing.assert_array_equal(trace.read(k).example_hashes, replay.torch.example_hashes(rows))
+
+
+@pytest.mark.slow
+def test_bisect_names_the_learning_rate_change_step_and_update(runs):
+    result = invoke("bisect", str(runs / "a"), str(runs / "lr"), "--no-refine", "--json")
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.stdout)
+    assert (report["first_step"], report["cause"]) == (K, "update"), report
+
+
+@pytest.mark.slow
+def test_bisect_names_the_refed_batch_as_data_and_audit_flags_it(runs):
+    result = invoke("bisect", str(runs / "a"), str(runs / "refeed"), "--no-refine", "--json")
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.stdout)
+    assert (report["first_step"], report["cause"]) == (K, "data"), report
+    np.testing.assert_array_equal(instances(runs / "refeed")[K], instances(runs / "a")[K - 1])
+    clean = invoke("audit", str(runs / "a"), "--json")
+    assert clean.exit_code == 0, clean.output
+    result = invoke("audit", str(runs / "refeed"), "--json")
+    assert result.exit_code == 1, result.output
+    (repeat,) = json.loads(result.stdout)["early_repeats"]
+    assert (repeat["step"], repeat["positions"]) == (K, list(range(BATCH))), repeat
+    assert repeat["first_seen"] == [{"step": K - 1, "position": j} for j in range(BATCH)], repeat
+
+
+def test_import_replay_and_replay_torch_never_import_olmo_core():
+    code = "import sys, replay, replay.torch; print(sorted(m for m in sys.modules if m.startswith('olmo_core')))"
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

@@ -224,7 +224,8 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=Config.steps)
     parser.add_argument("--seed", type=int, default=Config.seed)
     parser.add_argument("--checkpoint-every", type=int, default=Config.checkpoint_every)
-    parser.add_argument("--lr-bump-at", type=int, default=-1, help="inject a bug: double the learning rate at this step")
+    parser.add_argument("--lr-bump-at", type=int, default=-1,
+                        help="inject a bug: double the learning rate of the update applied at this step (or the next)")
     parser.add_argument("--refeed-at", type=int, default=-1, help="inject a bug: feed this step the batch of 5 steps before")
     args = parser.parse_args()
     cfg = Config(seed=args.seed, steps=args.steps, checkpoint_every=args.checkpoint_every, lr_bump_at=args.lr_bump_at,

@@ -193,9 +193,8 @@ METRIC_KINDS = {"grad_norm": "backward", "lr": "update"}
 
 
 def checkpoint_manager(directory: str | Path, cfg: Config) -> ocp.CheckpointManager:
-    """The loop's own manager: the train state and grain's iterator, in the layout grain documents.
-    create=False: orbax makes the folder at the first save, after replay.init made the run's."""
-    options = ocp.CheckpointManagerOptions(save_interval_steps=cfg.checkpoint_every, create=False)
+    """The loop's own manager: the train state and grain's iterator, in the layout grain documents."""
+    options = ocp.CheckpointManagerOptions(save_interval_steps=cfg.checkpoint_every)
     return ocp.CheckpointManager(Path(directory).absolute(), options=options, item_handlers={
         "state": ocp.StandardCheckpointHandler(), "data": grain_checkpoint.CheckpointHandler()})
 

@@ -66,7 +66,7 @@ class Run:
     def create(cls, path: str | os.PathLike, schema: Schema, manifest: dict, first_step: int = 0) -> "Run":
         """Starts a new run whose trace starts at `first_step`. The directory must not exist, or be empty."""
         path = Path(path)
-        if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        if not holds_nothing(path):
             raise NotARunError(f"{path}: already exists and is not empty; choose a new --out or resume it with --resume")
         path.mkdir(parents=True, exist_ok=True)
         lock_fd = take_lock(path)
@@ -199,6 +199,16 @@ class Run:
             self.finish()
         else:
             self.close()
+
+
+def holds_nothing(path: Path) -> bool:
+    """Whether a new run may be made at `path`: it does not exist, or is a folder holding only empty
+    folders (an orbax CheckpointManager the loop built before replay.init makes its directory at
+    construction): nothing there could be lost or mistaken for part of the run."""
+    if not path.exists():
+        return True
+    return path.is_dir() and all(entry.is_dir() and not entry.is_symlink() and holds_nothing(entry)
+                                 for entry in path.iterdir())
 
 
 def take_lock(path: Path, create: bool = True) -> int | None:

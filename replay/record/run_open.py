@@ -13,6 +13,7 @@ from pathlib import Path
 from replay.record import manifest as manifestlib
 from replay.record.errors import RecordError
 from traces import Run, Schema
+from traces.run import holds_nothing
 from traces.errors import DiskFullError, TraceError
 
 PENDING = Schema(examples_per_step=0, rng_words=0, metrics=())  # until the first step shows the real one
@@ -36,7 +37,7 @@ def create(path: Path, manifest: dict) -> Run | None:
     if process_index() != 0:
         _wait_for(path / "run.json")
         return None
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+    if not holds_nothing(path):  # empty folders are allowed: a CheckpointManager built before replay.init
         what = "holds another run" if (path / "run.json").exists() else "exists and is not empty"
         raise RecordError(f"{path}: {what}; record into a new folder, or continue a crashed run with "
                           "replay.init(PATH, resume=True)")

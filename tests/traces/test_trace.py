@@ -158,6 +158,19 @@ def test_create_refuses_a_non_empty_directory(tmp_path):
     assert (tmp_path / "x" / "file").read_text() == "keep me"
 
 
+def test_create_takes_a_folder_of_empty_folders_but_not_a_file_deep_inside_one(tmp_path):
+    """An orbax CheckpointManager built before replay.init makes its (empty) directory inside the
+    run folder: nothing there to lose. A file anywhere below is still refused."""
+    (tmp_path / "x" / "checkpoints" / "tmp").mkdir(parents=True)
+    Run.create(tmp_path / "x", make_schema(), {}).finish()
+    assert Run.open(tmp_path / "x").status == "complete"
+    (tmp_path / "y" / "checkpoints" / "0").mkdir(parents=True)
+    (tmp_path / "y" / "checkpoints" / "0" / "state").write_text("keep me")
+    with pytest.raises(Exception, match="not empty"):
+        Run.create(tmp_path / "y", make_schema(), {})
+    assert sorted(p.name for p in (tmp_path / "y").iterdir()) == ["checkpoints"]
+
+
 def test_trace_may_start_at_any_step(tmp_path):
     schema = make_schema(layer=False)
     w = TraceWriter(tmp_path / "t", schema, segment_records=4)

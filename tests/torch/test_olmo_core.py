@@ -11,8 +11,8 @@ token file made here, on the CPU in this process, in seven fits of OLMo-core's T
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -21,91 +21,30 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("olmo_core")
-
-from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig  # noqa: E402
-from olmo_core.data.data_loader import NumpyFSLDataLoader  # noqa: E402
-from olmo_core.nn.attention import AttentionBackendName, SlidingWindowAttentionConfig  # noqa: E402
-from olmo_core.nn.transformer import TransformerConfig  # noqa: E402
-from olmo_core.optim import AdamWConfig  # noqa: E402
-from olmo_core.train import Duration, TrainerConfig  # noqa: E402
-from olmo_core.train.callbacks import Callback  # noqa: E402
-from olmo_core.train.train_module import TransformerTrainModuleConfig  # noqa: E402
+if importlib.util.find_spec("olmo_core") is None:
+    pytest.skip("ai2-olmo-core is not installed (pip install -e '.[olmo-core]')", allow_module_level=True)
 
 import replay.torch  # noqa: E402
 import traces  # noqa: E402
-from replay.torch.olmo_core import ReplayCallback, instances  # noqa: E402
 from tests.cli_util import invoke  # noqa: E402
 
-VOCAB, SEQ, BATCH, STEPS, K = 512, 16, 4, 10, 5
+VOCAB, SEQ, BATCH, STEPS, K = 512, 16, 4, 10, 5  # tests/torch/olmo_core_runs.py's
 
 
-class DoubleLR(Callback):
-    """The injected learning-rate change: every param group's lr doubled from step `at` on."""
+def instances(run):
+    from replay.torch.olmo_core import instances
 
-    def __init__(self, at: int):
-        self.at = at
-
-    def pre_optim_step(self):
-        if self.trainer.global_step - 1 == self.at:
-            for group in self.trainer.train_module.optim.param_groups:
-                group["lr"] *= 2
-
-
-class OffByOneResume(NumpyFSLDataLoader):
-    """A loader whose resume starts one global batch before where its checkpoint stopped."""
-
-    def load_state_dict(self, state_dict):
-        super().load_state_dict({**state_dict, "tokens_processed": state_dict["tokens_processed"] - self.global_batch_size})
-
-
-def _dataset(root: Path):
-    tokens = root / "tokens.npy"
-    if not tokens.exists():
-        np.random.default_rng(0).integers(1, VOCAB, size=SEQ * 64, dtype=np.uint16).tofile(tokens)
-    tok = TokenizerConfig(vocab_size=VOCAB, eos_token_id=0, pad_token_id=0)
-    ds = NumpyFSLDatasetConfig(tokenizer=tok, paths=[str(tokens)], sequence_length=SEQ, work_dir=str(root / "work")).build()
-    ds.prepare()
-    return ds
-
-
-def fit(root: Path, name: str, steps: int, callbacks: dict | None = None, loader_class=None) -> None:
-    """One fit of OLMo-core's Trainer; a second fit of the same name resumes from its checkpoint."""
-    torch.manual_seed(0)
-    model = TransformerConfig.olmo3_1M(
-        vocab_size=VOCAB, attn_backend=AttentionBackendName.torch,  # flash_2 (the default) needs a GPU
-        sliding_window=SlidingWindowAttentionConfig(pattern=[8, 8, 8, -1], force_full_attention_on_first_layer=False,
-                                                    force_full_attention_on_last_layer=True)).build(init_device="cpu")
-    module = TransformerTrainModuleConfig(rank_microbatch_size=BATCH * SEQ, max_sequence_length=SEQ,
-                                          optim=AdamWConfig(lr=1e-2)).build(model)
-    loader = NumpyDataLoaderConfig(global_batch_size=BATCH * SEQ, seed=0, work_dir=str(root / "work")).build(_dataset(root))
-    if loader_class is not None:
-        loader.__class__ = loader_class
-    config = TrainerConfig(save_folder=str(root / "olmo" / name), max_duration=Duration.steps(steps),
-                           metrics_collect_interval=1000, callbacks=dict(callbacks or {}))
-    # The user's side: the two lines the README shows.
-    config = config.with_callback("replay", ReplayCallback(str(root / name)))
-    config.build(module, loader).fit()
+    return instances(run)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    from tests.torch import olmo_core_runs
+
+    assert (olmo_core_runs.VOCAB, olmo_core_runs.SEQ, olmo_core_runs.BATCH, olmo_core_runs.STEPS,
+            olmo_core_runs.K) == (VOCAB, SEQ, BATCH, STEPS, K)
     root = tmp_path_factory.mktemp("olmo_core")
-    # torch.distributed.checkpoint logs every save and load at DEBUG through a logger that propagates
-    # to the root, where pytest's capture formats each record: 50 s of this module's 90 on 2 cores.
-    dcp = logging.getLogger("c10d-NullHandler-dcp_logger")
-    was = dcp.propagate
-    dcp.propagate = False
-    try:
-        fit(root, "a", STEPS)
-        fit(root, "a2", STEPS)
-        fit(root, "b", K)
-        fit(root, "b", STEPS)
-        fit(root, "lr", STEPS, callbacks={"double_lr": DoubleLR(at=K)})
-        fit(root, "refeed", K)
-        fit(root, "refeed", STEPS, loader_class=OffByOneResume)
-    finally:
-        dcp.propagate = was
+    olmo_core_runs.train_all(root)
     return root
 
 
@@ -124,7 +63,9 @@ def test_two_clean_runs_record_bit_identical_traces(runs):
         assert _same(x, y) and x.rng.tobytes() == y.rng.tobytes(), k
     result = invoke("bisect", str(runs / "a"), str(runs / "a2"), "--no-refine", "--json")
     assert result.exit_code == 0, result.output
-    np.testing.assert_array_equal(instances(runs / "a"), instances(runs / "a2"))
+    fed = instances(runs / "a")
+    assert fed is not None and fed.shape == (STEPS, BATCH)
+    np.testing.assert_array_equal(fed, instances(runs / "a2"))
 
 
 @pytest.mark.slow
@@ -155,7 +96,9 @@ def test_manifest_holds_the_loaders_world_size_seed_fingerprint_and_batches(runs
     manifest = json.loads((runs / "b" / "run.json").read_text())
     section = manifest["olmo_core"]
     first, second = section["segments"]
-    fingerprint = _dataset(runs).fingerprint
+    from tests.torch import olmo_core_runs
+
+    fingerprint = olmo_core_runs.dataset(runs).fingerprint
     for seg in (first, second):
         assert (seg["world_size"], seg["rank"], seg["seed"], seg["dataset_fingerprint"]) == (1, 0, 0, fingerprint)
     assert (first["start_step"], first["batches_processed"], first["end_step"], first["batches_processed_end"]) == (0, 0, K, K)
@@ -170,7 +113,9 @@ def test_manifest_holds_the_loaders_world_size_seed_fingerprint_and_batches(runs
 def test_example_hashes_are_replay_torchs_of_the_instances_fed(runs):
     """The recorded hashes are replay.torch's of the rows OLMo-core's dataset holds at the recorded
     instance indices: the run says which instances it fed, and the hashes pair with any run's."""
-    ds, fed, trace = _dataset(runs), instances(runs / "a"), traces.Run.open(runs / "a").trace
+    from tests.torch import olmo_core_runs
+
+    ds, fed, trace = olmo_core_runs.dataset(runs), instances(runs / "a"), traces.Run.open(runs / "a").trace
     assert fed.shape == (STEPS, BATCH) and len(np.unique(fed)) == STEPS * BATCH  # one epoch: no instance twice
     for k in range(STEPS):
         rows = torch.stack([torch.as_tensor(ds[int(i)]["input_ids"]) for i in fed[k]])

@@ -1,0 +1,90 @@
+"""OLMo-core's own Trainer on a tiny `olmo3_1M`, recorded through ReplayCallback: the fits that
+tests/torch/test_olmo_core.py compares (imported by its fixture only, so that collecting the suite
+never imports olmo_core)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
+from olmo_core.data.data_loader import NumpyFSLDataLoader
+from olmo_core.nn.attention import AttentionBackendName, SlidingWindowAttentionConfig
+from olmo_core.nn.transformer import TransformerConfig
+from olmo_core.optim import AdamWConfig
+from olmo_core.train import Duration, TrainerConfig
+from olmo_core.train.callbacks import Callback
+from olmo_core.train.train_module import TransformerTrainModuleConfig
+
+from replay.torch.olmo_core import ReplayCallback
+
+VOCAB, SEQ, BATCH, STEPS, K = 512, 16, 4, 10, 5
+
+
+class DoubleLR(Callback):
+    """The injected learning-rate change: every param group's lr doubled from step `at` on."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def pre_optim_step(self):
+        if self.trainer.global_step - 1 == self.at:
+            for group in self.trainer.train_module.optim.param_groups:
+                group["lr"] *= 2
+
+
+class OffByOneResume(NumpyFSLDataLoader):
+    """A loader whose resume starts one global batch before where its checkpoint stopped."""
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict({**state_dict, "tokens_processed": state_dict["tokens_processed"] - self.global_batch_size})
+
+
+def dataset(root: Path):
+    tokens = root / "tokens.npy"
+    if not tokens.exists():
+        np.random.default_rng(0).integers(1, VOCAB, size=SEQ * 64, dtype=np.uint16).tofile(tokens)
+    tok = TokenizerConfig(vocab_size=VOCAB, eos_token_id=0, pad_token_id=0)
+    ds = NumpyFSLDatasetConfig(tokenizer=tok, paths=[str(tokens)], sequence_length=SEQ, work_dir=str(root / "work")).build()
+    ds.prepare()
+    return ds
+
+
+def fit(root: Path, name: str, steps: int, callbacks: dict | None = None, loader_class=None) -> None:
+    """One fit of OLMo-core's Trainer; a second fit of the same name resumes from its checkpoint."""
+    torch.manual_seed(0)
+    model = TransformerConfig.olmo3_1M(
+        vocab_size=VOCAB, attn_backend=AttentionBackendName.torch,  # flash_2 (the default) needs a GPU
+        sliding_window=SlidingWindowAttentionConfig(pattern=[8, 8, 8, -1], force_full_attention_on_first_layer=False,
+                                                    force_full_attention_on_last_layer=True)).build(init_device="cpu")
+    module = TransformerTrainModuleConfig(rank_microbatch_size=BATCH * SEQ, max_sequence_length=SEQ,
+                                          optim=AdamWConfig(lr=1e-2)).build(model)
+    loader = NumpyDataLoaderConfig(global_batch_size=BATCH * SEQ, seed=0, work_dir=str(root / "work")).build(dataset(root))
+    if loader_class is not None:
+        loader.__class__ = loader_class
+    config = TrainerConfig(save_folder=str(root / "olmo" / name), max_duration=Duration.steps(steps),
+                           metrics_collect_interval=1000, callbacks=dict(callbacks or {}))
+    # The user's side: the two lines the README shows.
+    config = config.with_callback("replay", ReplayCallback(str(root / name)))
+    config.build(module, loader).fit()
+
+
+def train_all(root: Path) -> None:
+    """The five runs of test_olmo_core.py's docstring, in seven fits."""
+    # torch.distributed.checkpoint logs every save and load at DEBUG through a logger that propagates
+    # to the root, where pytest's capture formats each record: 50 s of this module's 90 on 2 cores.
+    dcp = logging.getLogger("c10d-NullHandler-dcp_logger")
+    was = dcp.propagate
+    dcp.propagate = False
+    try:
+        fit(root, "a", STEPS)
+        fit(root, "a2", STEPS)
+        fit(root, "b", K)
+        fit(root, "b", STEPS)
+        fit(root, "lr", STEPS, callbacks={"double_lr": DoubleLR(at=K)})
+        fit(root, "refeed", K)
+        fit(root, "refeed", STEPS, loader_class=OffByOneResume)
+    finally:
+        dcp.propagate = was

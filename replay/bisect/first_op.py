@@ -10,7 +10,9 @@ dispatch per op; one compile for both when they are one program up to constants,
 An op whose inputs are equal in both runs but whose outputs are not computes differently (its
 parameters or code); one whose inputs differ only because a constant baked into the step
 differs (a learning rate, a flag, an array closed over) is named as such; one fed a differing
-input of the step (the state, the batch) names that input.
+input of the step (the state, the batch) names that input: the op's own operands, traced through
+the jaxpr ("differing_operands"), so a matmul is never said to read a parameter it does not. An op
+inside a loop body names the differing step inputs the loop is fed.
 
 Inner calls (`jit`, `remat`, `custom_jvp`/`custom_vjp` bodies: the step is evaluated, not
 differentiated) are inlined and their ops named one by one; the search descends into the branch
@@ -155,7 +157,7 @@ def first_differing_op(step_a: Callable, step_b: Callable, args_a: tuple, args_b
     paths = [jax.tree_util.keystr(p, simple=True, separator=".") or "input"
              for p, _ in jax.tree_util.tree_flatten_with_path(args_a)[0]]
     first_input = next((p for p, x, y in zip(paths, a.flat, b.flat) if _bits(x) != _bits(y)), None)
-    search = _Search(a, b, outs, first_input)
+    search = _Search(a, b, outs, first_input, paths)
     found = search.level(a.top, b.top, [])
     if found is not None:
         return found
@@ -168,8 +170,9 @@ def first_differing_op(step_a: Callable, step_b: Callable, args_a: tuple, args_b
 class _Search:
     """Both steps' ops walked in program order, into the branch of each cond both runs took."""
 
-    def __init__(self, a: _Side, b: _Side, outs: tuple[list, list], first_input: str | None):
+    def __init__(self, a: _Side, b: _Side, outs: tuple[list, list], first_input: str | None, paths: list[str]):
         self.a, self.b, self.outs, self.first_input, self.compared = a, b, outs, first_input, 0
+        self.paths = paths  # the step's flattened inputs, as named in reports
 
     def value(self, side: int, ref: tuple) -> Any:
         s = (self.a, self.b)[side]
@@ -205,37 +208,64 @@ class _Search:
                 except Exception:  # noqa: BLE001 - a loop its body cannot be run alone from: named as one op
                     inner = None
                 if inner is not None and inner.get("op") is not None:
-                    return self.within(inner, oa, inside, {"op": oa.primitive, "where": oa.where, "iteration": t,
+                    return self.within(inner, oa, ob, inside, {"op": oa.primitive, "where": oa.where, "iteration": t,
                                                            "of": length})
             return self.named(oa, ob, va, inside, "")
 
-    def reason(self, same: bool) -> str:
+    def reason(self, same: bool, read: str | None = None, others: int = 0) -> str:
+        """Why the op differs; `read`: the differing step input among its own operands (None: only
+        constants among them differ), `others`: how many more of its operands are differing inputs."""
         if same:
             return "its inputs are equal in both runs and its outputs are not: the op itself computes differently " \
                    "(its parameters or code)"
-        if self.first_input is None:
-            return "the step's inputs are equal; this op is the first fed a constant that differs between the two " \
-                   "steps (a value the code or config bakes in, e.g. a learning rate)"
-        return f"the step's input {self.first_input} differs; this is the first op that reads the difference"
+        if read is None:
+            return "the step's inputs it reads are equal; this op is the first fed a constant that differs between " \
+                   "the two steps (a value the code or config bakes in, e.g. a learning rate)"
+        more = f" (and {others} more of its operands)" if others else ""
+        return f"it reads the step's input {read}{more}, which differs; this is the first op that reads a difference"
 
-    def within(self, inner: dict, loop: Op, inside: list, entry: dict) -> dict:
+    def operands(self, oa: Op, ob: Op) -> list[dict]:
+        """The op's operands that differ between the runs, each with where it comes from: a step
+        input (its path), a constant, or an earlier op's output (an op inside a cond or loop whose
+        own outputs differ only there). Traced through the jaxpr, so these are what the op reads."""
+        found = []
+        for i, (ra, rb) in enumerate(zip(oa.inputs, ob.inputs)):
+            if _bits(self.value(0, ra)) == _bits(self.value(1, rb)):
+                continue
+            if ra[0] == "arg":
+                found.append({"operand": i, "input": self.paths[ra[1]]})
+            elif ra[0] == "out":
+                made = self.a.ops[ra[1]]
+                found.append({"operand": i, "input": None, "from_op": f"{made.primitive} at {made.where}"})
+            else:
+                found.append({"operand": i, "input": None, "constant": True})
+        return found
+
+    def within(self, inner: dict, loop: Op, loop_b: Op, inside: list, entry: dict) -> dict:
         """`inner` (found in a loop body searched as a step) as an op of this step."""
         inner["where"] += _inside([entry, *reversed(inside)])
         inner["inside"] = [*inside, entry, *inner.get("inside", [])]
         inner["ops_compared"] += self.compared
         if "same_inputs" in inner:  # the body's inputs are the loop's: what differs there is the step's
-            inner["first_differing_input"], inner["reason"] = self.first_input, self.reason(inner["same_inputs"])
+            # The body read a differing value of the loop's carry or operands: name the step inputs the
+            # loop itself is fed that differ (its operands, traced through the jaxpr).
+            fed = [o["input"] for o in self.operands(loop, loop_b) if o["input"] is not None]
+            read = (fed[0] if fed else self.first_input) if inner.get("first_differing_input") is not None else None
+            inner["first_differing_input"], inner["reason"] = read, self.reason(inner["same_inputs"], read)
         return inner
 
     def named(self, oa: Op, ob: Op, va: list, inside: list, why: str) -> dict:
         ins_a = [self.value(0, r) for r in oa.inputs]
         ins_b = [self.value(1, r) for r in ob.inputs]
         same = len(ins_a) == len(ins_b) and all(_bits(x) == _bits(y) for x, y in zip(ins_a, ins_b))
-        reason = self.reason(same)
+        operands = [] if same else self.operands(oa, ob)
+        read = [o["input"] for o in operands if o["input"] is not None]
+        reason = self.reason(same, read[0] if read else None, len(read) - 1)
         where = oa.where + _inside(reversed(inside))
         return {"op": oa.primitive, "where": where, "user_frame": oa.frames.get("user"),
                 "library_frame": oa.frames.get("library"), "inside": inside, "same_inputs": same,
-                "first_differing_input": self.first_input, "shape": list(np.shape(va[0])),
+                "first_differing_input": read[0] if read else None, "differing_operands": operands,
+                "shape": list(np.shape(va[0])),
                 "dtype": str(np.asarray(va[0]).dtype), "ops_compared": self.compared, "reason": why + reason}
 
 

@@ -53,3 +53,18 @@ def test_a_constant_inside_an_inner_jit_is_found_inside_it():
 def test_other_code_is_named_as_such():
     r = first_differing_op(step, functools.partial(step, act=jax.nn.sigmoid), (STATE, BATCH), (STATE, BATCH))
     assert r["op"] is not None and "different" in r["reason"], r
+
+
+def _two_layers(params: dict, batch: jax.Array) -> jax.Array:
+    """`a_out` comes first in the alphabet and last in the program: read only after `w_in`'s matmul."""
+    h = jnp.tanh(batch @ params["w_in"])
+    return jnp.sum(h @ params["a_out"])
+
+
+def test_the_differing_input_named_is_one_the_op_reads_not_the_first_in_path_order():
+    params = {"a_out": jnp.ones((2, 1), jnp.float32), "w_in": jnp.ones((3, 2), jnp.float32) / 3}
+    both = {"a_out": params["a_out"] * 2, "w_in": params["w_in"].at[0, 0].add(0.5)}  # two leaves differ
+    r = first_differing_op(_two_layers, _two_layers, (params, BATCH), (both, BATCH))
+    assert (r["op"], r["first_differing_input"]) == ("dot_general", "0.w_in"), r  # the matmul reads w_in only
+    assert [o["input"] for o in r["differing_operands"]] == ["0.w_in"] and r["differing_operands"][0]["operand"] == 1
+    assert "it reads the step's input 0.w_in, which differs" in r["reason"] and "a_out" not in r["reason"], r

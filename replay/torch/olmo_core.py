@@ -39,6 +39,7 @@ Never imported by `import replay` or `import replay.torch`: it imports olmo_core
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,7 @@ from olmo_core.train.callbacks import Callback
 
 from replay.torch.errors import TorchRecordError
 from replay.torch.run import TorchRun
+from traces.errors import ResumeDivergedError
 from traces.sketch import DEFAULT_WIDTH
 
 log = logging.getLogger(__name__)
@@ -97,7 +99,9 @@ class ReplayCallback(Callback):
     config: Optional[dict] = None
     level: str = "layer"
     sketch_width: int = DEFAULT_WIDTH
-    priority: ClassVar[int] = -1  # after the trainer's own callbacks in each event (the checkpointer's 1)
+    # Before the checkpointer (1): its save in post_train_batch logs the step's metrics, which
+    # clears them, so the loss is read first, and the step's record reaches the checkpoint.
+    priority: ClassVar[int] = 2
 
     def __post_init__(self):
         self._run: TorchRun | None = None
@@ -105,6 +109,7 @@ class ReplayCallback(Callback):
         self._index: torch.Tensor | None = None
         self._saved: list[dict] = []  # checkpoints saved since the manifest was last written (any thread)
         self._lock = threading.Lock()
+        self._completed = False
 
     # ------------------------------------------------------------------------------ the fit
 
@@ -143,6 +148,7 @@ class ReplayCallback(Callback):
         run = self._run
         if run is None or run.finished:
             return
+        self._write_checkpoints()  # async saves finished since (their callback runs on another thread)
         if run.next_step != self.trainer.global_step - 1:
             raise TorchRecordError(f"trainer step {self.trainer.global_step} does not follow the recorded step "
                                    f"{run.next_step - 1}; every step of a recorded fit is recorded")
@@ -162,48 +168,63 @@ class ReplayCallback(Callback):
                 values[ours] = v
         if "loss" not in values:  # a step in the trainer's steps_to_skip trains nothing
             rec.__exit__(RuntimeError, None, None)
-            log.warning("replay: step %d trained no batch (steps_to_skip?); the recording stops here, incomplete",
-                        self.trainer.global_step)
-            self._run.close()
+            self._stop(f"step {self.trainer.global_step - 1} trained no batch (steps_to_skip?)")
             return
         rec.metrics(**values)
-        rec.__exit__(None, None, None)
+        try:
+            rec.__exit__(None, None, None)  # writes the step before (a resume compares it with the trace)
+        except ResumeDivergedError as e:
+            self._stop(f"{e}. A resume by OLMo-core alone changes the RNG hash (its torch RNG is one draw ahead: "
+                       "the epoch's DataLoader iterator draws its seed after the restore), so a fit resumed from a "
+                       "checkpoint before the trace's end is recorded into a new folder")
+            return
         self._write_instances()
 
     def post_checkpoint_saved(self, path):
+        m = re.fullmatch(r"step(\d+)", Path(str(path)).name)
         with self._lock:  # an async save calls this from another thread: the main thread writes it down
-            self._saved.append({"step": int(self.trainer.global_step), "path": str(path)})
-        if self._run is not None and not self._run.finished and threading.current_thread() is threading.main_thread():
+            self._saved.append({"step": int(m.group(1)) if m else int(self.trainer.global_step), "path": str(path)})
+        if self._open() and threading.current_thread() is threading.main_thread():
             self._run.flush()  # the trace reaches the checkpoint's step: a resume from it needs that
             self._write_checkpoints()
 
     def post_train(self):
-        run = self._run
-        if run is None or run.finished:
-            return
-        run.flush()  # the checkpoint list and segment end are written with the trace at its end
-        self._write_checkpoints(end=_loader_state(self.trainer)["batches_processed"])
-        run.finish()
+        if self._open():
+            self._run.flush()
+            self._completed = True  # finished in close(), after the checkpointer's final save
+            self._end_state = _loader_state(self.trainer)
 
     def on_error(self, exc: BaseException):
-        run = self._run
-        if run is None or run.finished:
+        if not self._open():
             return
         if self._rec is not None:
             rec, self._rec = self._rec, None
             rec.__exit__(type(exc), exc, None)
         try:
-            run.flush()  # the last completed step's record: a checkpoint saved after it needs it to resume
+            self._run.flush()  # the last completed step's record: a checkpoint saved after it needs it to resume
+            self._write_checkpoints()
         finally:
-            run.close()
+            self._run.close()
 
     def close(self):
-        if self._run is not None and not self._run.finished:
-            self._run.close()
+        if not self._open():
+            return
+        try:
+            self._write_checkpoints(end=self._end_state if self._completed else None)
+        finally:
+            self._run.finish() if self._completed else self._run.close()
+
+    def _open(self) -> bool:
+        return self._run is not None and not self._run.finished
+
+    def _stop(self, why: str) -> None:
+        """Stops recording (the run stays INCOMPLETE, its trace up to here intact); training goes on."""
+        log.error("replay: %s; the recording into %s stops here, incomplete", why, self.path)
+        self._run.close()
 
     # ------------------------------------------------------------------------------ the manifest and files
 
-    def _write_checkpoints(self, end: int | None = None) -> None:
+    def _write_checkpoints(self, end: dict | None = None) -> None:
         with self._lock:
             saved, self._saved = self._saved, []
         if not saved and end is None:
@@ -213,7 +234,8 @@ class ReplayCallback(Callback):
         known = {c["step"] for c in section.get("checkpoints", [])}
         section["checkpoints"] = section.get("checkpoints", []) + [c for c in saved if c["step"] not in known]
         if end is not None and section.get("segments"):
-            section["segments"][-1].update(end_step=self.trainer.global_step, batches_processed_end=end)
+            section["segments"][-1].update(end_step=self.trainer.global_step, epoch_end=end["epoch"],
+                                           batches_processed_end=end["batches_processed"])
         run.update_manifest(**{SECTION: section})
 
     def _truncate_instances(self, step: int) -> None:

@@ -15,12 +15,13 @@ from olmo_core.nn.attention import AttentionBackendName, SlidingWindowAttentionC
 from olmo_core.nn.transformer import TransformerConfig
 from olmo_core.optim import AdamWConfig
 from olmo_core.train import Duration, TrainerConfig
-from olmo_core.train.callbacks import Callback
+from olmo_core.train.callbacks import Callback, CheckpointerCallback
 from olmo_core.train.train_module import TransformerTrainModuleConfig
 
 from replay.torch.olmo_core import ReplayCallback
 
 VOCAB, SEQ, BATCH, STEPS, K = 512, 16, 4, 10, 5
+SAVE_EVERY = 3
 
 
 class DoubleLR(Callback):
@@ -33,6 +34,17 @@ class DoubleLR(Callback):
         if self.trainer.global_step - 1 == self.at:
             for group in self.trainer.train_module.optim.param_groups:
                 group["lr"] *= 2
+
+
+class Crash(Callback):
+    """A fit that dies at step `at` (after a checkpoint, before the next)."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def pre_step(self, batch):
+        if self.trainer.global_step - 1 == self.at:
+            raise RuntimeError(f"crash at step {self.at}")
 
 
 class OffByOneResume(NumpyFSLDataLoader):
@@ -64,20 +76,24 @@ def fit(root: Path, name: str, steps: int, callbacks: dict | None = None, loader
     loader = NumpyDataLoaderConfig(global_batch_size=BATCH * SEQ, seed=0, work_dir=str(root / "work")).build(dataset(root))
     if loader_class is not None:
         loader.__class__ = loader_class
+    # Checkpoints every SAVE_EVERY steps: OLMo-core saves them in post_train_batch, where the save also
+    # logs (and clears) the step's metrics.
+    callbacks = {"checkpointer": CheckpointerCallback(save_interval=SAVE_EVERY), **(callbacks or {})}
     config = TrainerConfig(save_folder=str(root / "olmo" / name), max_duration=Duration.steps(steps),
-                           metrics_collect_interval=1000, callbacks=dict(callbacks or {}))
+                           metrics_collect_interval=1000, callbacks=callbacks)
     # The user's side: the two lines the README shows.
     config = config.with_callback("replay", ReplayCallback(str(root / name)))
     config.build(module, loader).fit()
 
 
-def train_all(root: Path) -> None:
-    """The five runs of test_olmo_core.py's docstring, in seven fits."""
+def train_all(root: Path) -> list[str]:
+    """The six runs of test_olmo_core.py's docstring, in nine fits; returns what the callback logged."""
     # torch.distributed.checkpoint logs every save and load at DEBUG through a logger that propagates
     # to the root, where pytest's capture formats each record: 50 s of this module's 90 on 2 cores.
-    dcp = logging.getLogger("c10d-NullHandler-dcp_logger")
+    dcp, ours, logged = logging.getLogger("c10d-NullHandler-dcp_logger"), logging.getLogger("replay.torch.olmo_core"), Logged()
     was = dcp.propagate
     dcp.propagate = False
+    ours.addHandler(logged)
     try:
         fit(root, "a", STEPS)
         fit(root, "a2", STEPS)
@@ -86,5 +102,21 @@ def train_all(root: Path) -> None:
         fit(root, "lr", STEPS, callbacks={"double_lr": DoubleLR(at=K)})
         fit(root, "refeed", K)
         fit(root, "refeed", STEPS, loader_class=OffByOneResume)
+        try:
+            fit(root, "crash", STEPS, callbacks={"crash": Crash(at=K)})
+        except RuntimeError as e:
+            assert str(e) == f"crash at step {K}", e
+        fit(root, "crash", STEPS)
     finally:
         dcp.propagate = was
+        ours.removeHandler(logged)
+    return logged.lines
+
+
+class Logged(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())

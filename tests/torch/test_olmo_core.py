@@ -1,13 +1,15 @@
 """OLMo-core's own Trainer recorded through replay.torch.olmo_core.ReplayCallback.
 
-One module fixture trains five runs of a tiny `olmo3_1M` (~52k parameters, 512 tokens) on a numpy
-token file made here, on the CPU in this process, in seven fits of OLMo-core's Trainer:
+One module fixture trains six runs of a tiny `olmo3_1M` (~52k parameters, 512 tokens) on a numpy
+token file made here, on the CPU in this process, in nine fits of OLMo-core's Trainer (each saving
+OLMo-core's own checkpoints every 3 steps):
 
     a, a2   10 steps each
     b       5 steps, then a second fit that OLMo-core resumes from its own step-5 checkpoint
     lr      10 steps; from step K on the learning rate is doubled (a test callback)
     refeed  as b, but the resumed loader starts one batch early (an off-by-one resume): step K
-            is fed the batch of step K - 1 again"""
+            is fed the batch of step K - 1 again
+    crash   dies at step K; a second fit resumes from the step-3 checkpoint"""
 
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import replay.torch  # noqa: E402
 import traces  # noqa: E402
 from tests.cli_util import invoke  # noqa: E402
 
-VOCAB, SEQ, BATCH, STEPS, K = 512, 16, 4, 10, 5  # tests/torch/olmo_core_runs.py's
+VOCAB, SEQ, BATCH, STEPS, K, SAVE_EVERY = 512, 16, 4, 10, 5, 3  # tests/torch/olmo_core_runs.py's
 
 
 def instances(run):
@@ -42,9 +44,9 @@ def runs(tmp_path_factory):
     from tests.torch import olmo_core_runs
 
     assert (olmo_core_runs.VOCAB, olmo_core_runs.SEQ, olmo_core_runs.BATCH, olmo_core_runs.STEPS,
-            olmo_core_runs.K) == (VOCAB, SEQ, BATCH, STEPS, K)
+            olmo_core_runs.K, olmo_core_runs.SAVE_EVERY) == (VOCAB, SEQ, BATCH, STEPS, K, SAVE_EVERY)
     root = tmp_path_factory.mktemp("olmo_core")
-    olmo_core_runs.train_all(root)
+    (root / "logged.json").write_text(json.dumps(olmo_core_runs.train_all(root)))
     return root
 
 
@@ -92,6 +94,22 @@ def test_a_run_resumed_from_olmo_cores_checkpoint_trains_bit_identically_one_rng
 
 
 @pytest.mark.slow
+def test_a_fit_resumed_from_a_checkpoint_before_the_crash_stops_the_recording_not_the_training(runs):
+    """crash died at step K, after its step-3 checkpoint; OLMo-core resumed it from there, so steps 3..
+    were recorded again, and they differ (the RNG hash, one draw ahead as above): the recording stops
+    with one logged error that says why, steps 0..K-1 as recorded, and the training goes on to its end."""
+    run, ra = traces.Run.open(runs / "crash"), traces.Run.open(runs / "a")
+    assert run.status != "complete" and run.trace.end == K
+    assert all(_same(run.trace.read(k), ra.trace.read(k)) for k in range(K))
+    (line,) = json.loads((runs / "logged.json").read_text())
+    assert f"step {SAVE_EVERY} is already recorded with different content" in line and "one draw ahead" in line, line
+    assert str(runs / "crash") in line and "stops here" in line, line
+    assert (runs / "olmo" / "crash" / f"step{STEPS}").is_dir()  # OLMo-core's checkpoint at the end of training
+    assert [c["step"] for c in json.loads((runs / "crash" / "run.json").read_text())["olmo_core"]["checkpoints"]] == [
+        0, SAVE_EVERY]
+
+
+@pytest.mark.slow
 def test_manifest_holds_the_loaders_world_size_seed_fingerprint_and_batches(runs):
     manifest = json.loads((runs / "b" / "run.json").read_text())
     section = manifest["olmo_core"]
@@ -104,7 +122,8 @@ def test_manifest_holds_the_loaders_world_size_seed_fingerprint_and_batches(runs
     assert (first["start_step"], first["batches_processed"], first["end_step"], first["batches_processed_end"]) == (0, 0, K, K)
     assert (second["start_step"], second["resumed_from"], second["batches_processed"]) == (K, K, K)
     assert (second["end_step"], second["batches_processed_end"]) == (STEPS, STEPS)
-    assert {c["step"] for c in section["checkpoints"]} >= {K, STEPS}
+    # OLMo-core's own: before step 0, every SAVE_EVERY steps (saved in post_train_batch), at each fit's end
+    assert [c["step"] for c in section["checkpoints"]] == sorted({0, K, STEPS, *range(0, STEPS, SAVE_EVERY)})
     assert all(Path(c["path"]).name == f"step{c['step']}" for c in section["checkpoints"])
     assert manifest["dataset_size"] == 64  # instances per epoch: audit's epochs
 

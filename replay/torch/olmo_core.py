@@ -23,9 +23,16 @@ instances per epoch) is declared for `replay audit`.
 
 Checkpoints are OLMo-core's own: no second copy of the state is written. A fit that loaded a
 checkpoint (OLMo-core does that itself from `save_folder`) continues the replay run at the
-checkpoint's step (`TorchRun.resumed_at`); steps the trace already holds from there on must be
-recorded again bit-identically, so every resume is also a determinism check. The checkpoints
-saved are listed in the manifest ("olmo_core"."checkpoints": step and path). replay.torch's
+checkpoint's step (`TorchRun.resumed_at`); steps the trace already holds from there on (a crash
+after the checkpoint) are recorded again and kept only if bit-identical. With ai2-olmo-core 3.0.0
+they never are: a resumed fit's torch RNG is one draw ahead of the uninterrupted run's (the
+epoch's DataLoader iterator draws its seed after the restore), so the RNG hash differs, and the
+recording stops there with one logged error, the trace up to the crash intact; the training
+goes on (a recorder never ends a training). A fit that stopped at a checkpoint continues the
+run. The checkpoints saved are listed in the manifest ("olmo_core"."checkpoints": step and path;
+an async save's when the next step starts). The callback runs before OLMo-core's checkpointer
+(priority 2): the checkpointer's save in post_train_batch logs and clears the step's metrics,
+the loss among them, and the step's record must reach the trace before the save. replay.torch's
 own checkpoints (replay/torch/checkpoint.py) are not written: a torch run is never replayed by
 replay's engine (it records no program), so its checkpoints serve only a resume, which
 OLMo-core's do, and `replay compare --eval`, which this run does not support.

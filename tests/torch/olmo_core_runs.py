@@ -64,7 +64,8 @@ def dataset(root: Path):
     return ds
 
 
-def fit(root: Path, name: str, steps: int, callbacks: dict | None = None, loader_class=None) -> None:
+def fit(root: Path, name: str, steps: int, callbacks: dict | None = None, loader_class=None,
+        world_size: int | None = None) -> None:
     """One fit of OLMo-core's Trainer; a second fit of the same name resumes from its checkpoint."""
     torch.manual_seed(0)
     model = TransformerConfig.olmo3_1M(
@@ -83,7 +84,10 @@ def fit(root: Path, name: str, steps: int, callbacks: dict | None = None, loader
                            metrics_collect_interval=1000, callbacks=callbacks)
     # The user's side: the two lines the README shows.
     config = config.with_callback("replay", ReplayCallback(str(root / name)))
-    config.build(module, loader).fit()
+    trainer = config.build(module, loader)
+    if world_size is not None:  # what the loader says in a data-parallel run (after the Trainer's own check)
+        loader.dp_world_size = world_size
+    trainer.fit()
 
 
 def train_all(root: Path) -> list[str]:

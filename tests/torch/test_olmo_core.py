@@ -165,6 +165,16 @@ def test_bisect_names_the_refed_batch_as_data_and_audit_flags_it(runs):
     assert repeat["first_seen"] == [{"step": K - 1, "position": j} for j in range(BATCH)], repeat
 
 
+@pytest.mark.slow
+def test_a_data_parallel_fit_is_refused_before_its_first_step(tmp_path):
+    from replay.torch import TorchRecordError
+    from tests.torch import olmo_core_runs
+
+    with pytest.raises(TorchRecordError, match="records one process") as e:
+        olmo_core_runs.fit(tmp_path, "dp", STEPS, world_size=2)
+    assert len(str(e.value).splitlines()) == 1 and not (tmp_path / "dp").exists()
+
+
 def test_import_replay_and_replay_torch_never_import_olmo_core():
     code = "import sys, replay, replay.torch; print(sorted(m for m in sys.modules if m.startswith('olmo_core')))"
     root = Path(__file__).resolve().parents[2]

@@ -14,6 +14,7 @@ from replay import plugins
 from replay.engine.contract import config_of
 from replay.cli import console
 from replay.engine import contract as contractlib
+from replay.record import state_layout
 
 
 DAMAGED_REMEDY = "restore the run's files from a copy, or record it again"
@@ -50,9 +51,13 @@ def load_replayable(target, path: Path, data: str | None, allow_data_change: boo
                       on_compile=compiling)
     check(replayable.checkpoint_steps())  # a user loop's own checkpoints
     mesh_invariant = bool(config_of(target.manifest).get("mesh", {}).get("mesh_invariant"))
+    program = getattr(replayable, "program", None)  # a with-code replay's: the layout it compiled for
+    layout_why = (state_layout.first_difference(target.manifest.get(state_layout.KEY),
+                                                state_layout.describe(program.abstract[0]))
+                  if getattr(program, "abstract", None) is not None else None)
     contract = contractlib.evaluate(contractlib.recorded_environment(target.manifest), replayable.environment(),
                                     target.manifest.get("program_hash"), replayable.program_hash(), mesh_invariant,
-                                    tuple(target.manifest.get("invariant_device_counts", ())))
+                                    tuple(target.manifest.get("invariant_device_counts", ())), layout_why)
     used = {"exported": "replayed from the exported program", "code": "with your code"}.get(
         getattr(replayable, "replayed_from", None))
     if used:

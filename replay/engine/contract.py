@@ -174,7 +174,10 @@ def _qualifiers(unchecked, informational) -> str:
 
 
 def evaluate(recorded_env: dict, here_env: dict, recorded_program: str | None, here_program: str | None,
-             mesh_invariant: bool = False, invariant_counts: tuple[int, ...] = ()) -> Contract:
+             mesh_invariant: bool = False, invariant_counts: tuple[int, ...] = (),
+             program_reason: str | None = None) -> Contract:
+    """program_reason: why the program hashes differ where the caller knows (the state's layout,
+    replay/record/state_layout.py), named beside program_hash in the line."""
     backend = recorded_env.get("backend")
     info_keys = set(INFORMATIONAL_KEYS.get(backend or "", ()))
     diffs, unchecked, informational = [], [], []
@@ -218,7 +221,8 @@ def evaluate(recorded_env: dict, here_env: dict, recorded_program: str | None, h
     # The process count is named with its values: a cross-process reduction rounds otherwise than one
     # process's, so that alone withdraws the bits, and the reader needs the count to replay on.
     values = {k: (a, b) for k, a, b in diffs}
-    what = ", ".join(f"{k} (recorded {values[k][0]}, here {values[k][1]})" if k == "process_count" else k
+    what = ", ".join(f"{k} (recorded {values[k][0]}, here {values[k][1]})" if k == "process_count" else
+                     f"{k} ({program_reason})" if k == "program_hash" and program_reason else k
                      for k in sorted(keys))
     return Contract(False, f"measured only: {what} differ from the recording; distances are reported" + more,
                     diffs, fatal, unchecked, informational)

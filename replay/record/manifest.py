@@ -58,7 +58,7 @@ def git_commit(where: Path) -> dict | None:
 REPLAY_KEYS = ("format_version", "recorded_by", "replayable", "entrypoint", "entrypoint_path", "config", "environment",
             "argv", "checkpoint_dir", "dataset_size", "git", "schema", "program_hash", "record", "trace_first_step",
             "checkpoints", "checkpoint_fingerprints", "data_state_fingerprints", "exported", "example_store",
-            "state_names")
+            "state_names", "state_layout")
 
 
 def check_extra(extra: dict | None, call: str) -> dict:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from replay.record import checkpoints as ckpts
-from replay.record import examples_store, export, run_open
+from replay.record import examples_store, export, run_open, state_layout
 from replay.record.run_checkpoints import RunCheckpoints, as_state
 from replay.record.errors import RecordError
 from replay.record.options import StepOptions
@@ -196,6 +196,7 @@ class RecordingRun:
             self._record_exported(program)
             if program.state_names:
                 self._run.update_manifest(**{STATE_NAMES_KEY: program.state_names})
+            self._run.update_manifest(**{state_layout.KEY: state_layout.describe(program.abstract[0])})
         self._open_examples(program, resume=resuming)
 
     def begin(self, schema: Schema, program_hash: str | None = None, *, level: str | None = None,

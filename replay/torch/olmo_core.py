@@ -72,7 +72,8 @@ METRICS = ((("train", "CE loss"), "loss"), (("optim", "LR (group 0)"), "lr"),
 
 def instances(run_path: str | Path) -> np.ndarray | None:
     """int64 [steps, B]: the instance index of every recorded example, or None when the batches
-    carried none. A crash can leave one step more than the trace holds (written a step earlier)."""
+    carried none. A crash can leave one step more than the trace holds (the trace writes a step's
+    record when the next step ends)."""
     from traces.run import read_manifest
 
     info = (read_manifest(Path(run_path)).get(SECTION) or {}).get("instances")
@@ -139,7 +140,6 @@ class ReplayCallback(Callback):
             raise TorchRecordError(f"{self.path}: the trainer starts at step {tr.global_step} (a checkpoint it "
                                    "loaded) and this folder holds no run to continue; record from step 0, or pass "
                                    "the folder the run before the checkpoint was recorded into")
-        self._truncate_instances(tr.global_step)
         section = dict(self._run._run.manifest.get(SECTION) or {})
         section.update(olmo_core=_version(), checkpoints=section.get("checkpoints", []))
         segment = {"start_step": tr.global_step, **_loader_state(tr),
@@ -245,16 +245,8 @@ class ReplayCallback(Callback):
                                            batches_processed_end=end["batches_processed"])
         run.update_manifest(**{SECTION: section})
 
-    def _truncate_instances(self, step: int) -> None:
-        f = Path(self.path) / INSTANCES
-        info = (self._run._run.manifest.get(SECTION) or {}).get("instances")
-        if f.is_file() and info:
-            keep = step * int(info["per_step"]) * 8
-            if f.stat().st_size > keep:
-                with open(f, "r+b") as fh:
-                    fh.truncate(keep)
-
     def _write_instances(self) -> None:
+        """Step k's row at k * B * 8: the steps a resume records again are written over their rows."""
         index = self._index
         if index is None:
             return
@@ -265,7 +257,8 @@ class ReplayCallback(Callback):
                                                                       "file": INSTANCES}}})
         f = Path(self.path) / INSTANCES
         f.parent.mkdir(exist_ok=True)
-        with open(f, "ab") as fh:
+        with open(f, "r+b" if f.exists() else "wb") as fh:
+            fh.seek((self._run.next_step - 1) * index.numel() * 8)
             fh.write(index.numpy().astype("<i8").tobytes())
 
 

@@ -101,6 +101,7 @@ def test_a_fit_resumed_from_a_checkpoint_before_the_crash_stops_the_recording_no
     run, ra = traces.Run.open(runs / "crash"), traces.Run.open(runs / "a")
     assert run.status != "complete" and run.trace.end == K
     assert all(_same(run.trace.read(k), ra.trace.read(k)) for k in range(K))
+    np.testing.assert_array_equal(instances(runs / "crash"), instances(runs / "a")[:K])
     (line,) = json.loads((runs / "logged.json").read_text())
     assert f"step {SAVE_EVERY} is already recorded with different content" in line and "one draw ahead" in line, line
     assert str(runs / "crash") in line and "stops here" in line, line

@@ -129,7 +129,7 @@ class ReplayCallback(Callback):
                                                  and torch.distributed.get_world_size() != 1):
             raise TorchRecordError("ReplayCallback records one process (world size 1): each rank sees only its "
                                    "slice of the global batch; train in one process to record the run")
-        module = tr.train_module
+        module, self._completed = tr.train_module, False
         resume = bool(tr.checkpoint_loaded) and (Path(self.path) / "run.json").is_file()
         self._run = TorchRun(self.path, config=self.config, model=module.model, optimizer=module.optim,
                              level=self.level, sketch_width=self.sketch_width, resume=resume)
@@ -149,7 +149,7 @@ class ReplayCallback(Callback):
         if hasattr(tr.data_loader, "total_size"):  # instances per epoch: audit's epochs
             fields["dataset_size"] = int(tr.data_loader.total_size)
         self._run._run.update_manifest(**fields)
-        self._write_checkpoints()  # any saved before this callback's pre_train (the checkpointer's step 0)
+        self._write_checkpoints()  # any saved before (a checkpointer of a higher priority saving at pre_train)
 
     def pre_step(self, batch: dict):
         run = self._run

@@ -1,6 +1,6 @@
 """The real host-count bug, end to end: a run resumed on twice the hosts (trainer/order.py).
 
-A `tiny` run (trace.level=step) trains 2K steps in one process: the clean run. Two copies of it,
+A `tiny` run (one block, trace.level=step) trains 2K steps in one process: the clean run. Two copies of it,
 one per sampler, stop at step K and are resumed on 2 processes (jax.distributed on 127.0.0.1, one
 CPU device each; the one-process runs have 2 virtual devices, so only the host count changes).
 With `data.sampler=contiguous-per-host` host 0 jumps to position K * B/2 of its slice: `replay
@@ -35,7 +35,9 @@ from trainer.config import apply_overrides
 from trainer.presets import get_preset
 from trainer.loop import train
 root, k = sys.argv[1], int(sys.argv[2])
-base = apply_overrides(get_preset("tiny"), [f"steps={2 * k}", f"checkpoint.every_steps={k}", "trace.level=step"])
+# One block: every claim here is about the data order, and a block is most of each process's compile.
+base = apply_overrides(get_preset("tiny"), [f"steps={2 * k}", f"checkpoint.every_steps={k}", "trace.level=step",
+                                          "model.n_layers=1"])
 train(base, f"{root}/clean", preset="tiny")
 for sampler in ("contiguous-per-host", "global"):
     train(apply_overrides(base, [f"steps={k}", f"data.sampler={sampler}"]), f"{root}/{sampler}", preset="tiny")

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 import importlib
 
-__all__ = ["Loop", "RecordError", "entrypoint", "init", "tap"]
+__all__ = ["Loop", "RecordError", "Tokens", "entrypoint", "init", "tap"]
 
 _PUBLIC = {
     "init": ("replay.record.run", "init"),
@@ -27,6 +27,7 @@ _PUBLIC = {
     "Loop": ("replay.record.loop", "Loop"),
     "entrypoint": ("replay.record.loop", "entrypoint"),
     "RecordError": ("replay.record.errors", "RecordError"),
+    "Tokens": ("replay.record.manifest", "Tokens"),
 }
 
 

@@ -88,7 +88,9 @@ class AuditReport:
         ]
 
     def summary(self) -> str:
-        head = f"{self.distinct} examples seen {self.examples_seen} times over {self.examples_seen / self.dataset_size:.3g} epochs"
+        head = f"{self.distinct} examples seen {self.examples_seen} times"
+        if self.dataset_size_from != "trace":  # an epoch count only from a known size, never from the trace alone
+            head += f" over {self.examples_seen / self.dataset_size:.3g} epochs"
         n_dup = self.duplicate_slots.size
         dup = f"; {_n(n_dup, 'repeat')} {'is' if n_dup == 1 else 'are'} duplicate content in the data" if n_dup else ""
         if self.ok:
@@ -119,11 +121,15 @@ def dataset_size(manifest: dict) -> int | None:
 
 
 def dataset_size_and_origin(manifest: dict) -> tuple[int | None, str | None]:
-    """(N, "declared" | "manifest") or (None, None). A declared size is the loop's promise:
-    its N examples, each once per epoch, epochs of N slots from the run's first example."""
+    """(N, "declared" | "tokens" | "manifest") or (None, None). A declared size is the loop's promise:
+    its N examples, each once per epoch, epochs of N slots from the run's first example. One
+    declared in tokens (replay.Tokens(T), packed LM rows of L tokens) gives epochs of T // L rows."""
     declared = manifest.get("dataset_size")
     if isinstance(declared, int) and not isinstance(declared, bool) and declared > 0:
         return declared, "declared"
+    tokens, per_row = manifest.get("dataset_tokens"), manifest.get("example_tokens")  # replay.Tokens(T): packed rows
+    if all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in (tokens, per_row)):
+        return (tokens // per_row, "tokens") if tokens >= per_row else (None, None)
     try:
         n = int(manifest["data"]["n_tokens"]) // (int(manifest["config"]["model"]["seq_len"]) + 1)
     except (KeyError, TypeError, ValueError):

@@ -98,7 +98,7 @@ def to_json(report, run: Path) -> dict[str, Any]:
         "epoch_size": report.dataset_size,
         "examples_seen": report.examples_seen,
         "distinct": report.distinct,
-        "epochs": report.epochs,
+        "epochs": report.epochs if report.dataset_size_from != "trace" else None,  # never counted from the trace alone
         "times_seen": {str(k): v for k, v in report.times_seen.items()},
         "early_repeats": [
             {"step": r.step, "epoch": r.epoch, "positions": list(r.positions),
@@ -123,7 +123,9 @@ def to_json(report, run: Path) -> dict[str, Any]:
 
 def render(report, data: dict[str, Any]) -> None:
     origin = {"source": "the data source", "declared": "declared at replay.init: each example once per epoch",
-              "manifest": "the manifest's data"}.get(report.dataset_size_from, report.dataset_size_from)
+              "manifest": "the manifest's data",
+              "tokens": "rows of packed tokens: the tokens declared at replay.init over a row's tokens"}.get(
+        report.dataset_size_from, report.dataset_size_from)
     size = (f"{report.dataset_size} ({origin})" if report.dataset_size_from != "trace"
             else f"unknown, not declared (epochs taken as the {report.dataset_size} distinct examples seen: "
                  "early repeats can be missed)")
@@ -134,7 +136,8 @@ def render(report, data: dict[str, Any]) -> None:
         ("examples seen", report.examples_seen),
         ("distinct examples", report.distinct),
         ("times seen", times + (", ..." if len(report.times_seen) > 8 else "")),
-        ("epochs", f"{report.epochs} ({report.examples_seen / report.dataset_size:.3g} of the data)"),
+        ("epochs", f"{report.epochs} ({report.examples_seen / report.dataset_size:.3g} of the data)"
+         if report.dataset_size_from != "trace" else "not counted: the dataset size is unknown"),
         ("came back early", console.styled(f"{report.early_slots.size} examples in {report.early_repeat_steps} steps",
                                            "red" if not report.ok else "green")),
         ("duplicate content", f"{report.duplicate_slots.size} repeats of {len(report.duplicates)} duplicated windows"),

@@ -11,6 +11,36 @@ from typing import Any, Callable
 
 from replay.record.errors import RecordError
 
+class Tokens:
+    """`replay.init(dataset_size=replay.Tokens(T))`: the dataset counted in tokens, for packed LM
+    rows (each row a window of the token stream, so a number of rows is not what an epoch is).
+    `replay audit` takes epochs of T // L rows, L a row's tokens: the per-example size of the
+    batch's first integer leaf, recorded at the first step (run.json "example_tokens")."""
+
+    def __init__(self, count: int):
+        if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
+            raise RecordError(f"replay.Tokens({count!r}): the dataset's number of tokens, an int > 0")
+        self.count = count
+
+    def __repr__(self) -> str:
+        return f"replay.Tokens({self.count})"
+
+
+def example_tokens(manifest: dict, batch: Any, batch_axis: int) -> dict:
+    """{"example_tokens": L} for a run whose dataset size was given in tokens (else {}): L is the
+    per-example size of the batch's first integer leaf (ShapeDtypeStructs or arrays)."""
+    if manifest.get("dataset_tokens") is None:
+        return {}
+    import jax
+    import numpy as np
+
+    for leaf in jax.tree.leaves(batch):
+        if np.issubdtype(np.dtype(leaf.dtype), np.integer) and len(leaf.shape) > batch_axis:
+            return {"example_tokens": int(np.prod(leaf.shape)) // int(leaf.shape[batch_axis])}
+    raise RecordError("replay.init(dataset_size=replay.Tokens(...)): the batch has no integer leaf to count an "
+                      "example's tokens in; give dataset_size as a number of examples")
+
+
 FACTORY = "replay.record.replayable:from_run"  # trusted: replay's own, it imports the user's entry point
 RECORDED_BY = "replay.init"
 
@@ -58,7 +88,7 @@ def git_commit(where: Path) -> dict | None:
 REPLAY_KEYS = ("format_version", "recorded_by", "replayable", "entrypoint", "entrypoint_path", "config", "environment",
             "argv", "checkpoint_dir", "dataset_size", "git", "schema", "program_hash", "record", "trace_first_step",
             "checkpoints", "checkpoint_fingerprints", "data_state_fingerprints", "exported", "example_store",
-            "state_names", "state_layout")
+            "state_names", "state_layout", "dataset_tokens", "example_tokens")
 
 
 def check_extra(extra: dict | None, call: str) -> dict:
@@ -97,12 +127,15 @@ def build(config: Any, entrypoint: str | Callable | None, dataset_size: int | No
         config = json.loads(json.dumps(config))
     except (TypeError, ValueError) as e:
         raise RecordError(f"replay.init(config=...): the config must be JSON (dicts, lists, numbers, strings): {e}") from None
+    tokens = dataset_size.count if isinstance(dataset_size, Tokens) else None
+    dataset_size = None if tokens is not None else dataset_size
     if dataset_size is not None and (not isinstance(dataset_size, int) or isinstance(dataset_size, bool)
                                      or dataset_size <= 0):
-        raise RecordError(f"replay.init(dataset_size={dataset_size!r}): the number of examples, an int > 0")
+        raise RecordError(f"replay.init(dataset_size={dataset_size!r}): the number of examples, an int > 0, or "
+                          "replay.Tokens(T) for packed token rows")
     manifest = {**extra, "recorded_by": RECORDED_BY, "config": config, "environment": environment(),
                 "argv": list(sys.argv), "checkpoint_dir": checkpoint_dir, "dataset_size": dataset_size,
-                "checkpoints": []}
+                "checkpoints": [], **({"dataset_tokens": tokens} if tokens is not None else {})}
     folder = None
     if replayable is not None:
         manifest["replayable"] = factory_spec(replayable)

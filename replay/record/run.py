@@ -48,7 +48,7 @@ class RecordingRun:
     """A run open for recording. Use `replay.init` to make one."""
 
     def __init__(self, path: str | os.PathLike, *, config: Any = None, entrypoint: str | Callable | None = None,
-                 dataset_size: int | None = None, checkpoints: Any = None, resume: bool = False,
+                 dataset_size: "int | manifestlib.Tokens | None" = None, checkpoints: Any = None, resume: bool = False,
                  store_examples: bool = False, keep_checkpoints: int = 0, replayable: str | None = None,
                  manifest: dict | None = None, state_step: Callable[[Any], int] | None = None,
                  resume_command: str | None = None):
@@ -196,7 +196,9 @@ class RecordingRun:
             self._record_exported(program)
             if program.state_names:
                 self._run.update_manifest(**{STATE_NAMES_KEY: program.state_names})
-            self._run.update_manifest(**{state_layout.KEY: state_layout.describe(program.abstract[0])})
+            state, batch = program.abstract
+            self._run.update_manifest(**{state_layout.KEY: state_layout.describe(state)},
+                                      **manifestlib.example_tokens(self.manifest, batch, program.options.batch_axis))
         self._open_examples(program, resume=resuming)
 
     def begin(self, schema: Schema, program_hash: str | None = None, *, level: str | None = None,
@@ -280,8 +282,6 @@ class RecordingRun:
         self._run.update_manifest(**{export.KEY: entry, examples_store.KEY: store})
 
     def _open_examples(self, program: Any, resume: bool) -> None:
-        from replay.record import examples_store
-
         store = self.manifest.get(examples_store.KEY)
         if self._run is not None and isinstance(store, dict) and store.get("leaves"):
             self._examples = examples_store.ExampleWriter(self.path, program.options.batch_axis, resume=resume)

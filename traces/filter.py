@@ -12,11 +12,13 @@ come from splitmix64(hash). 12 bits an example (1.5 bytes): a "maybe" for a hash
 about 0.7% of the time for uniformly distributed hashes (the format's example hashes are
 64-bit digests; skewed ones only cost more table reads, never a wrong answer).
 
-At 16,384 records of 1,024 examples: 25 MB a segment, built in ~0.5 s at seal.
+At 16,384 records of 1,024 examples: 25 MB a segment, built in ~0.5 s at seal, on the writer's
+seal thread, a chunk of the sorted table at a time (`Builder`).
 """
 
 from __future__ import annotations
 
+import time
 import zlib
 
 import numpy as np
@@ -27,7 +29,9 @@ BLOCK_BYTES = 64
 BLOCK_BITS = 480  # 60 bytes of bits, then a u32 crc32 of them
 BITS_PER_EXAMPLE = 12
 K_BITS = 6
-_BUILD_ENTRIES = 1 << 20  # sorted hashes turned into bits at once (~12 MB of working bools)
+_BUILD_ENTRIES = 1 << 15  # sorted hashes turned into bits at once (~5 MB of bit positions and bools)
+_CRC_ROWS = 2048  # rows checksummed between yields of the GIL (~1 ms)
+_YIELD_S = 50e-6
 
 
 class FilterDamaged(TraceCorruptError):
@@ -61,22 +65,52 @@ def bit_positions(hashes: np.ndarray) -> np.ndarray:
     return fields.view(np.int64)  # < 480: the same bits
 
 
+class Builder:
+    """A filter filled a sorted chunk at a time (the index table's chunks, as they are written):
+    the bits of a hash do not depend on the others, so the bytes equal `build`'s of the whole."""
+
+    def __init__(self, entries: int):
+        self.blocks = filter_blocks(entries)
+        self._out = np.zeros((self.blocks, BLOCK_BYTES), np.uint8)
+
+    def add(self, sorted_hashes: np.ndarray) -> None:
+        hs, nb = np.asarray(sorted_hashes, np.uint64), self.blocks
+        for lo in range(0, hs.size, _BUILD_ENTRIES):
+            part = hs[lo : lo + _BUILD_ENTRIES]
+            blocks = block_of(part, nb).view(np.int64)  # < 2**32
+            b0, b1 = int(blocks[0]), int(blocks[-1]) + 1
+            local = np.zeros((b1 - b0) * BLOCK_BITS, bool)
+            local[((blocks - b0) * BLOCK_BITS)[:, None] + bit_positions(part)] = True
+            self._out[b0:b1, : BLOCK_BITS // 8] |= np.packbits(local.reshape(b1 - b0, BLOCK_BITS), axis=1,
+                                                               bitorder="little")
+
+    def finish(self) -> np.ndarray:
+        """uint8 (blocks, 64): the filter's bytes, each block's crc32 set."""
+        self._out[:, BLOCK_BITS // 8 :] = crc_rows(self._out, BLOCK_BITS // 8).view(np.uint8).reshape(-1, 4)
+        return self._out
+
+
+def crc_rows(rows: np.ndarray, width: int) -> np.ndarray:
+    """'<u4' crc32 of the first `width` bytes of each row of a C-contiguous uint8 (n, stride) array.
+
+    Run on the writer's seal thread beside the training loop: a row's crc32 is too short to
+    release the GIL, so every _CRC_ROWS rows the thread sleeps a moment, letting a loop that
+    waits for the GIL have it within ~1 ms instead of the interpreter's 5 ms switch interval."""
+    mv, stride = memoryview(rows).cast("B"), rows.shape[1]
+    out = np.empty(rows.shape[0], "<u4")
+    for lo in range(0, rows.shape[0], _CRC_ROWS):
+        hi = min(rows.shape[0], lo + _CRC_ROWS)
+        out[lo:hi] = [zlib.crc32(mv[a : a + width]) for a in range(lo * stride, hi * stride, stride)]
+        time.sleep(_YIELD_S)
+    return out
+
+
 def build(sorted_hashes: np.ndarray) -> bytes:
     """The filter of a segment's example hashes, given sorted (the index table's order)."""
     hs = np.asarray(sorted_hashes, np.uint64)
-    nb = filter_blocks(hs.size)
-    bits = np.zeros((nb, BLOCK_BITS // 8), np.uint8)
-    for lo in range(0, hs.size, _BUILD_ENTRIES):
-        part = hs[lo : lo + _BUILD_ENTRIES]
-        blocks = block_of(part, nb).view(np.int64)  # < 2**32
-        b0, b1 = int(blocks[0]), int(blocks[-1]) + 1
-        local = np.zeros((b1 - b0) * BLOCK_BITS, bool)
-        local[((blocks - b0) * BLOCK_BITS)[:, None] + bit_positions(part)] = True
-        bits[b0:b1] |= np.packbits(local.reshape(b1 - b0, BLOCK_BITS), axis=1, bitorder="little")
-    out = np.zeros((nb, BLOCK_BYTES), np.uint8)
-    out[:, : BLOCK_BITS // 8] = bits
-    out[:, BLOCK_BITS // 8 :] = np.array([zlib.crc32(row) for row in bits], "<u4").view(np.uint8).reshape(nb, 4)
-    return out.tobytes()
+    builder = Builder(hs.size)
+    builder.add(hs)
+    return builder.finish().tobytes()
 
 
 def maybe(blocks_view: np.ndarray, queries: np.ndarray) -> np.ndarray:

@@ -12,7 +12,9 @@ rebuilt in memory from its segment (`MemoryIndex`), which costs reading the segm
 
 Sizes at 1,024 examples a step and 16,384 records a segment: ~50 bytes a step of columns,
 12 bytes an example in the table and 1.6 in the filter; ~1.7 MB of columns and block heads
-and 27 MB of filter a segment; writing one costs ~1.5 s at seal plus ~1-3 s for the filter.
+and 27 MB of filter a segment; writing one costs ~2-4 s on the writer's seal thread (not the
+loop's), in ~6 bytes an example of working memory beyond the hashes the builder holds (which
+become the sort key): less than the file it writes.
 """
 
 from __future__ import annotations
@@ -29,13 +31,13 @@ import numpy as np
 from traces import filter as example_filter
 from traces.errors import SchemaError, TraceCorruptError
 from traces.schema import METRIC_DTYPES, Schema
-from traces.sorting import stable_argsort
+from traces.sorting import sorted_chunks, stable_argsort
 
 INDEX_SUFFIX = ".idx"
 INDEX_MAGIC = b"RPLYIDX1"
 INDEX_VERSION = 2  # 2: per-column checksums, a segment summary and the example filter (FORMAT.md); 1 is still read
 BLOCK_ENTRIES = 256
-TABLE_CHUNK_BLOCKS = 4096  # blocks built at once when writing (12 MB)
+TABLE_CHUNK_BLOCKS = 256  # blocks built at once when writing (0.8 MB)
 _SCAN_CHUNK = 1 << 20  # examples searched at once in memory (bounds the working arrays to ~20 MB)
 # magic, version, reserved, schema digest, first step, record count, segment content crc, block entries,
 # segment size, crc of the columns, crc of the block heads, reserved; then a crc of these 60 bytes
@@ -206,34 +208,44 @@ class IndexBuilder:
     def memory_index(self, end_offset: int) -> "MemoryIndex":
         return MemoryIndex(self.columns(end_offset), self.hashes() if self.keep_hashes else None)
 
-    def write(self, path: Path, end_offset: int, content_crc: int, segment_size: int) -> None:
+    def write(self, path: Path, end_offset: int, content_crc: int, segment_size: int, consume: bool = False) -> None:
         """Writes the index file atomically (tmp, fsync, rename): a reader sees all of it or none.
-        The table is built and written TABLE_CHUNK_BLOCKS blocks at a time after the sort."""
+        The sorted table comes TABLE_CHUNK_BLOCKS blocks at a time (traces.sorting.sorted_chunks),
+        each written and added to the filter as it comes: 12 bytes an example of working memory
+        (the sort key, and the low bits of each hash it drops) and the filter, less than the file.
+        consume=True: the builder's own hashes become the key (8 of the 12), and the builder
+        cannot be used after (the writer's seal)."""
         schema, K = self.schema, BLOCK_ENTRIES
-        columns = encode_columns(schema, self.columns(end_offset))
-        order, hs = stable_argsort(np.ascontiguousarray(self.hashes()).reshape(-1))
-        E = hs.size
+        columns = encode_columns(schema, self.columns(end_offset))  # before the hashes are consumed
+        flat = np.ascontiguousarray(self.hashes()).reshape(-1)
+        if consume:
+            self._hashes = None
+        E = flat.size
         nb = -(-E // K)
         heads_size = _pad8(12 * nb)
-        fence = hs[::K].copy()
+        fence = np.zeros(nb, np.uint64)
         block_crc = np.zeros(nb, np.uint32)
+        bloom = example_filter.Builder(E)
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "wb") as f:
             f.seek(INDEX_HEADER_SIZE + len(columns) + heads_size)
-            for b0 in range(0, nb, TABLE_CHUNK_BLOCKS):
-                b1 = min(nb, b0 + TABLE_CHUNK_BLOCKS)
+            b0 = 0
+            for part_h, part_s in sorted_chunks(flat, TABLE_CHUNK_BLOCKS * K, consume):
+                b1 = b0 + -(-part_h.size // K)
                 table = np.zeros((b1 - b0, 12 * K), np.uint8)
-                part_h, part_s = hs[b0 * K : b1 * K], order[b0 * K : b1 * K].astype(np.uint32)
                 padded = np.zeros((b1 - b0) * K, np.uint64)
                 padded[: part_h.size] = part_h
                 table[:, : 8 * K] = padded.view(np.uint8).reshape(b1 - b0, 8 * K)
                 padded_slots = np.zeros((b1 - b0) * K, np.uint32)
                 padded_slots[: part_s.size] = part_s
                 table[:, 8 * K :] = padded_slots.view(np.uint8).reshape(b1 - b0, 4 * K)
-                block_crc[b0:b1] = [zlib.crc32(row) for row in table]
+                fence[b0:b1] = part_h[::K]
+                block_crc[b0:b1] = example_filter.crc_rows(table, 12 * K)
                 f.write(memoryview(table).cast("B"))
-            bloom = example_filter.build(hs)
-            f.write(bloom)
+                bloom.add(part_h)
+                b0 = b1
+            del flat  # consumed: the sort key goes before the filter's checksums and the fsync
+            f.write(memoryview(bloom.finish()).cast("B"))
             heads = fence.tobytes() + block_crc.tobytes()
             heads += b"\0" * (heads_size - len(heads))
             spans = column_spans(schema, len(self))
@@ -241,7 +253,7 @@ class IndexBuilder:
                                K, segment_size, zlib.crc32(columns), zlib.crc32(heads), 0)
             head += _IHEAD_EXT.pack(*[zlib.crc32(memoryview(columns)[pos : pos + size]) for _, _, pos, size in
                                       (spans[name] for name in COLUMN_NAMES)],
-                                    summary(schema, columns, len(self)), len(bloom) // example_filter.BLOCK_BYTES, 0)
+                                    summary(schema, columns, len(self)), bloom.blocks, 0)
             f.seek(0)
             for part in (head, struct.pack("<I", zlib.crc32(head)), columns, heads):
                 f.write(part)

@@ -2,11 +2,30 @@
 
 Each record is one frame written with one write() call, so a writer that dies at any moment,
 or runs out of disk, leaves at most one partial frame at the tail; the next writer cuts it off.
+
+Sealing never pauses the loop that appends (issue 34). The append that fills a segment writes
+its seal (one write(): from then on the segment is sealed for any reader, and a kill loses
+nothing) and hands the rest to a seal thread: the segment's fsync and close, then its index
+(a sort of its example hashes, the table, the filter: ~2 s and ~200 MB at 1,024 examples a step
+and 16,384 records a segment, which on the loop's thread paused it ~1.5 s with a 610 MB peak).
+Why a thread and not an index built as records arrive: the table is a sort of every hash of the
+segment, which cannot be finished a record at a time for free (merging sorted runs at the seal
+is the same pass), and the seal's fsync of the whole segment is itself a pause no incremental
+index removes. The records themselves are still written on the caller's thread, so no record
+is ever in flight: a crash while the thread works leaves a sealed segment without its index,
+which readers index in memory and the next writer writes (as a crash between seal and index
+always did). At most one seal is in flight: a segment filled while the previous one's index is
+still being built waits for it (bounded memory: one segment's hashes, as the builder holds).
+The thread's failures come back on the caller's thread: a failed fsync is raised by the next
+append, flush or close, as the same DiskFullError or OSError the append that sealed raised
+before (and the writer stops); an index that could not be written is a note, as before.
+`close()` waits for the thread. The files are byte for byte what sealing on the loop wrote.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import zlib
 from pathlib import Path
 
@@ -47,6 +66,10 @@ class TraceWriter:
         self.repaired: list[Damage] = []
         self.notes: list[str] = []  # an index that could not be written (the trace is intact without it)
         self._builder: IndexBuilder | None = None
+        self._sealing: threading.Thread | None = None  # the seal in flight (at most one)
+        self._seal_error: tuple[OSError, str, Path, int | None] | None = None  # set by that thread
+        self._sealed_synced = threading.Event()  # the sealed segment's fsync is done (or failed)
+        self._sealed_synced.set()
         self._size = 0  # bytes in the open segment
         self._reader = TraceReader(self.dir, schema, first_step=first_step)
         self._repair_tail()
@@ -88,7 +111,12 @@ class TraceWriter:
 
     @property
     def broken(self) -> str | None:
-        """Why this writer stopped (a failed write), or None."""
+        """Why this writer stopped (a failed write, a failed seal that finished), or None."""
+        if self._sealing is not None and not self._sealing.is_alive():
+            self._wait_seal()
+        if self._seal_error is not None and self._sealing is None and self._seal_error[1] is not None:
+            e, doing, path, last = self._seal_error  # kept: the next append, flush or close raises it
+            self._failed(e, doing, path, last)
         return self._broken
 
     @property
@@ -118,6 +146,7 @@ class TraceWriter:
 
     def append(self, rec: StepRecord) -> bool:
         """Writes the record; returns False when it was already recorded bit-identically."""
+        self._surface()
         if self._broken:
             raise StepOrderError(f"trace writer stopped after an earlier failure ({self._broken}); resume the run")
         if self.next_step is None and self.first_step is not None and rec.step != self.first_step:
@@ -157,12 +186,13 @@ class TraceWriter:
     def _last_recorded(self) -> int | None:
         return self.next_step - 1 if self.next_step is not None else None
 
-    def _failed(self, e: OSError, doing: str, path: Path | None = None) -> Exception:
-        """The error to raise for a failed write; the writer refuses to continue after it."""
+    def _failed(self, e: OSError, doing: str, path: Path | None = None, last: int | None = -1) -> Exception:
+        """The error to raise for a failed write; the writer refuses to continue after it.
+        `last`: the last step recorded safely, when not the last appended (a failed seal's)."""
         path = path or self._path or self.dir
         self._broken = f"{e.strerror or e} {doing} to {path}"
         if e.errno in DISK_FULL_ERRNOS:
-            last = self._last_recorded()
+            last = self._last_recorded() if last == -1 else last
             return DiskFullError(disk_full_message(path, doing, last, self.run_path), str(path), last)
         return e
 
@@ -194,34 +224,87 @@ class TraceWriter:
             raise self._failed(e, doing) from None
 
     def _seal(self) -> None:
-        """Seals the segment, then writes its index (a crash between the two leaves a sealed
-        segment without an index: readers build it in memory, a resume writes it)."""
+        """Seals the segment (its seal written here), then hands its fsync, close and index to
+        the seal thread (a crash before the index leaves a sealed segment without one: readers
+        build it in memory, a resume writes it). Waits for the previous seal first."""
         doing = f"sealing {self._path.name}"
         end, content_crc = self._size, self._crc
+        self._wait_seal()
+        self._surface()  # the previous seal's failure first
         self._write(encode_seal(self._count, content_crc), doing)
-        self._fsync(doing)
-        os.close(self._fd)
-        self._fd = None
+        fd, self._fd = self._fd, None
         builder, self._builder = self._builder, None
-        self._write_index(builder, self._path, end, content_crc, self._size)
+        job = (fd, self._path, builder, end, content_crc, self._size, doing, self._last_recorded())
+        self._sealed_synced.clear()
+        self._sealing = threading.Thread(target=self._finish_seal, args=job, name=f"replay-seal-{self._path.name}")
+        self._sealing.start()
 
-    def _write_index(self, builder: IndexBuilder, segment: Path, end: int, content_crc: int, size: int) -> None:
+    def _finish_seal(self, fd: int, path: Path, builder: IndexBuilder, end: int, content_crc: int, size: int,
+                     doing: str, last: int | None) -> None:
+        """The seal thread: never raises; what failed is kept for the caller's thread (`_surface`)."""
+        try:
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            self._seal_error = (e, doing, path, last)
+            return
+        finally:
+            self._sealed_synced.set()
+        try:
+            self._write_index(builder, path, end, content_crc, size, consume=True)
+        except BaseException as e:  # noqa: BLE001 - a bug: raised on the caller's thread, never lost
+            self._seal_error = (e, None, path, last)
+
+    def _wait_seal(self) -> None:
+        if self._sealing is not None:
+            self._sealing.join()
+            self._sealing = None
+
+    def _surface(self) -> None:
+        """Raises, on the caller's thread, what the seal thread failed at (once; the writer stops)."""
+        if self._seal_error is None and (self._sealing is None or self._sealing.is_alive()):
+            return
+        self._wait_seal()
+        if self._seal_error is not None:
+            (e, doing, path, last), self._seal_error = self._seal_error, None
+            if doing is None:
+                self._broken = f"indexing {path.name} failed ({e!r})"
+                raise e
+            raise self._failed(e, doing, path, last) from None
+
+    def _write_index(self, builder: IndexBuilder, segment: Path, end: int, content_crc: int, size: int,
+                     consume: bool = False) -> None:
         """The index is derived data: failing to write it (a full disk) loses nothing recorded, so
         it is a note, not an error; the next write to the full disk raises DiskFullError."""
         path = index_path(segment)
         try:
-            builder.write(path, end, content_crc, size)
+            builder.write(path, end, content_crc, size, consume)
         except OSError as e:
             path.with_name(path.name + ".tmp").unlink(missing_ok=True)
             self.notes.append(f"{path}: not written ({e.strerror or e}); readers index {segment.name} in memory")
 
     def flush(self) -> None:
-        """fsync the open segment: records already survive a kill -9; this covers power loss."""
+        """fsync the open segment: records already survive a kill -9; this covers power loss.
+        Waits for the fsync of a segment sealed just before (the seal thread's), not for its
+        index, and raises what that fsync failed at."""
+        self._sealed_synced.wait()
+        self._surface()
         if self._fd is not None and not self._broken:
             self._fsync("flushing the trace")
 
     def close(self) -> None:
-        """Closes the open segment; after a failed write only closes it (the error was raised already)."""
+        """Waits for the seal in flight, then closes the open segment; after a failed write only
+        closes it (the error was raised already). A seal that failed is raised here, after the
+        open segment is closed."""
+        try:
+            self._close_open()
+        finally:
+            self._surface()
+
+    def _close_open(self) -> None:
+        self._wait_seal()
         if self._fd is None:
             return
         try:

@@ -10,7 +10,8 @@ Prints one JSON object on its last line: max_pause_ms (the longest append, which
 wait for a seal), seal_append_ms (the append that filled the segment), p99_append_ms,
 seal_peak_mb (the process's peak RSS, sampled every ms, above its RSS just before the seal: what
 sealing costs beyond the hashes the writer already holds; its budget is the size of the segment's
-index file), peak_mb (the same above the RSS before the first append), max_pause_before_seal_ms
+index file), peak_mb (the same above the RSS before the first append), max_pause_during_seal_ms
+(the longest append from the filling one until the index file exists), max_pause_before_seal_ms
 (the longest append with no seal in flight: the machine's noise), seal_seconds (from the filling
 append until the segment's index file exists), with the budgets beside them (issue 34).
 """
@@ -79,6 +80,7 @@ def main() -> None:
         sampler = _PeakRss()
         sampler.start()
         sealed_at = indexed_at = None
+        indexed_step = n - 1
         for step in range(n):
             rec = record(step)
             t0 = time.perf_counter()
@@ -90,7 +92,7 @@ def main() -> None:
             if step == args.segment_records - 1:
                 sealed_at = t0
             if sealed_at is not None and indexed_at is None and idx.exists():
-                indexed_at = t1
+                indexed_at, indexed_step = t1, step
             time.sleep(args.step_ms / 1000)
         writer.close()
         if indexed_at is None and idx.exists():
@@ -106,6 +108,8 @@ def main() -> None:
         "seal_append_ms": round(seal * 1e3, 2),
         "p99_append_ms": round(float(np.percentile(times, 99)) * 1e3, 3),
         "median_append_ms": round(float(np.median(times)) * 1e3, 3),
+        "max_pause_during_seal_ms": round(times[args.segment_records - 1 : indexed_step + 1].max() * 1e3, 2),
+        "appends_during_seal": int(indexed_step + 2 - args.segment_records),
         "max_pause_before_seal_ms": round(times[: args.segment_records - 1].max() * 1e3, 2),
         "seal_peak_mb": round(seal_peak, 1), "budget_seal_peak_mb": round(index_mb, 1) if index_mb is not None else None,
         "peak_mb": round(peak, 1),

@@ -242,6 +242,10 @@ class TraceWriter:
     def _finish_seal(self, fd: int, path: Path, builder: IndexBuilder, end: int, content_crc: int, size: int,
                      doing: str, last: int | None) -> None:
         """The seal thread: never raises; what failed is kept for the caller's thread (`_surface`)."""
+        try:  # background work: where cores are short the loop's thread goes first (Linux: per thread)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        except (AttributeError, OSError):
+            pass
         try:
             try:
                 os.fsync(fd)

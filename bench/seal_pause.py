@@ -57,7 +57,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--examples", type=int, default=1024)
     parser.add_argument("--segment-records", type=int, default=16384)
-    parser.add_argument("--after", type=int, default=3000, help="records appended after the seal")
+    parser.add_argument("--after", type=int, default=8000, help="records appended after the seal (outlasting it)")
     parser.add_argument("--step-ms", type=float, default=1.0)
     args = parser.parse_args()
     schema = scale_schema(args.examples)

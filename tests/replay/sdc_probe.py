@@ -132,7 +132,7 @@ def _cli(out: Path) -> dict:
     from replay.cli.app import app
 
     cli = {}
-    for key, args in (("clean", ["clean", "--steps", "0:2"]), ("faulty", ["faulty", "--steps", "3:4", "--rotate", "3"]),
+    for key, args in (("clean", ["clean", "--steps", "0:2", "--rotate", str(ROTATE)]), ("faulty", ["faulty", "--steps", "3:4", "--rotate", "3"]),
                       ("outside", ["clean", "--steps", "50:60"]), ("rotate", ["clean", "--steps", "0:1", "--rotate", "4"]),
                       ("transient-off", ["transient-off", "--steps", "6:7", "--rotate", "3"])):
         if not (out / args[0]).is_dir():

@@ -25,7 +25,9 @@ SHORT = 20  # steps of the sketch-vs-exact check
 
 
 def _cfg(steps: int, sketches: bool = False, **optimizer):
-    base = get_preset("tiny")
+    # One block: the claims are about the noise floor and the sketch, per tensor; a second block adds
+    # tensors of the same kinds, a fifth of each compile and of every step on both sides.
+    base = dataclasses.replace(get_preset("tiny"), model=dataclasses.replace(get_preset("tiny").model, n_layers=1))
     return jax_config(dataclasses.replace(base, steps=steps, optimizer=dataclasses.replace(base.optimizer, **optimizer),
                                           trace=dataclasses.replace(base.trace, sketches=sketches),
                                           checkpoint=dataclasses.replace(base.checkpoint, every_steps=0)))

@@ -191,7 +191,9 @@ def test_trainer_weight_decay_fault_on_a_step_level_trace(tmp_path):
     from trainer.faults import Fault, FaultPlan
     from trainer.loop import train
 
-    cfg = apply_overrides(get_preset("tiny"), ["steps=20", "checkpoint.every_steps=10", "trace.level=step"])
+    # One block: the claim is about the search and the cause, and a block is a fifth of each compile.
+    cfg = apply_overrides(get_preset("tiny"), ["steps=20", "checkpoint.every_steps=10", "trace.level=step",
+                                               "model.n_layers=1"])
     train(cfg, tmp_path / "A")
     train(cfg, tmp_path / "B", faults=FaultPlan([Fault("weight-decay", 15)], cfg))
     assert Run.open(tmp_path / "B").manifest["faults"] == ["weight-decay@15"]

@@ -224,13 +224,16 @@ class _Search:
         more = f" (and {others} more of its operands)" if others else ""
         return f"it reads the step's input {read}{more}, which differs; this is the first op that reads a difference"
 
-    def operands(self, oa: Op, ob: Op) -> list[dict]:
+    def operands(self, oa: Op, ob: Op, ins_a: list | None = None, ins_b: list | None = None) -> list[dict]:
         """The op's operands that differ between the runs, each with where it comes from: a step
         input (its path), a constant, or an earlier op's output (an op inside a cond or loop whose
-        own outputs differ only there). Traced through the jaxpr, so these are what the op reads."""
+        own outputs differ only there). Traced through the jaxpr, so these are what the op reads.
+        ins_a, ins_b: the operands' values where the caller has them already."""
+        ins_a = [self.value(0, r) for r in oa.inputs] if ins_a is None else ins_a
+        ins_b = [self.value(1, r) for r in ob.inputs] if ins_b is None else ins_b
         found = []
-        for i, (ra, rb) in enumerate(zip(oa.inputs, ob.inputs)):
-            if _bits(self.value(0, ra)) == _bits(self.value(1, rb)):
+        for i, (ra, xa, xb) in enumerate(zip(oa.inputs, ins_a, ins_b)):
+            if _bits(xa) == _bits(xb):
                 continue
             if ra[0] == "arg":
                 found.append({"operand": i, "input": self.paths[ra[1]]})
@@ -258,7 +261,7 @@ class _Search:
         ins_a = [self.value(0, r) for r in oa.inputs]
         ins_b = [self.value(1, r) for r in ob.inputs]
         same = len(ins_a) == len(ins_b) and all(_bits(x) == _bits(y) for x, y in zip(ins_a, ins_b))
-        operands = [] if same else self.operands(oa, ob)
+        operands = [] if same else self.operands(oa, ob, ins_a, ins_b)
         read = [o["input"] for o in operands if o["input"] is not None]
         reason = self.reason(same, read[0] if read else None, len(read) - 1)
         where = oa.where + _inside(reversed(inside))

@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 from replay.record.errors import RecordError
 
+
 class Tokens:
     """`replay.init(dataset_size=replay.Tokens(T))`: the dataset counted in tokens, for packed LM
     rows (each row a window of the token stream, so a number of rows is not what an epoch is).

@@ -142,19 +142,22 @@ def test_example_hashes_are_replay_torchs_of_the_instances_fed(runs):
         np.testing.assert_array_equal(trace.read(k).example_hashes, replay.torch.example_hashes(rows))
 
 
+def _bisect_against_a(runs, other: str) -> dict:
+    """`replay bisect a OTHER --no-refine --json` (a torch run has no program to replay): its report, exit 1."""
+    result = invoke("bisect", str(runs / "a"), str(runs / other), "--no-refine", "--json")
+    assert result.exit_code == 1, result.output
+    return json.loads(result.stdout)
+
+
 @pytest.mark.slow
 def test_bisect_names_the_learning_rate_change_step_and_update(runs):
-    result = invoke("bisect", str(runs / "a"), str(runs / "lr"), "--no-refine", "--json")
-    assert result.exit_code == 1, result.output
-    report = json.loads(result.stdout)
+    report = _bisect_against_a(runs, "lr")
     assert (report["first_step"], report["cause"]) == (K, "update"), report
 
 
 @pytest.mark.slow
 def test_bisect_names_the_refed_batch_as_data_and_audit_flags_it(runs):
-    result = invoke("bisect", str(runs / "a"), str(runs / "refeed"), "--no-refine", "--json")
-    assert result.exit_code == 1, result.output
-    report = json.loads(result.stdout)
+    report = _bisect_against_a(runs, "refeed")
     assert (report["first_step"], report["cause"]) == (K, "data"), report
     np.testing.assert_array_equal(instances(runs / "refeed")[K], instances(runs / "a")[K - 1])
     clean = invoke("audit", str(runs / "a"), "--json")

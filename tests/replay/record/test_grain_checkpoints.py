@@ -15,6 +15,7 @@ import pytest
 
 import replay
 from tests.cli_util import invoke, last_json
+from tests.replay.test_bisect_epochs import step_fn  # the same one-weight step
 from traces import Run
 
 grain = pytest.importorskip("grain")
@@ -30,12 +31,6 @@ def make_iterator():
 
 def init() -> dict:
     return {"w": jnp.ones((3,), jnp.float32)}
-
-
-def step_fn(state: dict, batch: dict) -> tuple[dict, dict]:
-    per = (batch["x"] @ state["w"]) ** 2
-    loss = jnp.mean(per)
-    return {"w": state["w"] * (1 - 0.01 * loss)}, {"loss": loss, "example_loss": per}
 
 
 @replay.entrypoint

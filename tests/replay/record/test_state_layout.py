@@ -14,14 +14,12 @@ import json
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import replay
 from replay.record.state_layout import describe, first_difference
 from tests.cli_util import invoke
-
-B, D = 8, 4
+from tests.replay.test_explicit_sharding import D, batch_at, train_step  # its loop, on Auto axes here
 
 
 def _shardings():
@@ -29,22 +27,8 @@ def _shardings():
     return NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
 
 
-def batch_at(step: int) -> dict:
-    rng = np.random.default_rng([5, step])
-    return {"x": rng.normal(size=(B, D)).astype(np.float32), "y": rng.normal(size=(B,)).astype(np.float32)}
-
-
 def init() -> dict:
     return jax.device_put({"w": jnp.linspace(-1.0, 1.0, D, dtype=jnp.float32)}, _shardings()[0])
-
-
-def train_step(state: dict, batch: dict, lr: float) -> tuple[dict, dict]:
-    def loss_fn(w):
-        per = (batch["x"] @ w - batch["y"]) ** 2
-        return jnp.mean(per), per
-
-    (loss, per), grad = jax.value_and_grad(loss_fn, has_aux=True)(state["w"])
-    return {"w": state["w"] - lr * grad}, {"loss": loss, "example_loss": per}
 
 
 @replay.entrypoint

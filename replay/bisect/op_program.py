@@ -36,29 +36,55 @@ class Op:
     width: int = 0  # its outputs and those of every op inside it
 
 
-_LIBRARY_ROOTS = tuple({os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # replay itself
-                        os.path.dirname(os.__file__) + os.sep})
+_STDLIB = os.path.dirname(os.__file__) + os.sep
+_LIBRARY_ROOTS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep, _STDLIB)  # replay, stdlib
+
+
+def _site(path: str) -> str | None:
+    """`path` below its site-packages folder (optax/_src/schedule.py), or None."""
+    for marker in ("site-packages" + os.sep, "dist-packages" + os.sep):
+        if marker in path:
+            return path.rsplit(marker, 1)[1]
+    return None
 
 
 def _library(path: str) -> str | None:
     """`path` as a library names it (optax/_src/schedule.py), or None for the user's own file."""
-    for marker in ("site-packages" + os.sep, "dist-packages" + os.sep):
-        if marker in path:
-            return path.rsplit(marker, 1)[1]
+    site = _site(path)
+    if site is not None:
+        return site
     for root in _LIBRARY_ROOTS:
         if path.startswith(root):
             return os.path.relpath(path, os.path.dirname(root.rstrip(os.sep)))
     return None
 
 
+def _jax_internal(path: str) -> bool:
+    """jax's own files and the standard library's. Not jax's `user_frames` filter: that one drops every
+    file under the interpreter's stdlib folder, site-packages included when the packages are installed
+    into the interpreter itself rather than a virtual environment (optax's frames then vanish)."""
+    import jax
+
+    if path.startswith(os.path.dirname(os.path.abspath(jax.__file__)) + os.sep):
+        return True
+    return path.startswith(_STDLIB) and _site(path) is None
+
+
+def _frames(traceback: Any) -> list:
+    """The traceback's frames, innermost first, without jax's own and the standard library's."""
+    from jax._src import source_info_util
+
+    code, lasti = traceback.raw_frames()
+    return [source_info_util.raw_frame_to_frame(c, i) for c, i in zip(code, lasti)
+            if not _jax_internal(c.co_filename)]
+
+
 def _where(eqn: Any) -> tuple[str, dict]:
     """The op's location: its innermost frame in the user's files and its innermost library frame
     (optax, flax, replay; jax's own frames skipped), e.g. "linen_lm.py:120 (<lambda>), called from
     optax/_src/transform.py:88 (update_fn)" for a schedule the user wrote that optax calls."""
-    from jax._src import source_info_util
-
     info = eqn.source_info
-    frames = list(source_info_util.user_frames(info.traceback)) if info is not None and info.traceback else []
+    frames = _frames(info.traceback) if info is not None and info.traceback else []
     user = next((i for i, f in enumerate(frames) if _library(f.file_name) is None), None)
     lib = next((i for i, f in enumerate(frames) if _library(f.file_name) is not None), None)
 

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from replay.bisect import op_program
 from replay.bisect.first_op import first_differing_op
 from tests.replay.test_first_op_compiles import compiles
 
@@ -77,6 +78,29 @@ def test_a_library_op_is_located_at_the_users_line_and_the_librarys():
     assert r["user_frame"].startswith("test_first_op_control_flow.py:") and "scheduled)" in r["user_frame"], r
     assert r["library_frame"].startswith("optax/schedules/_schedule.py:"), r  # the cosine's mul
     assert r["user_frame"] in r["where"] and f"in {r['library_frame']}" in r["where"], r["where"]
+
+
+def test_library_frames_survive_packages_installed_into_the_interpreter(monkeypatch):
+    # CI installs into the interpreter itself: site-packages then lies inside the stdlib folder, and
+    # jax's own user-frame filter (a prefix match on that folder) dropped optax's frames with it.
+    from jax._src import source_info_util as jax_frames
+
+    def clear():
+        jax_frames._exclude_path_regex.cache_clear()
+        jax_frames.is_user_filename.cache_clear()
+
+    site = optax.__file__.rsplit("site-packages", 1)[0]
+    monkeypatch.setattr(jax_frames, "_exclude_paths", [*jax_frames._exclude_paths, site])
+    monkeypatch.setattr(op_program, "_STDLIB", site)
+    monkeypatch.setattr(op_program, "_LIBRARY_ROOTS", (op_program._LIBRARY_ROOTS[0], site))
+    clear()
+    try:
+        assert not jax_frames.is_user_filename(optax.__file__)  # the CI layout, as jax sees it
+        test_a_library_op_is_located_at_the_users_line_and_the_librarys()
+        assert op_program._jax_internal(site + "functools.py") and not op_program._jax_internal(optax.__file__)
+    finally:
+        monkeypatch.undo()
+        clear()
 
 
 def looped(state: dict, rows: jax.Array, scale: float = 1.0, stop: int = 3):

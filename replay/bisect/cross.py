@@ -90,6 +90,9 @@ class CrossReport:
         if self.cause is None:
             return None
         text = CAUSE_TEXT.get(self.cause, self.cause)
+        if self.cause == "init" and "one_side" in self.inputs.get("init", {}):
+            side, name = self.inputs["init"]["one_side"]
+            return f"{text}: {name} is a parameter of the {side} run only"
         return f"{text} {self.first_layer}" if self.cause == "forward" and self.first_layer else text
 
     # Names shared with BisectReport, so callers need not tell the two apart.
@@ -147,12 +150,21 @@ def _check_inputs(report: CrossReport, t: Run, j: Run, start: int, end: int) -> 
         report.inputs["init"] = {"equal": ft == fj, "step": start, "torch": f"{ft:016x}", "jax": f"{fj:016x}"}
         if ft != fj:
             report.first_step, report.cause, report.first_layer = start, "init", "state/params"
+            one_side = _one_side_params(t, j)
+            if one_side:  # one model has a parameter the other lacks (tied vs untied embeddings): name it
+                report.first_layer, report.inputs["init"]["one_side"] = one_side[0][1], list(one_side[0])
             return False
     else:
         report.inputs["init"] = {"equal": None, "step": start}
         report.notes.append(f"the initial parameters could not be compared: step {start} is not recorded at the "
                             "layer level in both runs")
     return True
+
+
+def _one_side_params(t: Run, j: Run) -> list[tuple[str, str]]:
+    """(side, parameter) for each parameter one run records and the other does not ("param/NAME")."""
+    pt, pj = ([n[6:] for n in r.schema.tensor_names if n.startswith("param/")] for r in (t, j))
+    return [("torch", n) for n in pt if n not in pj] + [("JAX", n) for n in pj if n not in pt]
 
 
 def _above(report: CrossReport, step: int, dist: dict[str, float]) -> tuple[str, str, float, float] | None:

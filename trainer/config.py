@@ -50,6 +50,7 @@ class ModelConfig:
     remat: Literal["none", "full", "dots"] = "none"  # recompute blocks in the backward: no, all, all but matmuls
     scan_layers: bool = False  # run the blocks as one lax.scan over stacked params; traces still name every layer
     loss_chunk: int = 0  # LM head + cross-entropy this many positions at a time (trainer/chunked_loss.py); 0 = all
+    init_from: str = ""  # a Hugging Face OLMo 2/3 checkpoint folder: the initial params (trainer/hf_checkpoint.py)
 
     def __post_init__(self) -> None:
         _positive(self, "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
@@ -366,7 +367,7 @@ _BEFORE_SAMPLER = ("config is missing key 'data.sampler': the run was recorded b
 _ADDED_LATER: dict[str, dict[str, Any]] = {
     "model": {"rope_style": "rotate_half", "qk_norm_scope": "projection", "attention": "explicit",
               "sliding_window": 0, "full_attention_every": 4, "remat": "none", "scan_layers": False,
-              "loss_chunk": 0},
+              "loss_chunk": 0, "init_from": ""},
     "optimizer": {"eps_placement": "outside", "microbatches": 1},
     "trace": {"sketches": False},
 }

@@ -154,6 +154,8 @@ def init_sharded_state(cfg: Config, mesh: Mesh) -> step.TrainState:
     """step.init_state(cfg) created directly in its sharded layout (no full copy on one device).
     Same bits as the unsharded state: threefry_partitionable random bits do not depend on the
     sharding (tested)."""
+    if cfg.model.init_from:  # a checkpoint's weights, read now and placed: not baked into a cached program
+        return jax.device_put(step.init_state(cfg), state_shardings(mesh, abstract_state(cfg)))
     return _compiled_init(cfg, mesh)()
 
 

@@ -158,7 +158,12 @@ def _set(tree: dict, dotted: str, value: Any) -> None:
 def to_jax(hf: Mapping[str, np.ndarray], cfg: Config | ModelConfig) -> dict:
     """The trainer's parameter tree (nested dict of numpy arrays) from HF-named tensors."""
     m = _m(cfg)
-    known = {h for _, h, _ in param_map(m)} | ({"lm_head.weight"} if m.tied_embeddings else set())
+    known = {h for _, h, _ in param_map(m)}
+    if m.tied_embeddings and "lm_head.weight" in hf and not _same_bits(hf["lm_head.weight"],
+                                                                        hf.get("model.embed_tokens.weight")):
+        raise ReferenceConfigError("the HF tensors have an lm_head.weight of its own (untied) but "
+                                   "model.tied_embeddings=true has no lm_head: use model.tied_embeddings=false")
+    known |= {"lm_head.weight"} if m.tied_embeddings else set()  # the tie written out: the embedding's copy
     extra = sorted(set(hf) - known)
     missing = [h for _, h, _ in param_map(m) if h not in hf]
     if extra or missing:
@@ -173,6 +178,13 @@ def to_jax(hf: Mapping[str, np.ndarray], cfg: Config | ModelConfig) -> dict:
     return params
 
 
+def _same_bits(a: Any, b: Any) -> bool:
+    if b is None:
+        return False
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
 def to_hf(params: Mapping[str, Any], cfg: Config | ModelConfig) -> dict[str, np.ndarray]:
     """HF-named tensors from the trainer's parameter tree (a tied lm_head is left to HF to tie)."""
     m = _m(cfg)
@@ -181,7 +193,9 @@ def to_hf(params: Mapping[str, Any], cfg: Config | ModelConfig) -> dict[str, np.
     return {h: np.ascontiguousarray(host[j].T) if t else host[j] for j, h, t in param_map(m)}
 
 
-def _check_shapes(params: Mapping[str, Any], m: ModelConfig) -> None:
+def jax_shapes(cfg: Config | ModelConfig) -> dict[str, tuple[int, ...]]:
+    """{trainer parameter: its shape} for every parameter of the config."""
+    m = _m(cfg)
     D, F, V, NH, KH = m.d_model, m.d_ff, m.vocab_size, m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
     want = {"embed.embedding": (V, D), "final_norm.scale": (D,), "lm_head.kernel": (D, V)}
     for b in _block_names(m):
@@ -189,6 +203,17 @@ def _check_shapes(params: Mapping[str, Any], m: ModelConfig) -> None:
                      f"{b}.attn.q_norm.scale": (NH,), f"{b}.attn.k_norm.scale": (KH,), f"{b}.attn.o.kernel": (NH, D),
                      f"{b}.attn_norm.scale": (D,), f"{b}.mlp.gate.kernel": (D, F), f"{b}.mlp.up.kernel": (D, F),
                      f"{b}.mlp.down.kernel": (F, D), f"{b}.mlp_norm.scale": (D,)})
+    return {j: want[j] for j, _, _ in param_map(m)}
+
+
+def hf_shapes(cfg: Config | ModelConfig) -> dict[str, tuple[int, ...]]:
+    """{HF parameter: its shape} (torch Linear weights are [out, in])."""
+    want = jax_shapes(cfg)
+    return {h: want[j][::-1] if t else want[j] for j, h, t in param_map(cfg)}
+
+
+def _check_shapes(params: Mapping[str, Any], m: ModelConfig) -> None:
+    want = jax_shapes(m)
     for j, _, _ in param_map(m):
         shape = tuple(np.shape(_get(params, j)))
         if shape != want[j]:

@@ -8,7 +8,8 @@ What is the same as the trainer's step (trainer/step.py, trainer/optim.py), so t
 port differs only by floating-point rounding:
 
 - weights: the trainer's initial parameters (`trainer.step.init_state(cfg)`), converted with
-  trainer/reference.py (or a safetensors file of HF tensors: `weights=`);
+  trainer/reference.py (or HF tensors: `weights=` a safetensors file or a Hugging Face checkpoint
+  folder, sharded or not, trainer/hf_checkpoint.py; model.init_from's folder when it is set);
 - data: the trainer's batches by step (`trainer.data.Batcher`, the same seed), so the example
   hashes are equal row for row;
 - loss: mean next-token cross-entropy plus `z_loss * mean(logsumexp(logits)^2)`;
@@ -48,8 +49,12 @@ def reference_rows(cfg: Config, step: int, source: Any = None) -> np.ndarray:
 
 
 def _initial_hf(cfg: Config, weights: str | Path | None, start_params: Any) -> dict[str, np.ndarray]:
-    if weights is not None:
-        return reference.load_safetensors(weights)
+    if weights is None and start_params is None and cfg.model.init_from:
+        weights = cfg.model.init_from  # the checkpoint the JAX side of this config starts from
+    if weights is not None:  # a HF folder (sharded or not) or one safetensors file, checked against cfg
+        from trainer import hf_checkpoint
+
+        return hf_checkpoint.as_dtype(hf_checkpoint.hf_weights(weights, cfg.model), "float32")  # the reference's
     if start_params is None:  # init_state(cfg).params, without compiling the optimizer's init
         from trainer import model, rng
 
@@ -62,8 +67,9 @@ def train_reference(cfg: Config, run_dir: str | Path, steps: int, *, weights: st
                     on_step: Callable[[int, float], None] | None = None) -> Path:
     """Train the reference for `steps` steps into the new run folder `run_dir`; returns its path.
 
-    `weights`: a safetensors file of HF-named tensors to start from; `start_params`: trainer
-    params to convert; default the trainer's initial params for `cfg`. Checkpoints (safetensors,
+    `weights`: a safetensors file of HF-named tensors or a Hugging Face checkpoint folder to start
+    from; `start_params`: trainer params to convert; default the trainer's initial params for `cfg`
+    (the checkpoint of model.init_from when it is set). Checkpoints (safetensors,
     replay/torch/checkpoint.py) at step 0, every `cfg.checkpoint.every_steps` and at the end, as
     the trainer saves them, so `replay compare --eval` can evaluate the same steps of both runs.
     `on_step(k, loss)` after each step (a progress display; reading the loss waits for the step)."""

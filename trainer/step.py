@@ -45,14 +45,22 @@ class TrainState(NamedTuple):
 
 
 def init_state(cfg: Config) -> TrainState:
-    """The state before step 0: a pure function of the config (and so of the root seed)."""
-    params = model.init_params(cfg.model, rng.init_key(cfg.seed))
+    """The state before step 0: a pure function of the config (and so of the root seed), and of
+    the checkpoint model.init_from names when it is set (its weights; the rest starts fresh)."""
+    params = model.init_params(cfg.model, rng.init_key(cfg.seed)) if not cfg.model.init_from \
+        else _checkpoint_params(cfg)
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
         opt_state=optim.make_optimizer(cfg.optimizer).init(params),
         key=jax.random.key_data(rng.dropout_key(cfg.seed)),
     )
+
+
+def _checkpoint_params(cfg: Config) -> Any:
+    from trainer import hf_checkpoint  # numpy only; read when a run starts from a checkpoint
+
+    return jax.tree.map(jnp.asarray, hf_checkpoint.initial_params(cfg.model))
 
 
 def tensor_schema(cfg: Config) -> tuple[tuple[str, str], ...]:

@@ -23,6 +23,12 @@ and the load average (on a shared machine the wall seconds include waiting for a
 At these sizes the unsealed tail (848, 2544, 5536 records) still grows with the run; it is
 read whole on opening and its buffers saturate at one segment, so peak RSS fits overstate.
 
+Index bytes per example (the `.idx` files over the examples recorded) are reported a size, the
+budget (issue 34: 4 bytes beyond the record) beside them. Once per invocation a run whose whole
+trace is one full unsealed tail (`--tail-records`, a segment less one by default) is written and
+`show` timed on it, from the same cache state, with the tail's sidecar (traces/sidecar.py) and
+without it (set aside: how every run opened before sidecars): `full_tail` in the last line.
+
 Prints one JSON line a size, then one JSON object on the last line: per command the seconds
 and peak RSS at each size, the fitted growth exponent of (seconds - start-up) against steps,
 the seconds and RSS extrapolated to 1.4M steps, and the budgets beside them. Commands under 5 s
@@ -49,6 +55,8 @@ import numpy as np
 from bench._synthetic import batch_hash, epoch_hashes, scale_records, scale_schema
 from traces import Run
 from traces.index import index_path
+from traces.sidecar import SIDECAR_SUFFIX
+from traces.trace import DEFAULT_SEGMENT_RECORDS
 
 SIZES = (50_000, 150_000, 350_000)
 TARGET_STEPS = 1_400_000
@@ -59,6 +67,7 @@ EXAMPLES = 1024
 BUDGETS = {"show": (1.0, 1024), "audit": (120.0, 2048), "spike": (10.0, 1024), "bisect_metric": (5.0, 1024),
            "bisect_data": (5.0, 1024)}
 DIVERGE_AT = 0.9
+INDEX_BUDGET_BYTES_PER_EXAMPLE = 4.0  # issue 34: the per-example index beyond the record
 _WRAPPER = r"""
 import json, resource, subprocess, sys, time
 t = time.perf_counter()
@@ -216,6 +225,7 @@ def bench_size(root: Path, steps: int, examples: int, cache: str = "warm", repea
                  "index_gb": round(sum(p.stat().st_size for p in (a / "trace").glob("*.idx")) / 1e9, 3),
                  "index_bytes_per_example": round(sum(p.stat().st_size for p in (a / "trace").glob("*.idx"))
                                                   / (steps * examples), 2),
+                 "index_budget_bytes_per_example": INDEX_BUDGET_BYTES_PER_EXAMPLE,
                  "footprint_gb": round(footprint / 1e9, 3),
                  "mem_available_gb": None if available is None else round(available / 1e9, 2),
                  "fits_in_page_cache": None if available is None else footprint < available,
@@ -246,6 +256,27 @@ def bench_size(root: Path, steps: int, examples: int, cache: str = "warm", repea
     return out
 
 
+def bench_tail(root: Path, examples: int, records: int, cache: str, repeats: int) -> dict:
+    """`show` of a run that is one unsealed tail of `records` records, with its sidecar and without."""
+    schema = scale_schema(examples)
+    path = root / "tail"
+    write_run(path, schema, records, records * examples)
+    [seg] = (path / "trace").glob("*.seg")
+    tix = seg.with_suffix(SIDECAR_SUFFIX)
+    out = {"tail_records": records, "examples_per_step": examples, "tail_mb": round(seg.stat().st_size / 1e6, 1),
+           "sidecar_mb": round(tix.stat().st_size / 1e6, 2) if tix.exists() else None, "cache": cache}
+    for name in ("with_sidecar", "without_sidecar"):
+        if name == "without_sidecar" and tix.exists():
+            tix.rename(root / "set-aside.tix")
+        paths = files_of(path)
+        (drop_cache if cache == "cold" else warm)(paths)
+        result = measure(replay_cmd("show", str(path)), root / "show.out", 1 if cache == "cold" else repeats)
+        out[name] = {"seconds": round(result["seconds"], 3), "cpu_seconds": round(result["cpu_seconds"], 3),
+                     "peak_rss_mb": round(result["peak_rss_mb"], 1), "disk_read_mb": round(result["disk_read_mb"], 1),
+                     "exit_code": result["exit_code"], "load_average": round(os.getloadavg()[0], 1)}
+    return out
+
+
 def fit(sizes: list[int], values: list[float], startup: float, resolution: float) -> tuple[float | None, float | None]:
     """(exponent k of (value - start-up) = c * steps**k, the value extrapolated to TARGET_STEPS).
 
@@ -273,6 +304,8 @@ def main() -> None:
     parser.add_argument("--cache", choices=("warm", "cold"), default="warm",
                         help="warm: each command's files are read just before it (in the page cache when they fit, "
                              "'resident_before' says how much); cold: evicted from it (posix_fadvise), so read from disk")
+    parser.add_argument("--tail-records", type=int, default=DEFAULT_SEGMENT_RECORDS - 1,
+                        help="records of the full-tail run whose opening is timed (0: skip it)")
     parser.add_argument("--repeats", type=int, default=REPEATS,
                         help=f"runs of a command under {REPEAT_BELOW_S:g} s, the median reported (1: the smoke test's)")
     args = parser.parse_args()
@@ -298,6 +331,13 @@ def main() -> None:
                 shutil.rmtree(root, ignore_errors=True)
         results.append(result)
         print(json.dumps(result), flush=True)
+    full_tail = None
+    if args.tail_records > 0:
+        root = Path(tempfile.mkdtemp(prefix="replay-scale-tail-", dir=base))
+        try:
+            full_tail = bench_tail(root, args.examples, args.tail_records, args.cache, args.repeats)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
     summary = {}
     for name, (budget_s, budget_mb) in BUDGETS.items():
         secs = [r["commands"][name]["seconds"] for r in results]
@@ -317,6 +357,7 @@ def main() -> None:
             # the wall seconds wait for a core on a shared machine; CPU seconds do not (nor do they count the disk)
             "within_budget_cpu": None if cpu_target is None else bool(cpu_target <= budget_s and rss_target <= budget_mb),
         }
+    indexed = [r["index_bytes_per_example"] for r in results if r["index_bytes_per_example"]]  # sizes that sealed one
     target_gb, mem_gb = run_bytes(TARGET_STEPS, args.examples) / 1e9, _mem_total_gb()
     cache_note = None if mem_gb is None or target_gb < mem_gb else (
         f"a {TARGET_STEPS}-step run is ~{target_gb:.0f} GB on disk, more than this machine's {mem_gb} GB of memory: "
@@ -331,7 +372,12 @@ def main() -> None:
                       "mem_total_gb": _mem_total_gb(), "commands": summary,
                       "found": {r["steps"]: {n: [r["commands"][n].get("found_step"), r["commands"][n].get("cause")]
                                              for n in ("bisect_metric", "bisect_data")} for r in results},
-                      "diverge_at": {r["steps"]: r["diverge_at"] for r in results}}))
+                      "diverge_at": {r["steps"]: r["diverge_at"] for r in results},
+                      "index_bytes_per_example": {r["steps"]: r["index_bytes_per_example"] for r in results},
+                      "index_budget_bytes_per_example": INDEX_BUDGET_BYTES_PER_EXAMPLE,
+                      # None when no size sealed a segment (no index yet: nothing measured)
+                      "index_within_budget": None if not indexed else all(b <= INDEX_BUDGET_BYTES_PER_EXAMPLE for b in indexed),
+                      "full_tail": full_tail}))
 
 
 def _mem_total_gb() -> float | None:

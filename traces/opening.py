@@ -1,8 +1,11 @@
 """Opening a trace: which segment files it has, the steps each holds, and where it is damaged.
 
-A sealed segment is known by its header and seal (48 bytes); only the unsealed tail (one
-segment at most) is walked, every frame's checksum and the last record's step checked. At
-1.4M steps that is 86 x 48 bytes and the tail (up to ~200 MB at 1,024 examples a step).
+A sealed segment is known by its header and seal (48 bytes); the unsealed tail (one segment
+at most) by its sidecar (traces/sidecar.py: ~60 bytes a record), its last frame checked against
+it, and only the frames past the sidecar's last entry walked, every frame's checksum and the
+last record's step checked. Without a usable sidecar (a run recorded before them, a damaged
+one) the tail is walked whole, as before. At 1.4M steps that is 86 x 48 bytes and ~1 MB of
+sidecar, instead of the tail (up to ~200 MB at 1,024 examples a step).
 traces/trace.py's TraceReader opens itself with `open_segments`.
 """
 
@@ -16,13 +19,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 import zstandard
 
+from traces import sidecar
 from traces.errors import NewerFormatError, SchemaError, TraceCorruptError
 from traces.segment import (
-    FRAME_HEAD, HEADER_SIZE, SEAL_SIZE, SEGMENT_SUFFIX, SegmentFile, parse_seal, read_at, read_header, segment_name,
-    walk_frames,
+    FRAME_HEAD, HEADER_SIZE, SEAL_SIZE, SEGMENT_SUFFIX, SegmentFile, Walk, check_frames, parse_seal, read_at, read_header,
+    segment_name, walk_frames,
 )
 
 if TYPE_CHECKING:
+    from traces.index import StepColumns
     from traces.index_file import FileIndex
     from traces.trace import TraceReader
 
@@ -60,6 +65,7 @@ class _Segment:
     offsets: np.ndarray | None = None  # count + 1 frame offsets, once known (the tail's from opening)
     index: FileIndex | None = None
     index_unusable: bool = False
+    columns: StepColumns | None = None  # the tail's, from its sidecar (when it vouches for every record)
 
 
 def open_segments(reader: TraceReader) -> None:
@@ -130,7 +136,7 @@ def _open_segment(reader: TraceReader, path: Path, expected: int | None, is_last
             if seal is not None and 0 < seal[0] <= (size - HEADER_SIZE - SEAL_SIZE) // (FRAME_HEAD + 1):
                 reader.segments.append(_Segment(path, first, seal[0], True, size, seal[1]))
                 return False
-            walk = walk_frames(f)
+            walk, side = _walk_tail(reader, f, path, first, size)
     except TraceCorruptError as e:  # unreadable, or a directory: not a tail a writer could cut off
         return damaged(0, expected, str(e).split(": ", 1)[-1], tail=False)
     n = len(walk.offsets) - 1
@@ -138,6 +144,10 @@ def _open_segment(reader: TraceReader, path: Path, expected: int | None, is_last
     reason = walk.damage or (_last_frame_problem(reader, seg, walk.last_body) if n else None)
     if reason is not None and walk.damage is None:  # the last frame's step is wrong: it is the torn one
         seg.count, seg.offsets = n - 1, seg.offsets[:-1]
+    if side is not None and 0 < seg.count - side.count <= _EXTEND_MAX:  # a kill between a frame and its entry
+        side = _extend(reader, seg, side)
+    if side is not None and side.count == seg.count:
+        seg.columns = side.columns
     reader.segments.append(seg)
     if reason is not None:
         return damaged(int(seg.offsets[-1]), first + seg.count, reason, tail=True)
@@ -154,3 +164,60 @@ def _last_frame_problem(reader: TraceReader, seg: _Segment, body: bytes) -> str 
     except (zstandard.ZstdError, struct.error, TraceCorruptError):
         return "record does not decompress"
     return None if held == step else f"record holds step {held}, expected {step}"
+
+
+_EXTEND_MAX = 64  # records past the sidecar decoded on opening to complete its columns (a kill leaves one)
+
+
+def _extend(reader: TraceReader, seg: _Segment, side):
+    """The sidecar with entries for the frames walked past its last one (read and decoded here);
+    None when one does not decode (its columns are then built from the records when asked)."""
+    make = sidecar.EntryMaker(reader.schema)
+    more = []
+    for k in range(side.count, seg.count):
+        at, end = int(seg.offsets[k]), int(seg.offsets[k + 1])
+        frame = read_at(seg.path, at, end - at, seg.first_step + k)
+        try:
+            raw = reader._dctx.decompress(frame[FRAME_HEAD:])
+        except zstandard.ZstdError:
+            return None
+        if len(raw) < make.prefix.itemsize or struct.unpack_from("<Q", raw)[0] != seg.first_step + k:
+            return None
+        more.append(make(raw, seg.first_step + k, end, int.from_bytes(frame[4:FRAME_HEAD], "little")))
+    return side.extended(reader.schema, b"".join(more))
+
+
+def _walk_tail(reader: TraceReader, f: SegmentFile, path: Path, first: int, size: int):
+    """(the tail's walk, its sidecar or None): the frames the sidecar vouches for are taken from
+    it (its last one read and checked against it), only the ones after are walked. A sidecar
+    that does not hold is noted and the tail walked whole: nothing recorded is lost."""
+    def unusable(why: str):
+        reader._note(f"{sidecar.sidecar_path(path)} cannot be used ({why}): the tail's records were read instead; "
+                     "nothing recorded is lost, and the next writer rewrites it")
+        return walk_frames(f), None
+
+    try:
+        side = sidecar.read(path, reader.schema, first, size)
+    except sidecar.SidecarUnusable as e:
+        return unusable(str(e))
+    if side is None:
+        return walk_frames(f), None
+    if side.problem is not None:
+        reader._note(f"{sidecar.sidecar_path(path)}: {side.problem}; the records after its last good entry were read "
+                     "instead (nothing recorded is lost)")
+    if side.count == 0:
+        return walk_frames(f), None
+    after = walk_frames(f, start=side.end)
+    if after.sealed or (after.damage or "").startswith("seal"):  # not a plain tail: the whole walk says what
+        return walk_frames(f), None
+    offs, crcs = side.columns.offsets, side.columns.frame_crc
+    body = after.last_body
+    if len(after.offsets) == 1:  # nothing past the sidecar: its last frame is the tail's last record
+        at, end = int(offs[-2]), int(offs[-1])
+        frame = f.read(at, end - at)
+        if len(frame) != end - at or check_frames(frame, at, [at, end]) is not None or \
+                int.from_bytes(frame[4:FRAME_HEAD], "little") != int(crcs[-1]):
+            return unusable(f"its last entry does not match the frame at byte {at}")
+        body = frame[FRAME_HEAD:]
+    walk = Walk([int(x) for x in offs[:-1]] + after.offsets, False, after.damage, [int(c) for c in crcs] + after.crcs, body)
+    return walk, side

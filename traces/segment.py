@@ -170,16 +170,17 @@ class Walk:
 WALK_CHUNK = 4 << 20  # bytes read at once when walking a segment's bodies
 
 
-def walk_frames(f: SegmentFile, bodies: bool = True) -> Walk:
+def walk_frames(f: SegmentFile, bodies: bool = True, start: int = HEADER_SIZE) -> Walk:
     """Walks a segment frame by frame, from its header to its seal, its end, or the first bad frame.
 
     bodies=True reads the segment in WALK_CHUNK pieces and checks every frame's checksum (what
     opening does with the unsealed tail: one segment at most). bodies=False reads only each
     frame's 8-byte head (pread), for a sealed segment's offsets when it has no index. A torn
     tail (what a kill or a full disk leaves: a prefix of one frame) shows as a length past the
-    end of the file; a zero-filled one as a length of 0.
+    end of the file; a zero-filled one as a length of 0. `start`: where a frame starts (the tail
+    past what its sidecar vouches for); offsets then begin there.
     """
-    offsets, crcs, pos, size = [], [], HEADER_SIZE, f.size
+    offsets, crcs, pos, size = [], [], start, f.size
     buf, at = b"", pos  # with bodies: the file's bytes at..at+len(buf)
 
     def get(start: int, n: int):

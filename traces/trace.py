@@ -10,8 +10,8 @@ holding their record count and a checksum of all their bytes, and get an index, 
 learns a segment's steps from its last 20 bytes and finds step k's frame in the index.
 
 Costs at 1.4M steps of 1,024 examples (86 segments of 16,384 records, ~12 KB a step):
-opening reads 48 bytes a sealed segment, and the unsealed tail (one segment at most, up to
-~200 MB) with every frame's checksum; reading step k reads its segment's offsets column once
+opening reads 48 bytes a sealed segment, and the unsealed tail's sidecar (~60 bytes a record;
+without one, the tail itself, up to ~200 MB, with every frame's checksum); reading step k reads its segment's offsets column once
 (~130 KB) and the frame (~12 KB).
 """
 
@@ -151,6 +151,8 @@ class TraceReader:
                 return self.segments[i].index.columns()
             except IndexUnusable as e:
                 self._index_unusable(self.segments[i], e)
+        if self.segments[i].columns is not None:  # the tail's, from its sidecar: no record read
+            return self.segments[i].columns
         if ("index", i) in self._memory:
             return self._cached(("index", i), None).columns()
         return self._cached(("columns", i), lambda: self._memory_index(i, keep_hashes=False)).columns()

@@ -32,6 +32,7 @@ from pathlib import Path
 from traces.errors import (
     DISK_FULL_ERRNOS, DiskFullError, ResumeDivergedError, StepOrderError, TraceCorruptError, disk_full_message,
 )
+from traces import sidecar
 from traces.index import IndexBuilder, IndexUnusable, index_path
 from traces.schema import Schema, StepRecord, encode_record, same_bits
 from traces.segment import FRAME_HEAD
@@ -71,6 +72,8 @@ class TraceWriter:
         self._sealed_synced = threading.Event()  # the sealed segment's fsync is done (or failed)
         self._sealed_synced.set()
         self._size = 0  # bytes in the open segment
+        self._tix: int | None = None  # the open segment's sidecar (traces/sidecar.py), None when it has none
+        self._entry = sidecar.EntryMaker(schema)
         self._reader = TraceReader(self.dir, schema, first_step=first_step)
         self._repair_tail()
         self.next_step: int | None = self._reader.end if self._reader.segments else None
@@ -93,6 +96,7 @@ class TraceWriter:
             builder, end = reader.index_builder(sealed)
             self._write_index(builder, seg.path, end, seg.content_crc, seg.size)
         if last.sealed:
+            sidecar.sidecar_path(last.path).unlink(missing_ok=True)  # left by a kill between seal and unlink
             return
         try:
             builder, end = reader.index_builder(len(reader.segments) - 1)
@@ -105,9 +109,41 @@ class TraceWriter:
             return self._resume_tail()
         self._fd = os.open(last.path, os.O_WRONLY | os.O_APPEND)
         self._path, self._builder = last.path, builder
+        self._resume_sidecar(builder.columns(end))
         self._crc, self._count, self._first, self._size = builder.crc, last.count, last.first_step, end
         if self._count >= self.segment_records:  # full but unsealed: the last writer stopped while sealing it
             self._seal()
+
+    def _resume_sidecar(self, cols) -> None:
+        """Rewrites the tail's sidecar from its records (read whole by the resume anyway), so it
+        holds exactly them whatever a kill or a cut left, and opens it for appending."""
+        try:
+            sidecar.rewrite(self._path, self.schema, cols)
+            self._tix = os.open(sidecar.sidecar_path(self._path), os.O_WRONLY | os.O_APPEND)
+        except OSError as e:
+            self._drop_sidecar(e)
+
+    def _drop_sidecar(self, e: OSError) -> None:
+        """The sidecar is derived: a failure to write it (a full disk) loses nothing recorded;
+        without it readers read the tail's records, as before sidecars."""
+        if self._tix is not None:
+            os.close(self._tix)
+            self._tix = None
+        if self._path is not None:
+            path = sidecar.sidecar_path(self._path)
+            for p in (path, path.with_name(path.name + ".tmp")):
+                try:
+                    p.unlink(missing_ok=True)
+                except OSError:
+                    pass
+            self.notes.append(f"{path}: not written ({e.strerror or e}); readers read the tail's records instead")
+
+    def _close_sidecar(self, unlink: bool) -> None:
+        if self._tix is not None:
+            os.close(self._tix)
+            self._tix = None
+        if unlink and self._path is not None:
+            sidecar.sidecar_path(self._path).unlink(missing_ok=True)
 
     @property
     def broken(self) -> str | None:
@@ -137,6 +173,7 @@ class TraceWriter:
     def _cut(self, path: Path, offset: int, damage: list[Damage]) -> None:
         if offset < HEADER_SIZE:
             path.unlink()
+            sidecar.sidecar_path(path).unlink(missing_ok=True)
         else:
             os.truncate(path, offset)
         self.repaired += damage
@@ -171,7 +208,13 @@ class TraceWriter:
             self._start_segment(rec.step, doing)
         offset = self._size
         self._write(frame, doing)
-        self._builder.add(raw, offset, int.from_bytes(frame[4:FRAME_HEAD], "little"))
+        crc = int.from_bytes(frame[4:FRAME_HEAD], "little")
+        self._builder.add(raw, offset, crc)
+        if self._tix is not None:  # after the frame: an entry never vouches for a frame not written
+            try:
+                os.write(self._tix, self._entry(raw, rec.step, self._size, crc))
+            except OSError as e:
+                self._drop_sidecar(e)
         self._count += 1
         self.next_step = rec.step + 1
         if self._count >= self.segment_records:
@@ -206,6 +249,11 @@ class TraceWriter:
         self._count, self._crc, self._first, self._size = 0, 0, first_step, 0
         self._builder = IndexBuilder(self.schema, first_step, self.segment_records)
         self._write(encode_header(self._digest, first_step), doing)
+        try:
+            self._tix = os.open(sidecar.sidecar_path(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+            os.write(self._tix, sidecar.header(self.schema, first_step))
+        except OSError as e:
+            self._drop_sidecar(e)
 
     def _write(self, data: bytes, doing: str) -> None:
         view = memoryview(data)
@@ -232,6 +280,7 @@ class TraceWriter:
         self._wait_seal()
         self._surface()  # the previous seal's failure first
         self._write(encode_seal(self._count, content_crc), doing)
+        self._close_sidecar(unlink=True)  # sealed: opened by its seal from now on
         fd, self._fd = self._fd, None
         builder, self._builder = self._builder, None
         job = (fd, self._path, builder, end, content_crc, self._size, doing, self._last_recorded())
@@ -309,6 +358,7 @@ class TraceWriter:
 
     def _close_open(self) -> None:
         self._wait_seal()
+        self._close_sidecar(unlink=False)
         if self._fd is None:
             return
         try:

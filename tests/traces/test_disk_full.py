@@ -39,10 +39,13 @@ def record_until_full(path, monkeypatch, steps: int, extra: int):
     scratch = path.parent / "scratch"
     run = Run.create(scratch, schema, {})
     w = run.writer(segment_records=SEGMENT_RECORDS)
+    counted = FullDisk(1 << 62)  # every byte the writer writes: segments and the tail's sidecar
+    monkeypatch.setattr(os, "write", counted.write)
     for k in range(steps):
         w.append(make_record(schema, k))
+    monkeypatch.setattr(os, "write", counted.real)
     run.close()
-    disk = FullDisk(trace_bytes(scratch) + extra)
+    disk = FullDisk((1 << 62) - counted.left + extra)
     run = Run.create(path, schema, {})
     w = run.writer(segment_records=SEGMENT_RECORDS)
     monkeypatch.setattr(os, "write", disk.write)

@@ -269,13 +269,24 @@ def test_a_trace_being_written_is_read_and_searched(tmp_path):
     w.close()
 
 
-def test_damage_inside_the_unsealed_tail_is_found_on_opening(run):
-    """The tail (one segment at most) is read whole on opening: a bad frame there is damage
-    at once, and a resuming writer cuts from it, as from a torn record."""
+@pytest.mark.parametrize("sidecar", [True, False], ids=["with-sidecar", "recorded-before-sidecars"])
+def test_damage_inside_the_unsealed_tail(run, sidecar):
+    """Without its sidecar the tail is read whole on opening: a bad frame there is damage at
+    once. With it (traces/sidecar.py) opening reads the sidecar, and the bad frame is found
+    when read, as in a sealed segment, and by verify(). Either way a resuming writer (which
+    reads the tail whole) cuts from it, as from a torn record."""
     path, schema, recs = run
     tail = path / "trace" / "000000000096.seg"
     _flip(tail, int(Run.open(path).trace.offsets(6)[2]) + 12)  # inside step 98's frame
-    [damage] = Run.open(path).damage
+    if not sidecar:
+        (path / "trace" / "000000000096.tix").unlink()
+        [damage] = Run.open(path).damage
+    else:
+        trace = Run.open(path).trace
+        assert trace.damage == [] and trace.end == STEPS
+        with pytest.raises(TraceCorruptError, match="step 98"):
+            trace.read(98)
+        [damage] = trace.verify()
     assert damage.path == str(tail) and damage.step == 98 and "checksum" in damage.reason
     w = Run.resume(path).writer(segment_records=PER)
     assert w.next_step == 98 and [d.step for d in w.repaired] == [98]

@@ -197,7 +197,8 @@ def evaluate(recorded_env: dict, here_env: dict, recorded_program: str | None, h
     for key in RANDOM_KEYS:
         if rr.get(key) != hr.get(key):
             diffs.append((f"random.{key}", rr.get(key), hr.get(key)))
-            fatal.append(f"{key} differs ({rr.get(key)} recorded, {hr.get(key)} here): random values would differ")
+            hint = f"; replay with {key.upper()}={rr.get(key)} in the environment" if key.startswith("jax_") else ""
+            fatal.append(f"{key} differs ({rr.get(key)} recorded, {hr.get(key)} here): random values would differ{hint}")
     if recorded_program and here_program and recorded_program != here_program:
         diffs.append(("program_hash", recorded_program[:16], here_program[:16]))
     keys = {k for k, _, _ in diffs}

@@ -1,0 +1,150 @@
+"""Record MaxText's own training loop: `python -m replay.maxtext RUN <MaxText's train argv>`.
+
+    python -m replay.maxtext runs/mt maxtext/configs/base.yml hardware=cpu steps=20 ...
+    replay run runs/mt --steps 10:19          # restore checkpoint 10, re-run 10..19, compare bits
+
+MaxText (`pip install "maxtext[tpu]==0.2.5"`, Python >= 3.12; tools/maxtext-env.sh builds a cached
+venv with it and this package) trains through `maxtext.trainers.pre_train.train.main`, which builds
+its jitted step in `maxtext.utils.train_utils.jit_train_step`. This launcher runs that `main` with
+`jit_train_step` replaced by one that returns MaxText's own jitted step wrapped in `run.step(...)`:
+the same program, called as MaxText calls it, also recorded (example hashes of the batch's token
+rows, MaxText's scalar metrics with `learning/loss` as the loss, fingerprints of the state entering
+and leaving each step, and the step exported with the run, so `replay run` needs no MaxText code).
+`replay.init` opens at the first step, after MaxText has started `jax.distributed`. The state
+entering step k is saved into the run every `checkpoint_period` steps (MaxText's own option; every
+10 steps when MaxText's checkpointing is off), through replay's checkpoints, not MaxText's manager.
+
+Not yet: gradient taps inside MaxText's step, checkpoints through MaxText's own manager, the grain
+iterator's state, two processes on one run folder, a replay with MaxText's code (`make()`), and
+DiLoCo (whose step takes a per-step key as a third argument): refused in one line.
+
+Cost at a million steps: what recording costs any loop (one record a step, streamed to disk).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from replay.errors import InputError, ReplayUnavailable
+
+LOSS = "scalar/learning/loss"  # MaxText's metrics: {"scalar": {"learning/loss": ..., ...}}
+DEFAULT_EVERY = 10  # checkpoint period when MaxText's own checkpointing is off
+
+
+class MaxTextError(InputError):
+    """MaxText is missing, or configured in a way this launcher cannot record."""
+
+
+def make(config: dict) -> Any:
+    """The run's entry point. Rebuilding MaxText's loop for a with-code replay is not written yet;
+    a recorded MaxText run replays from its exported program and stored examples (no code)."""
+    raise ReplayUnavailable("a replay with MaxText's code is not supported yet: replay the run without code "
+                            "(its exported step and stored examples), i.e. without --allow-code")
+
+
+def _config_dict(config: Any) -> dict:
+    """MaxText's HyperParameters as JSON-safe {key: value} (what run.json keeps as the config)."""
+    raw = getattr(config, "get_keys", None)
+    items = raw() if callable(raw) else dict(vars(config))
+    out = {}
+    for key, value in sorted(items.items()):
+        if isinstance(value, (str, int, float, bool)) or value is None:
+            out[key] = value
+        elif isinstance(value, (list, tuple)) and all(isinstance(v, (str, int, float, bool)) for v in value):
+            out[key] = list(value)
+        else:
+            out[key] = repr(value)
+    return out
+
+
+class RecordedMaxTextStep:
+    """MaxText's jitted step `(state, batch) -> (state, metrics)`, recorded into `run_dir`."""
+
+    def __init__(self, jitted: Any, run_dir: Path, config: Any):
+        self.jitted, self.run_dir, self.config = jitted, run_dir, config
+        self.every = int(getattr(config, "checkpoint_period", 0) or 0) if getattr(
+            config, "enable_checkpointing", False) else DEFAULT_EVERY
+        self.run: Any = None
+        self.step: Any = None
+
+    def __call__(self, state: Any, batch: Any, *rng: Any) -> Any:
+        if rng:
+            raise MaxTextError("this MaxText step takes a per-step key (DiLoCo): not recorded yet; "
+                               "run without enable_diloco")
+        if self.run is None:
+            import replay
+
+            self.run = replay.init(self.run_dir, config=_config_dict(self.config), store_examples=True,
+                                   entrypoint="replay.maxtext:make",
+                                   manifest={"loop": "maxtext", "maxtext_version": _maxtext_version()})
+            self.step = self.run.step(self.jitted, batch_axis=0, loss=LOSS)
+        k = self.run.next_step
+        if self.every and k % self.every == 0:
+            self.run.save(k, state)
+        return self.step(state, batch)
+
+    def __getattr__(self, name: str) -> Any:
+        # MaxText also lowers its step ahead of time (memory stats, `compiled_trainstep_file`):
+        # that is MaxText's own program, not the recorded one, so anything else goes to it.
+        return getattr(self.jitted, name)
+
+    def finish(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+
+
+def _maxtext_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("maxtext")
+    except Exception:  # noqa: BLE001 - a version is informational
+        return "unknown"
+
+
+def record(run_dir: str | Path, argv: list[str]) -> Path:
+    """Runs MaxText's training `main(argv)` (argv without the program name) recording into `run_dir`."""
+    try:
+        from maxtext.trainers.pre_train import train
+        from maxtext.utils import train_utils
+    except ImportError as exc:
+        raise MaxTextError(f"MaxText is not installed here ({exc}); build its environment with "
+                           "tools/maxtext-env.sh (Python 3.12, maxtext[tpu]==0.2.5)") from exc
+    run_dir = Path(run_dir)
+    original = train_utils.jit_train_step
+    recorded: list[RecordedMaxTextStep] = []
+
+    def jit_train_step(config, *args, **kwargs):
+        wrapped = RecordedMaxTextStep(original(config, *args, **kwargs), run_dir, config)
+        recorded.append(wrapped)
+        return wrapped
+
+    train_utils.jit_train_step = jit_train_step
+    try:
+        train.main(["train", *argv])
+    finally:
+        train_utils.jit_train_step = original
+    if not recorded or recorded[0].run is None:
+        raise MaxTextError("MaxText trained no step through its jitted train step; nothing was recorded")
+    recorded[0].finish()
+    return run_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) < 2 or argv[0].startswith("-"):
+        print("usage: python -m replay.maxtext RUN <MaxText config.yml> [key=value ...]", file=sys.stderr)
+        return 2
+    try:
+        record(argv[0], argv[1:])
+    except MaxTextError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"recorded {argv[0]}; verify it with: replay run {argv[0]} --steps A:B", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""MaxText's own training loop recorded by `python -m replay.maxtext` (issue 33, part 2, first slice).
+
+MaxText needs Python >= 3.12 and jax >= 0.11: these tests run in the venv tools/maxtext-env.sh builds
+(maxtext[tpu]==0.2.5, jax 0.12, this package installed editable) and skip elsewhere. A tiny decoder
+(2 layers, 64 wide, vocabulary 256, synthetic data) trains 12 steps on the CPU; the run replays bit
+for bit from its exported program, without MaxText's code, and bisect names a learning-rate change.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+maxtext = pytest.importorskip("maxtext", reason="MaxText is not installed here: run tools/maxtext-env.sh "
+                              "(a Python 3.12 venv with maxtext[tpu]==0.2.5)")
+
+pytestmark = pytest.mark.slow
+STEPS = 12
+CONFIG = Path(maxtext.__file__).parent / "configs" / "base.yml"
+TINY = ["hardware=cpu", "dataset_type=synthetic", f"steps={STEPS}", "per_device_batch_size=4", "max_target_length=64",
+        "base_emb_dim=64", "base_num_query_heads=4", "base_num_kv_heads=4", "base_mlp_dim=128",
+        "base_num_decoder_layers=2", "head_dim=16", "vocab_size=256", "attention=dot_product",
+        "enable_checkpointing=false", "skip_jax_distributed_system=true", "dtype=float32"]
+ENV = dict(os.environ, DECOUPLE_GCLOUD="TRUE", JAX_PLATFORMS="cpu")
+
+
+def _record(root: Path, name: str, *extra: str) -> Path:
+    run = root / name
+    done = subprocess.run([sys.executable, "-m", "replay.maxtext", str(run), str(CONFIG), *TINY, f"run_name={name}",
+                           f"base_output_directory={root / 'maxtext-out'}", *extra],
+                          env=ENV, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run
+
+
+def _replay(*args: str, prng: str | None = "unsafe_rbg") -> subprocess.CompletedProcess:
+    env = dict(ENV, **({"JAX_DEFAULT_PRNG_IMPL": prng} if prng else {}))
+    return subprocess.run([sys.executable, "-m", "replay.cli.app", *args], env=env, capture_output=True, text=True,
+                          timeout=900)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("maxtext")
+    return {"clean": _record(root, "clean"), "lr": _record(root, "lr", "learning_rate=4e-5")}
+
+
+def test_the_run_records_every_step_with_maxtexts_loss(runs):
+    manifest = json.loads((runs["clean"] / "run.json").read_text())
+    assert (runs["clean"] / "COMPLETE").exists() and manifest["loop"] == "maxtext"
+    done = _replay("show", str(runs["clean"]), "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    shown = json.loads(done.stdout.strip().splitlines()[-1])
+    assert shown["status"] == "complete" and shown["steps"]["count"] == STEPS, shown
+    assert manifest["config"]["base_emb_dim"] == 64 and manifest["config"]["steps"] == STEPS  # MaxText's own config
+
+
+def test_replay_without_maxtexts_code_is_bit_exact(runs):
+    done = _replay("run", str(runs["clean"]), "--steps", f"0:{STEPS - 1}", "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (report["replayed"], report["bit_exact"], report["all_bit_exact"]) == (STEPS, STEPS, True), report
+    assert "exported program" in report["contract"]["line"]
+
+
+def test_a_replay_under_another_prng_is_refused_naming_the_setting(runs):
+    done = _replay("run", str(runs["clean"]), "--steps", "0:1", prng=None)
+    assert done.returncode == 2 and "JAX_DEFAULT_PRNG_IMPL=unsafe_rbg" in done.stderr, done.stderr[-2000:]
+
+
+def test_bisect_names_the_learning_rate_change(runs):
+    done = _replay("bisect", str(runs["clean"]), str(runs["lr"]), "--json", "--no-refine")
+    assert done.returncode == 1, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    # MaxText's schedule warms up from 0: step 0's update is 0 under either rate, step 1's is not.
+    assert (report["first_step"], report["cause"]) == (1, "update"), report

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# MaxText's tests (tests/maxtext/): builds once, then reuses, a Python 3.12 venv with
+# maxtext[tpu]==0.2.5 (jax 0.12, ~3 GB; libtpu is inert on a CPU) and this package installed
+# editable into it without its pins (MaxText's own versions stay), then runs those tests in it.
+#   tools/maxtext-env.sh                 # build if needed, run tests/maxtext
+#   tools/maxtext-env.sh -k bisect       # extra pytest arguments
+# MAXTEXT_VENV picks the venv's folder (default ~/.cache/replay/maxtext-venv-0.2.5); PYTHON312 the
+# interpreter it is made from. The default suite skips these tests in one line naming this script.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+VENV="${MAXTEXT_VENV:-$HOME/.cache/replay/maxtext-venv-0.2.5}"
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import maxtext" 2>/dev/null; then
+  PY="${PYTHON312:-$(command -v python3.12 || ls -d "$HOME"/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | head -1)}"
+  [ -x "$PY" ] || { echo "error: no Python 3.12 found; set PYTHON312=/path/to/python3.12" >&2; exit 2; }
+  "$PY" -m venv "$VENV"
+  "$VENV/bin/pip" install -q "maxtext[tpu]==0.2.5"
+fi
+"$VENV/bin/pip" install -q --no-deps -e .
+"$VENV/bin/pip" install -q "pytest>=8" "pytest-xdist>=3.8" "hypothesis>=6.100"
+exec "$VENV/bin/python" -m pytest -n 0 -q -p no:cacheprovider tests/maxtext "$@"

@@ -225,6 +225,10 @@ def bench_size(root: Path, steps: int, examples: int, cache: str = "warm", repea
                  "index_gb": round(sum(p.stat().st_size for p in (a / "trace").glob("*.idx")) / 1e9, 3),
                  "index_bytes_per_example": round(sum(p.stat().st_size for p in (a / "trace").glob("*.idx"))
                                                   / (steps * examples), 2),
+                 # over the examples of sealed segments only (the tail has no index yet): what the budget is for
+                 "index_bytes_per_indexed_example": round(
+                     sum(p.stat().st_size for p in (a / "trace").glob("*.idx"))
+                     / max(1, examples * sum(s.count for s in Run.open(a).trace.segments if s.sealed)), 2),
                  "index_budget_bytes_per_example": INDEX_BUDGET_BYTES_PER_EXAMPLE,
                  "footprint_gb": round(footprint / 1e9, 3),
                  "mem_available_gb": None if available is None else round(available / 1e9, 2),
@@ -256,6 +260,16 @@ def bench_size(root: Path, steps: int, examples: int, cache: str = "warm", repea
     return out
 
 
+_OPEN = r"""
+import sys, time
+from traces import Run
+t = time.perf_counter()
+trace = Run.open(sys.argv[1]).trace
+trace.columns(len(trace.segments) - 1)  # what show and compare read of the tail
+print(time.perf_counter() - t)
+"""
+
+
 def bench_tail(root: Path, examples: int, records: int, cache: str, repeats: int) -> dict:
     """`show` of a run that is one unsealed tail of `records` records, with its sidecar and without."""
     schema = scale_schema(examples)
@@ -270,9 +284,13 @@ def bench_tail(root: Path, examples: int, records: int, cache: str, repeats: int
             tix.rename(root / "set-aside.tix")
         paths = files_of(path)
         (drop_cache if cache == "cold" else warm)(paths)
+        opened = measure([sys.executable, "-c", _OPEN, str(path)], root / "open.out", 1)
+        (drop_cache if cache == "cold" else warm)(paths)
         result = measure(replay_cmd("show", str(path)), root / "show.out", 1 if cache == "cold" else repeats)
-        out[name] = {"seconds": round(result["seconds"], 3), "cpu_seconds": round(result["cpu_seconds"], 3),
-                     "peak_rss_mb": round(result["peak_rss_mb"], 1), "disk_read_mb": round(result["disk_read_mb"], 1),
+        out[name] = {"open_seconds": round(float((root / "open.out").read_text()), 4),  # in process: Run.open, tail columns
+                     "open_disk_read_mb": round(opened["disk_read_mb"], 1),
+                     "show_seconds": round(result["seconds"], 3), "show_cpu_seconds": round(result["cpu_seconds"], 3),
+                     "show_peak_rss_mb": round(result["peak_rss_mb"], 1), "show_disk_read_mb": round(result["disk_read_mb"], 1),
                      "exit_code": result["exit_code"], "load_average": round(os.getloadavg()[0], 1)}
     return out
 
@@ -357,7 +375,7 @@ def main() -> None:
             # the wall seconds wait for a core on a shared machine; CPU seconds do not (nor do they count the disk)
             "within_budget_cpu": None if cpu_target is None else bool(cpu_target <= budget_s and rss_target <= budget_mb),
         }
-    indexed = [r["index_bytes_per_example"] for r in results if r["index_bytes_per_example"]]  # sizes that sealed one
+    indexed = [r["index_bytes_per_indexed_example"] for r in results if r["index_bytes_per_example"]]  # sealed one
     target_gb, mem_gb = run_bytes(TARGET_STEPS, args.examples) / 1e9, _mem_total_gb()
     cache_note = None if mem_gb is None or target_gb < mem_gb else (
         f"a {TARGET_STEPS}-step run is ~{target_gb:.0f} GB on disk, more than this machine's {mem_gb} GB of memory: "
@@ -374,6 +392,7 @@ def main() -> None:
                                              for n in ("bisect_metric", "bisect_data")} for r in results},
                       "diverge_at": {r["steps"]: r["diverge_at"] for r in results},
                       "index_bytes_per_example": {r["steps"]: r["index_bytes_per_example"] for r in results},
+                      "index_bytes_per_indexed_example": {r["steps"]: r["index_bytes_per_indexed_example"] for r in results},
                       "index_budget_bytes_per_example": INDEX_BUDGET_BYTES_PER_EXAMPLE,
                       # None when no size sealed a segment (no index yet: nothing measured)
                       "index_within_budget": None if not indexed else all(b <= INDEX_BUDGET_BYTES_PER_EXAMPLE for b in indexed),

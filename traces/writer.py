@@ -138,6 +138,15 @@ class TraceWriter:
                     pass
             self.notes.append(f"{path}: not written ({e.strerror or e}); readers read the tail's records instead")
 
+    def _append_sidecar(self, data: bytes) -> None:
+        """One write(); a short one (a full disk) ends the sidecar like a failed one: an entry
+        after a partial one would be misread, so none is written."""
+        try:
+            if os.write(self._tix, data) != len(data):
+                raise OSError(28, "short write (the disk is full)")
+        except OSError as e:
+            self._drop_sidecar(e)
+
     def _close_sidecar(self, unlink: bool) -> None:
         if self._tix is not None:
             os.close(self._tix)
@@ -211,10 +220,7 @@ class TraceWriter:
         crc = int.from_bytes(frame[4:FRAME_HEAD], "little")
         self._builder.add(raw, offset, crc)
         if self._tix is not None:  # after the frame: an entry never vouches for a frame not written
-            try:
-                os.write(self._tix, self._entry(raw, rec.step, self._size, crc))
-            except OSError as e:
-                self._drop_sidecar(e)
+            self._append_sidecar(self._entry(raw, rec.step, self._size, crc))
         self._count += 1
         self.next_step = rec.step + 1
         if self._count >= self.segment_records:
@@ -251,9 +257,10 @@ class TraceWriter:
         self._write(encode_header(self._digest, first_step), doing)
         try:
             self._tix = os.open(sidecar.sidecar_path(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
-            os.write(self._tix, sidecar.header(self.schema, first_step))
         except OSError as e:
             self._drop_sidecar(e)
+        else:
+            self._append_sidecar(sidecar.header(self.schema, first_step))
 
     def _write(self, data: bytes, doing: str) -> None:
         view = memoryview(data)

@@ -179,3 +179,30 @@ def test_sealing_removes_the_sidecar(tmp_path):
     names = sorted(p.name for p in (tmp_path / "run" / "trace").iterdir())
     assert [n for n in names if n.endswith(".tix")] == ["000000000020.tix"]
     assert_tail(tmp_path / "run", schema, steps=25)
+
+
+def test_a_sidecar_write_that_fails_drops_the_sidecar_not_the_records(tmp_path, monkeypatch):
+    """A short write of an entry (a full disk) would misalign every later one: the writer
+    deletes the sidecar, says so in its notes, and readers read the tail's records."""
+    schema = wide_schema()
+    run = Run.create(tmp_path / "run", schema, {})
+    w = run.writer(segment_records=1000)
+    real, seen = os.write, {"entries": 0}
+
+    def short_on_the_sidecar(fd, data):
+        if fd == w._tix:
+            seen["entries"] += 1
+            if seen["entries"] > 40:  # the 40th entry after the header is written half
+                return real(fd, bytes(data[: len(data) // 2]))
+        return real(fd, data)
+
+    monkeypatch.setattr(os, "write", short_on_the_sidecar)
+    for k in range(TAIL):
+        w.append(make_record(schema, k))
+    monkeypatch.setattr(os, "write", real)
+    run.close()
+    seg = tmp_path / "run" / "trace" / "000000000000.seg"
+    assert not sidecar.sidecar_path(seg).exists()
+    assert any(".tix: not written" in n for n in w.notes)
+    trace = assert_tail(tmp_path / "run", schema)
+    assert trace.notes == []

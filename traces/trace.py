@@ -49,8 +49,9 @@ def corrupt(path: Path, step: int, offset: int, reason: str) -> TraceCorruptErro
 class TraceReader:
     """Random access to the readable steps of a trace directory: `reader.read(step)`.
 
-    Opening reads every sealed segment's header and seal (48 bytes each) and only the last,
-    unsealed segment whole, checking each of its frames. `start`..`end` (exclusive) is the
+    Opening reads every sealed segment's header and seal (48 bytes each) and the last, unsealed
+    segment's sidecar (its frames past the sidecar, and its last frame, checked; without a usable
+    sidecar the segment whole, checking each of its frames). `start`..`end` (exclusive) is the
     contiguous range of steps that can be read; `damage` lists where and why reading stops
     before the files do, and, when `first_step` is given, that the readable start is later
     than it (leading files missing). A sealed segment's frames are checked as they are read,

@@ -4,6 +4,8 @@
 # editable into it without its pins (MaxText's own versions stay), then runs those tests in it.
 #   tools/maxtext-env.sh                 # build if needed, run tests/maxtext
 #   tools/maxtext-env.sh -k bisect       # extra pytest arguments
+#   tools/maxtext-env.sh --suite         # also the rest of the suite that needs no torch, fast tests only
+#                                        # (traces, replay, examples: replay on the newest jax MaxText runs)
 # MAXTEXT_VENV picks the venv's folder (default ~/.cache/replay/maxtext-venv-0.2.5); PYTHON312 the
 # interpreter it is made from. The default suite skips these tests in one line naming this script.
 set -euo pipefail
@@ -17,4 +19,8 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import maxtext" 2>/de
 fi
 "$VENV/bin/pip" install -q --no-deps -e .
 "$VENV/bin/pip" install -q "pytest>=8" "pytest-xdist>=3.8" "hypothesis>=6.100"
+if [ "${1:-}" = "--suite" ]; then
+  shift
+  JAX_PLATFORMS=cpu "$VENV/bin/python" -m pytest -n 0 -q -p no:cacheprovider -m "not slow" tests/traces tests/replay tests/examples "$@"
+fi
 exec "$VENV/bin/python" -m pytest -n 0 -q -p no:cacheprovider tests/maxtext "$@"

@@ -18,18 +18,37 @@ from typing import Any, Callable
 MAX_ITERATIONS = 100_000
 
 
+def _closed(jaxpr: Any) -> Any:
+    """A loop body with its constants: a ClosedJaxpr before jax 0.12, a Jaxpr (which holds its
+    constants itself) since."""
+    from jax._src import core as jcore
+
+    closed = getattr(jcore, "ClosedJaxpr", None)
+    return jaxpr if closed is None or isinstance(jaxpr, closed) else closed(jaxpr, [])
+
+
 def _fn(closed: Any) -> Callable:
     from jax._src import core as jcore
 
-    return jcore.jaxpr_as_fun(closed)
+    return jcore.jaxpr_as_fun(_closed(closed))
+
+
+def _scan_layout(params: dict) -> tuple[int, int, int]:
+    """(constants, carries, length) of a scan's operands: named counts before jax 0.11, the leaf
+    counts of its flat input trees (consts, carry, xs) since."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"], params["length"]
+    consts, carry, _ = params["ft_in"].unpack()  # a FlatTree: iterating it gives its leaves
+    return len(list(consts)), len(list(carry)), params["length"]
 
 
 def _jitted(closed_a: Any, closed_b: Any, same: Callable[[Any, Any], bool]) -> tuple[Callable, Callable]:
     """Both runs' bodies jitted: one jit (one compile) when they are the same program."""
     import jax
 
+    closed_a, closed_b = _closed(closed_a), _closed(closed_b)
     fa = jax.jit(_fn(closed_a))
-    if str(closed_a.jaxpr) == str(closed_b.jaxpr) and len(closed_a.consts) == len(closed_b.consts) and all(
+    if str(getattr(closed_a, "jaxpr", closed_a)) == str(getattr(closed_b, "jaxpr", closed_b)) and len(closed_a.consts) == len(closed_b.consts) and all(
             same(x, y) for x, y in zip(closed_a.consts, closed_b.consts)):
         return fa, fa
     return fa, jax.jit(_fn(closed_b))
@@ -47,8 +66,8 @@ def search_loop(params: dict, primitive: str, ins: tuple[list, list], params_b: 
 
 
 def _scan(pa: dict, pb: dict, ins: tuple[list, list], same: Callable, search: Callable) -> tuple:
-    nc, nk, length = pa["num_consts"], pa["num_carry"], pa["length"]
-    if (nc, nk, length) != (pb["num_consts"], pb["num_carry"], pb["length"]):
+    nc, nk, length = _scan_layout(pa)
+    if (nc, nk, length) != _scan_layout(pb):
         return None, None, length
     body_a, body_b = _jitted(pa["jaxpr"], pb["jaxpr"], same)
     (ca, ka, xa), (cb, kb, xb) = ((v[:nc], v[nc:nc + nk], v[nc + nk:]) for v in ins)

@@ -205,8 +205,8 @@ def _walk_tail(reader: TraceReader, f: SegmentFile, path: Path, first: int, size
     if side.problem is not None:
         reader._note(f"{sidecar.sidecar_path(path)}: {side.problem}; the records after its last good entry were read "
                      "instead (nothing recorded is lost)")
-    if side.count == 0:
-        return walk_frames(f), None
+    if side.count == 0:  # a segment younger than the writer's first batch of entries
+        return walk_frames(f), side
     after = walk_frames(f, start=side.end)
     if after.sealed or (after.damage or "").startswith("seal"):  # not a plain tail: the whole walk says what
         return walk_frames(f), None

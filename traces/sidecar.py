@@ -2,9 +2,10 @@
 
 Opening a trace used to read the unsealed tail whole (up to a segment: ~200 MB at 1,024
 examples a step) to learn where its frames lie and, for a scan, decode their fixed fields.
-The writer now appends one fixed-size entry to `NNNNNNNNNNNN.tix` after each record's frame
-(the frame's end and checksum, the record's fixed fields, its examples key: ~60 bytes a record,
-~1 MB a full segment), so opening reads that instead, and only what lies past its last entry.
+The writer now appends a fixed-size entry a record to `NNNNNNNNNNNN.tix`, 16 at a time, after
+their frames (the frame's end and checksum, the record's fixed fields, its examples key: ~60
+bytes a record, ~1 MB a full segment), so opening reads that instead, and only what lies past
+its last entry (walked and decoded: at most the 15 records a kill kept out of it).
 
 It is derived data and never trusted alone: every entry carries the crc32 of its bytes and its
 own step, entries must end in order inside the segment file, and the last one's frame is read
@@ -63,17 +64,27 @@ class EntryMaker:
     def __init__(self, schema: Schema):
         self.dtype, self.prefix = entry_dtype(schema), record_prefix(schema)
         self._mix = splitmix64(np.arange(schema.examples_per_step, dtype=np.uint64) + np.uint64(_MIX_SEED)) | np.uint64(1)
+        # Per append on the loop's thread, so plain byte slices, not numpy records (~3 us, not ~11)
+        self._fixed = slice(8, self.prefix.fields["example_hashes"][1])  # flags, rng, batch_hash: copied as they are
+        self._hashes_at, self._B = self.prefix.fields["example_hashes"][1], schema.examples_per_step
+        self._metrics = slice(self.prefix.fields["metrics"][1], self.prefix.itemsize)
 
     def __call__(self, raw, step: int, end: int, frame_crc: int) -> bytes:
-        rec = np.frombuffer(raw, self.prefix, 1)[0]
-        e = np.zeros(1, self.dtype)
-        e["step"], e["end"], e["frame_crc"] = step, end, frame_crc
-        for name in ("flags", "rng", "batch_hash"):
-            e[name] = rec[name]
-        e["metric_bits"] = rec["metrics"]
-        e["examples_key"] = (rec["example_hashes"] * self._mix).sum(dtype=np.uint64)
-        body = e.tobytes()
-        return body[:-4] + struct.pack("<I", zlib.crc32(body[:-4]))
+        key = np.frombuffer(raw, "<u8", self._B, self._hashes_at)[None]
+        return self.finish([self.head(raw, step, end, frame_crc)], key)
+
+    def head(self, raw, step: int, end: int, frame_crc: int) -> bytes:
+        """The entry's bytes before its examples key (what is cheap a record at a time)."""
+        return b"".join((struct.pack("<QQI", step, end, frame_crc), bytes(raw[self._fixed]), bytes(raw[self._metrics])))
+
+    def finish(self, heads: list[bytes], hashes_nxB: np.ndarray) -> bytes:
+        """Whole entries of `heads`, given their records' example hashes (one numpy pass for all)."""
+        keys = (hashes_nxB * self._mix).sum(axis=1, dtype=np.uint64).tolist()
+        out = []
+        for head, key in zip(heads, keys):
+            body = head + struct.pack("<Q", key)
+            out.append(body + struct.pack("<I", zlib.crc32(body)))
+        return b"".join(out)
 
     def from_columns(self, cols: StepColumns) -> bytes:
         """Every entry of a segment's columns at once (a resumed writer rewrites the sidecar)."""

@@ -42,6 +42,9 @@ from traces.trace import (
 )
 
 
+SIDECAR_BATCH = 16  # sidecar entries written at once: a kill loses at most these, whose frames the reader walks
+
+
 class TraceWriter:
     """Appends records to a trace directory, resuming where a previous writer stopped.
 
@@ -74,6 +77,7 @@ class TraceWriter:
         self._size = 0  # bytes in the open segment
         self._tix: int | None = None  # the open segment's sidecar (traces/sidecar.py), None when it has none
         self._entry = sidecar.EntryMaker(schema)
+        self._pending: list[bytes] = []  # sidecar entries not yet written (their heads: see _append)
         self._reader = TraceReader(self.dir, schema, first_step=first_step)
         self._repair_tail()
         self.next_step: int | None = self._reader.end if self._reader.segments else None
@@ -138,6 +142,14 @@ class TraceWriter:
                     pass
             self.notes.append(f"{path}: not written ({e.strerror or e}); readers read the tail's records instead")
 
+    def _write_pending(self) -> None:
+        """The pending entries, finished (their examples keys from the builder's hashes, in one
+        numpy pass) and written with one write()."""
+        if self._pending and self._tix is not None:
+            n = len(self._pending)
+            self._append_sidecar(self._entry.finish(self._pending, self._builder.hashes()[-n:]))
+        self._pending = []
+
     def _append_sidecar(self, data: bytes) -> None:
         """One write(); a short one (a full disk) ends the sidecar like a failed one: an entry
         after a partial one would be misread, so none is written."""
@@ -148,6 +160,9 @@ class TraceWriter:
             self._drop_sidecar(e)
 
     def _close_sidecar(self, unlink: bool) -> None:
+        if not unlink and self._builder is not None:
+            self._write_pending()
+        self._pending = []
         if self._tix is not None:
             os.close(self._tix)
             self._tix = None
@@ -220,11 +235,13 @@ class TraceWriter:
         crc = int.from_bytes(frame[4:FRAME_HEAD], "little")
         self._builder.add(raw, offset, crc)
         if self._tix is not None:  # after the frame: an entry never vouches for a frame not written
-            self._append_sidecar(self._entry(raw, rec.step, self._size, crc))
+            self._pending.append(self._entry.head(raw, rec.step, self._size, crc))
         self._count += 1
         self.next_step = rec.step + 1
         if self._count >= self.segment_records:
             self._seal()
+        elif len(self._pending) >= SIDECAR_BATCH:
+            self._write_pending()
         return True
 
     def _existing(self, step: int) -> StepRecord:
@@ -351,6 +368,8 @@ class TraceWriter:
         index, and raises what that fsync failed at."""
         self._sealed_synced.wait()
         self._surface()
+        if self._builder is not None:
+            self._write_pending()  # not fsynced: derived, and checked when read
         if self._fd is not None and not self._broken:
             self._fsync("flushing the trace")
 

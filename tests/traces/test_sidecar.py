@@ -14,6 +14,7 @@ import pytest
 
 from traces import Run, TraceReader, TraceWriter, same_bits, sidecar
 from traces.index import examples_key
+from traces.writer import SIDECAR_BATCH
 from tests.traces.helpers import BytesRead, make_record, make_schema
 from tests.traces.test_kill import _kill_writer_after
 from tests.traces.test_seal import FIXTURE, SEGMENT, fixture_record
@@ -134,7 +135,8 @@ def test_a_garbled_sidecar_is_found_and_the_records_read(tmp_path, where):
 
 def test_a_kill_mid_append_leaves_a_sidecar_of_whole_records(tmp_path):
     """SIGKILL at random points of appends (test_kill's writer: segments of 50 records): every
-    record reported appended is there, and the sidecar vouches for all but at most the last."""
+    record reported appended is there, and the sidecar vouches for all but at most the entries
+    the writer had not written yet (SIDECAR_BATCH), whose frames opening walks and decodes."""
     schema, path = make_schema(), tmp_path / "run"
     rng = np.random.default_rng(34)
     for i in range(6):
@@ -147,7 +149,8 @@ def test_a_kill_mid_append_leaves_a_sidecar_of_whole_records(tmp_path):
         last = trace.segments[-1]
         if not last.sealed and last.count:
             side = sidecar.read(last.path, schema, last.first_step, last.size)
-            assert side is not None and side.problem is None and last.count - 1 <= side.count <= last.count
+            assert side is not None and side.problem is None and last.count - SIDECAR_BATCH <= side.count <= last.count
+            assert trace.segments[-1].columns is not None  # completed on opening from the walked frames
             assert np.array_equal(side.columns.offsets, trace.offsets(len(trace.segments) - 1)[: side.count + 1])
         assert not [n for n in trace.notes if ".tix" in n]
 
@@ -192,7 +195,7 @@ def test_a_sidecar_write_that_fails_drops_the_sidecar_not_the_records(tmp_path, 
     def short_on_the_sidecar(fd, data):
         if fd == w._tix:
             seen["entries"] += 1
-            if seen["entries"] > 40:  # the 40th entry after the header is written half
+            if seen["entries"] > 5:  # the 5th write of entries after the header is written half
                 return real(fd, bytes(data[: len(data) // 2]))
         return real(fd, data)
 
@@ -206,3 +209,21 @@ def test_a_sidecar_write_that_fails_drops_the_sidecar_not_the_records(tmp_path, 
     assert any(".tix: not written" in n for n in w.notes)
     trace = assert_tail(tmp_path / "run", schema)
     assert trace.notes == []
+
+
+@pytest.mark.parametrize("appended", [5, SIDECAR_BATCH + 4])
+def test_entries_not_yet_written_are_walked_and_decoded(tmp_path, appended):
+    """What a kill leaves before the writer's next batch of entries: opening walks the frames
+    past the sidecar's last entry (all of them when it has none yet) and completes its columns."""
+    schema = wide_schema()
+    run = Run.create(tmp_path / "run", schema, {})
+    w = run.writer(segment_records=1000)
+    for k in range(appended):
+        w.append(make_record(schema, k))
+    seg = tmp_path / "run" / "trace" / "000000000000.seg"
+    side = sidecar.read(seg, schema, 0, seg.stat().st_size)
+    assert side is not None and side.count == (appended // SIDECAR_BATCH) * SIDECAR_BATCH  # as a kill now leaves it
+    trace = Run.open(tmp_path / "run").trace
+    assert trace.end == appended and trace.segments[0].columns is not None and trace.notes == []
+    assert trace.columns(0).batch_hash.tolist() == [make_record(schema, k).batch_hash for k in range(appended)]
+    run.close()

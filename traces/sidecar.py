@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from traces.errors import TraceError
 from traces.index import _MIX_SEED, StepColumns, record_prefix, splitmix64
 from traces.schema import METRIC_DTYPES, Schema
 from traces.segment import HEADER_SIZE
@@ -38,8 +39,9 @@ _HEAD = struct.Struct("<8sHHIQI")
 SIDECAR_HEADER_SIZE = _HEAD.size + 4
 
 
-class SidecarUnusable(Exception):
-    """Why a sidecar cannot stand in for its tail's frames (the reader walks them instead)."""
+class SidecarUnusable(TraceError):
+    """Why a sidecar cannot stand in for its tail's frames (the reader walks them instead; were one
+    ever to reach a user, it is damaged input like any trace error)."""
 
 
 def sidecar_path(segment: Path) -> Path:

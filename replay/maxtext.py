@@ -74,9 +74,14 @@ class RecordedMaxTextStep:
             raise MaxTextError("this MaxText step takes a per-step key (DiLoCo): not recorded yet; "
                                "run without enable_diloco")
         if self.run is None:
+            import jax
+
             import replay
 
-            self.run = replay.init(self.run_dir, config=_config_dict(self.config), store_examples=True,
+            # Each process holds only its rows of a batch: stored examples (a replay without code) are
+            # one process's only; with several, the trace (bisect, audit, show) is what is recorded.
+            single = jax.process_count() == 1
+            self.run = replay.init(self.run_dir, config=_config_dict(self.config), store_examples=single,
                                    entrypoint="replay.maxtext:make",
                                    manifest={"loop": "maxtext", "maxtext_version": _maxtext_version()})
             self.step = self.run.step(self.jitted, batch_axis=0, loss=LOSS)

@@ -38,6 +38,19 @@ def _record(root: Path, name: str, *extra: str) -> Path:
     return run
 
 
+def _record_on_two_processes(root: Path, name: str) -> Path:
+    """MaxText's own CPU multi-process start (max_utils.initialize_jax_for_cpu: coordinator port 1234)."""
+    run, sets = root / name, [a for a in TINY if a != "skip_jax_distributed_system=true"]
+    procs = [subprocess.Popen([sys.executable, "-m", "replay.maxtext", str(run), str(CONFIG), *sets, f"run_name={name}",
+                               f"base_output_directory={root / 'maxtext-out'}"],
+                              env=dict(ENV, JAX_COORDINATOR_ADDRESS="127.0.0.1", JOB_INDEX="0", JOB_COMPLETION_INDEX=str(i),
+                                       PROCESSES_IN_JOB="2", JAX_PROCESS_COUNT="2"),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    errs = [p.communicate(timeout=900)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for e in errs]
+    return run
+
+
 def _replay(*args: str, prng: str | None = "unsafe_rbg") -> subprocess.CompletedProcess:
     env = dict(ENV, **({"JAX_DEFAULT_PRNG_IMPL": prng} if prng else {}))
     return subprocess.run([sys.executable, "-m", "replay.cli.app", *args], env=env, capture_output=True, text=True,
@@ -58,6 +71,19 @@ def test_the_run_records_every_step_with_maxtexts_loss(runs):
     shown = json.loads(done.stdout.strip().splitlines()[-1])
     assert shown["status"] == "complete" and shown["steps"]["count"] == STEPS, shown
     assert manifest["config"]["base_emb_dim"] == 64 and manifest["config"]["steps"] == STEPS  # MaxText's own config
+
+
+def test_two_processes_record_one_run_of_the_global_batch(runs, tmp_path):
+    run = _record_on_two_processes(tmp_path, "two")
+    manifest = json.loads((run / "run.json").read_text())
+    assert (run / "COMPLETE").exists() and manifest["environment"]["process_count"] == 2
+    done = _replay("show", str(run), "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    shown = json.loads(done.stdout.strip().splitlines()[-1])
+    one = json.loads(_replay("show", str(runs["clean"]), "--json").stdout.strip().splitlines()[-1])
+    # per_device_batch_size=4 on each process's one device: the trace holds both processes' rows
+    assert (shown["steps"]["count"], shown["schema"]["examples_per_step"]) == (STEPS, 8), shown["schema"]
+    assert one["schema"]["examples_per_step"] == 4 and shown["checkpoints"] == [0, 10]
 
 
 def test_replay_without_maxtexts_code_is_bit_exact(runs):

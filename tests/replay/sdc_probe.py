@@ -7,15 +7,15 @@ checkpoints every 6; the checks rely on nothing a second block would add, and co
 own step programs is most of the test's time: a second block adds about a fifth):
 
     clean        no fault, check.rerun_every=10 (compared with the step's per-replica fingerprints)
-    clean-off    no fault, check off and no per-replica fingerprints: its training must equal
-                 `clean` bit for bit
+    clean-off    check off and no per-replica fingerprints, 13 steps with one transient at the last
+                 (step 12): its training must equal `clean`'s 12 steps bit for bit, and only the trace
+                 differs from every re-execution at step 12 (`replay verify --steps 11:12` must say so,
+                 exit 1). One run for both: each run of its own was ~20 CPU-s
     chip-check   a chip on device 3 from step 2, check.rerun_every=10 without per-replica fingerprints
                  (the re-run is compared with a re-computation): the check must name it at step 10
     faulty       22 steps: 21 transients (steps 1..21) on the six devices that are not chips, and
                  chips on devices 3 (from 2) and 7 (from 5, p=0.5); check.rerun_every=10 (it must
                  name device 3 at step 10)
-    transient-off  8 steps, one transient at step 7 and no per-replica fingerprints: only the trace
-                 differs from every re-execution (`replay verify --steps 6:7` must say so, exit 1)
 
 `clean` and `faulty` share their fault-free program, and one faulty run holds every corruption:
 the step programs (each distinct config its own compile) are most of the test's time, ten more
@@ -51,12 +51,11 @@ def transients(offset: int, steps) -> list[str]:
 CHECK = ["check.rerun_every=10"]
 RUNS = {
     "clean": ([], CHECK),
-    "clean-off": ([], ["check.replicas=false"]),
+    "clean-off": ([f"sdc@{STEPS}:device=3,tensor=lm_head.kernel,bit=22"], ["check.replicas=false", f"steps={STEPS + 1}"]),
     "chip-check": (["sdc-chip@2:device=3,tensor=lm_head.kernel,bit=7"], CHECK + ["check.replicas=false"]),
     "faulty": (transients(0, range(1, FAULTY_STEPS)) + ["sdc-chip@2:device=3,tensor=block_00.mlp.up.kernel,bit=3",
                                                         "sdc-chip@5:device=7,p=0.5,tensor=block_00.attn.q.kernel,bit=12"],
                CHECK + [f"steps={FAULTY_STEPS}"]),
-    "transient-off": (["sdc@7:device=3,tensor=lm_head.kernel,bit=22"], ["check.replicas=false", "steps=8"]),
 }
 VERIFIED = ("clean", "faulty")
 
@@ -134,7 +133,7 @@ def _cli(out: Path) -> dict:
     cli = {}
     for key, args in (("clean", ["clean", "--steps", "0:2", "--rotate", str(ROTATE)]), ("faulty", ["faulty", "--steps", "3:4", "--rotate", "3"]),
                       ("outside", ["clean", "--steps", "50:60"]), ("rotate", ["clean", "--steps", "0:1", "--rotate", "4"]),
-                      ("transient-off", ["transient-off", "--steps", "6:7", "--rotate", "3"])):
+                      ("transient-off", ["clean-off", "--steps", f"{STEPS - 1}:{STEPS}", "--rotate", "3"])):
         if not (out / args[0]).is_dir():
             continue
         done = CliRunner().invoke(app, ["verify", str(out / args[0]), *args[1:], "--json"], env={"REPLAY_DEBUG": None})

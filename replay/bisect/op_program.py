@@ -16,6 +16,7 @@ that differs is searched afterwards, iteration by iteration (replay/bisect/op_lo
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +60,7 @@ def _library(path: str) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)  # called for every frame of every op; a program has few distinct files
 def _jax_internal(path: str) -> bool:
     """jax's own files and the standard library's. Not jax's `user_frames` filter: that one drops every
     file under the interpreter's stdlib folder, site-packages included when the packages are installed

@@ -88,6 +88,7 @@ def test_library_frames_survive_packages_installed_into_the_interpreter(monkeypa
     def clear():
         jax_frames._exclude_path_regex.cache_clear()
         jax_frames.is_user_filename.cache_clear()
+        op_program._jax_internal.cache_clear()  # its answers depend on _STDLIB, patched here
 
     site = optax.__file__.rsplit("site-packages", 1)[0]
     monkeypatch.setattr(jax_frames, "_exclude_paths", [*jax_frames._exclude_paths, site])

@@ -27,21 +27,48 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from replay.errors import InputError, ReplayUnavailable
+from replay.errors import InputError
+from replay.record.loop import entrypoint
 
 LOSS = "scalar/learning/loss"  # MaxText's metrics: {"scalar": {"learning/loss": ..., ...}}
 DEFAULT_EVERY = 10  # checkpoint period when MaxText's own checkpointing is off
+ARGV_KEY = "replay_maxtext_argv"  # the run's config: MaxText's argv, what make() rebuilds the loop from
+_live: list = []  # while recording: (state, batch, jitted step) of the first step, for make()'s check
 
 
 class MaxTextError(InputError):
     """MaxText is missing, or configured in a way this launcher cannot record."""
 
 
+@entrypoint
 def make(config: dict) -> Any:
-    """The run's entry point. Rebuilding MaxText's loop for a with-code replay is not written yet;
-    a recorded MaxText run replays from its exported program and stored examples (no code)."""
-    raise ReplayUnavailable("a replay with MaxText's code is not supported yet: replay the run without code "
-                            "(its exported step and stored examples), i.e. without --allow-code")
+    """The run's entry point: MaxText's own loop rebuilt from the MaxText argv the run recorded.
+
+    MaxText's `train.main` runs again with that argv up to its first call of the jitted step, which is
+    captured instead of run (replay/maxtext/rebuild.py): the same model, optimizer, mesh, sharding rules
+    and data pipeline MaxText builds, so the replay's program is the one MaxText trained with."""
+    import replay
+
+    from replay.engine.code import EntrypointNotFound
+
+    # Either refusal lets a replay fall back to the run's exported program (replay/record/exported.py).
+    argv = config.get(ARGV_KEY) if isinstance(config, dict) else None
+    if not (isinstance(argv, list) and all(isinstance(a, str) for a in argv)):
+        raise EntrypointNotFound("this MaxText run recorded no MaxText argv (recorded before replay.maxtext kept "
+                                 "one), so MaxText's loop cannot be rebuilt from it")
+    try:
+        import maxtext  # noqa: F401
+    except ImportError as exc:
+        raise EntrypointNotFound(f"MaxText is not installed here ({exc}), so its loop cannot be rebuilt; "
+                                 "tools/maxtext-env.sh builds an environment with it") from exc
+    if _live:  # the check replay.init makes while recording: MaxText's own objects, not a second main()
+        state, batch, jitted = _live
+        return replay.Loop(step=jitted, batch_at=lambda k: batch, init=lambda: state)
+    from replay.maxtext.rebuild import rebuild
+
+    built = rebuild(argv)
+    built.enter_mesh()
+    return replay.Loop(step=built.jitted, batch_at=built.batch_at, init=built.init, abstract_state=built.abstract_state())
 
 
 def _config_dict(config: Any) -> dict:
@@ -62,8 +89,8 @@ def _config_dict(config: Any) -> dict:
 class RecordedMaxTextStep:
     """MaxText's jitted step `(state, batch) -> (state, metrics)`, recorded into `run_dir`."""
 
-    def __init__(self, jitted: Any, run_dir: Path, config: Any):
-        self.jitted, self.run_dir, self.config = jitted, run_dir, config
+    def __init__(self, jitted: Any, run_dir: Path, config: Any, argv: list[str]):
+        self.jitted, self.run_dir, self.config, self.argv = jitted, run_dir, config, list(argv)
         self.every = int(getattr(config, "checkpoint_period", 0) or 0) if getattr(
             config, "enable_checkpointing", False) else DEFAULT_EVERY
         self.run: Any = None
@@ -81,14 +108,19 @@ class RecordedMaxTextStep:
             # Each process holds only its rows of a batch: stored examples (a replay without code) are
             # one process's only; with several, the trace (bisect, audit, show) is what is recorded.
             single = jax.process_count() == 1
-            self.run = replay.init(self.run_dir, config=_config_dict(self.config), store_examples=single,
+            config = dict(_config_dict(self.config), **{ARGV_KEY: self.argv})
+            self.run = replay.init(self.run_dir, config=config, store_examples=single,
                                    entrypoint="replay.maxtext:make",
                                    manifest={"loop": "maxtext", "maxtext_version": _maxtext_version()})
             self.step = self.run.step(self.jitted, batch_axis=0, loss=LOSS)
         k = self.run.next_step
         if self.every and k % self.every == 0:
             self.run.save(k, state)
-        return self.step(state, batch)
+        _live[:] = [state, batch, self.jitted]
+        try:
+            return self.step(state, batch)
+        finally:
+            _live.clear()
 
     def __getattr__(self, name: str) -> Any:
         # MaxText also lowers its step ahead of time (memory stats, `compiled_trainstep_file`):
@@ -122,7 +154,7 @@ def record(run_dir: str | Path, argv: list[str]) -> Path:
     recorded: list[RecordedMaxTextStep] = []
 
     def jit_train_step(config, *args, **kwargs):
-        wrapped = RecordedMaxTextStep(original(config, *args, **kwargs), run_dir, config)
+        wrapped = RecordedMaxTextStep(original(config, *args, **kwargs), run_dir, config, argv)
         recorded.append(wrapped)
         return wrapped
 
@@ -150,6 +182,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"recorded {argv[0]}; verify it with: replay run {argv[0]} --steps A:B", file=sys.stderr)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -26,6 +26,11 @@ import replay  # noqa: E402
 from replay.record.errors import RecordError  # noqa: E402
 
 
+# The runs' config (their bugs aside). The tests that record a few steps of their own use it too:
+# the schedule's length is a constant of the step program, so another `steps` is another compile.
+FIXTURE_CONFIG = nnx_mnist.Config(steps=loops.STEPS, checkpoint_every=loops.EVERY)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     return loops.record_runs(nnx_mnist, tmp_path_factory.mktemp("mnist"), names=("clean", "lr", "refeed"))
@@ -44,7 +49,7 @@ def test_the_recorded_step_leaves_the_callers_objects_as_nnx_jit_does(tmp_path):
     """Called as written, across a metrics.reset(): the model, optimizer and metrics end bit for bit
     where the unrecorded @nnx.jit step leaves them, the call returns what the step returns (None),
     and the trace's metrics are each step's own values (the loss of that batch, not the average)."""
-    cfg = nnx_mnist.Config(steps=3)
+    cfg = FIXTURE_CONFIG  # three of its steps are run: the recorded program is the fixture's, one compile
     plain, recorded = nnx_mnist.create(cfg), nnx_mnist.create(cfg)
     run = replay.init(tmp_path / "r", config=dataclasses.asdict(cfg), entrypoint=nnx_mnist.make)
     step = run.nnx_step(nnx_mnist.train_step)
@@ -117,7 +122,7 @@ def failing_make(config: dict) -> replay.Loop:
     (failing_make, ["test_nnx_mnist.failing_make", "TypeError", "no_such_field"]),
 ])
 def test_a_broken_make_is_refused_at_the_first_step_in_one_line(tmp_path, make, needles):
-    cfg = nnx_mnist.Config(steps=1)
+    cfg = FIXTURE_CONFIG  # one step of it is run (refused): the fixture's program, not another compile
     nodes = nnx_mnist.create(cfg)
     run = replay.init(tmp_path / "r", config=dataclasses.asdict(cfg), entrypoint=make)
     step = run.nnx_step(nnx_mnist.train_step)

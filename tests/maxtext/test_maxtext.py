@@ -86,22 +86,49 @@ def test_two_processes_record_one_run_of_the_global_batch(runs, tmp_path):
     assert one["schema"]["examples_per_step"] == 4 and shown["checkpoints"] == [0, 10]
 
 
-def test_replay_without_maxtexts_code_is_bit_exact(runs):
-    done = _replay("run", str(runs["clean"]), "--steps", f"0:{STEPS - 1}", "--json")
+@pytest.fixture(scope="module")
+def bundle(runs, tmp_path_factory) -> Path:
+    """The clean run packed: a bundle never runs code, so it replays from the exported program."""
+    out = tmp_path_factory.mktemp("bundle") / "clean.rpk"
+    done = _replay("pack", str(runs["clean"]), "--steps", f"0:{STEPS - 1}", "-o", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    return out
+
+
+def test_replay_without_maxtexts_code_is_bit_exact(bundle):
+    done = _replay("run", str(bundle), "--steps", f"0:{STEPS - 1}", "--json")
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert (report["replayed"], report["bit_exact"], report["all_bit_exact"]) == (STEPS, STEPS, True), report
-    assert "exported program" in report["contract"]["line"]
+    assert any("exported program" in n for n in report["notes"]), report["notes"]
 
 
-def test_a_replay_under_another_prng_is_refused_naming_the_setting(runs):
-    done = _replay("run", str(runs["clean"]), "--steps", "0:1", prng=None)
+def test_a_replay_of_the_exported_program_under_another_prng_is_refused_naming_the_setting(bundle):
+    done = _replay("run", str(bundle), "--steps", "0:1", prng=None)
     assert done.returncode == 2 and "JAX_DEFAULT_PRNG_IMPL=unsafe_rbg" in done.stderr, done.stderr[-2000:]
 
 
-def test_bisect_names_the_learning_rate_change(runs):
-    done = _replay("bisect", str(runs["clean"]), str(runs["lr"]), "--json", "--no-refine")
+def test_replay_with_maxtexts_code_is_bit_exact(runs):
+    # replay.maxtext:make runs MaxText's own main with the recorded argv up to its first step: the
+    # program it traces is the recorded one (same hash), so the contract expects bits, and gets them.
+    # MaxText's code sets its own PRNG (unsafe_rbg), so no JAX_DEFAULT_PRNG_IMPL is needed here.
+    done = _replay("run", str(runs["clean"]), "--steps", f"3:{STEPS - 1}", "--json", prng=None)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "replayed with your code (replay.maxtext:make)" in report["notes"], report["notes"]
+    assert report["contract"]["expect_bits"] and report["contract"]["differences"] == [], report["contract"]
+    assert (report["replayed"], report["bit_exact"], report["all_bit_exact"]) == (STEPS - 3, STEPS - 3, True), report
+    assert not any("does not reproduce" in n for n in report["notes"]), report["notes"]  # MaxText's data, rebuilt
+
+
+def test_bisect_names_the_learning_rate_change_down_to_the_op(runs):
+    done = _replay("bisect", str(runs["clean"]), str(runs["lr"]), "--json")
     assert done.returncode == 1, done.stderr[-2000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     # MaxText's schedule warms up from 0: step 0's update is 0 under either rate, step 1's is not.
     assert (report["first_step"], report["cause"]) == (1, "update"), report
+    # With MaxText's code rebuilt, the op: the warmup schedule's op fed the changed rate (a constant).
+    op = report["refinement"]["op"]
+    assert op is not None, report["refinement"]["notes"]
+    assert "optax/schedules/_schedule.py" in op["where"] and op["same_inputs"] is False, op
+    assert [d["constant"] for d in op["differing_operands"]] == [True], op

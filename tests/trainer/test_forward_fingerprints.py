@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from traces.fingerprint import fingerprint
-from trainer import data, invariant, model, rng, step as steplib
+from trainer import data, invariant, mesh as meshlib, model, rng, step as steplib
 from trainer.config import apply_overrides
 from trainer.presets import get_preset
 from replay.record.recorder import to_record
@@ -66,10 +66,16 @@ def recorded(request):
     """(cfg, schema, [(record, captured layers)] per step) for STEPS layer-level steps."""
     cfg = CONFIGS[request.param]
     schema = make_schema(cfg.data.global_batch_size, "layer", steplib.tensor_schema(cfg))
-    fn = steplib.compile_step(cfg, "layer")
-    state, out = steplib.init_state(cfg), []
+    # The step as the trainer compiles and feeds it (trainer/loop.py): the state in the layout the
+    # step returns it in, so that every step runs one program. Unsharded, the mesh-invariant step's
+    # second call met another input layout and compiled the step (~7 s) and `captured` again.
+    mesh = meshlib.make_mesh(cfg.mesh)
+    shardings = meshlib.state_shardings(mesh, meshlib.abstract_state(cfg))
+    fn = steplib.compile_step(cfg, "layer", shardings, meshlib.batch_sharding(mesh))
+    state, out = meshlib.init_sharded_state(cfg, mesh), []
     for k in range(STEPS):
         arrays, hashes = batch(cfg, k)
+        arrays = meshlib.global_batch(arrays, mesh)
         layers = jax.device_get(captured(cfg, state, arrays))  # before the step donates the state
         state, metrics = fn(state, arrays)
         out.append((to_record(schema, k, jax.device_get(metrics), hashes), layers))

@@ -9,14 +9,19 @@ its jitted step in `maxtext.utils.train_utils.jit_train_step`. This launcher run
 `jit_train_step` replaced by one that returns MaxText's own jitted step wrapped in `run.step(...)`:
 the same program, called as MaxText calls it, also recorded (example hashes of the batch's token
 rows, MaxText's scalar metrics with `learning/loss` as the loss, fingerprints of the state entering
-and leaving each step, and the step exported with the run, so `replay run` needs no MaxText code).
-`replay.init` opens at the first step, after MaxText has started `jax.distributed`. The state
-entering step k is saved into the run every `checkpoint_period` steps (MaxText's own option; every
-10 steps when MaxText's checkpointing is off), through replay's checkpoints, not MaxText's manager.
+and leaving each step, and the step exported with the run). `replay.init` opens at the first step,
+after MaxText has started `jax.distributed` (several processes write one run). The state entering
+step k is saved into the run every `checkpoint_period` steps (MaxText's own option; every 10 steps
+when MaxText's checkpointing is off), through replay's checkpoints, not MaxText's manager.
+
+The run's config is MaxText's plus its argv and process count: `make` (the run's entry point)
+rebuilds MaxText's loop from them (replay/maxtext/rebuild.py), so `replay run` and `replay bisect`
+replay with MaxText's code (the recorded program, first ops named), on as many processes as trained;
+where MaxText is not installed it declines and the exported program (with the stored examples of a
+one-process run) replays instead.
 
 Not yet: gradient taps inside MaxText's step, checkpoints through MaxText's own manager, the grain
-iterator's state, two processes on one run folder, a replay with MaxText's code (`make()`), and
-DiLoCo (whose step takes a per-step key as a third argument): refused in one line.
+iterator's state, and DiLoCo (whose step takes a per-step key as a third argument): refused in one line.
 
 Cost at a million steps: what recording costs any loop (one record a step, streamed to disk).
 """
@@ -33,6 +38,7 @@ from replay.record.loop import entrypoint
 LOSS = "scalar/learning/loss"  # MaxText's metrics: {"scalar": {"learning/loss": ..., ...}}
 DEFAULT_EVERY = 10  # checkpoint period when MaxText's own checkpointing is off
 ARGV_KEY = "replay_maxtext_argv"  # the run's config: MaxText's argv, what make() rebuilds the loop from
+PROCESSES_KEY = "replay_maxtext_processes"  # the processes it trained on: a rebuild needs as many
 _live: list = []  # while recording: (state, batch, jitted step) of the first step, for make()'s check
 
 
@@ -61,6 +67,16 @@ def make(config: dict) -> Any:
     except ImportError as exc:
         raise EntrypointNotFound(f"MaxText is not installed here ({exc}), so its loop cannot be rebuilt; "
                                  "tools/maxtext-env.sh builds an environment with it") from exc
+    import jax
+
+    processes = config.get(PROCESSES_KEY, 1)
+    if processes != jax.process_count():  # MaxText's mesh and data sharding are built for that many
+        from replay.errors import ReplayUnavailable
+
+        raise ReplayUnavailable(f"this MaxText run trained on {processes} processes and MaxText's loop is rebuilt "
+                                f"on as many: start the replay on {processes} (replay run RUN --steps A:B --coordinator "
+                                f"HOST:PORT --num-processes {processes} --process-id I, one per process); here "
+                                f"{jax.process_count()}")
     if _live:  # the check replay.init makes while recording: MaxText's own objects, not a second main()
         state, batch, jitted = _live
         return replay.Loop(step=jitted, batch_at=lambda k: batch, init=lambda: state)
@@ -108,7 +124,7 @@ class RecordedMaxTextStep:
             # Each process holds only its rows of a batch: stored examples (a replay without code) are
             # one process's only; with several, the trace (bisect, audit, show) is what is recorded.
             single = jax.process_count() == 1
-            config = dict(_config_dict(self.config), **{ARGV_KEY: self.argv})
+            config = dict(_config_dict(self.config), **{ARGV_KEY: self.argv, PROCESSES_KEY: jax.process_count()})
             self.run = replay.init(self.run_dir, config=config, store_examples=single,
                                    entrypoint="replay.maxtext:make",
                                    manifest={"loop": "maxtext", "maxtext_version": _maxtext_version()})

@@ -16,7 +16,9 @@ traces MaxText's jitted step itself (its shardings and donation kept, as `run.st
 
 Batches: `batch_at(k)` draws from MaxText's own data loader, forward from the last batch drawn (a
 replay asks in step order), or from a fresh iterator when asked for an earlier step (k + 1 `next`
-calls; MaxText's pipelines are deterministic in the step). Cost of a rebuild: one MaxText setup
+calls; MaxText's pipelines are deterministic in the step). On several processes (replay's
+--coordinator started jax.distributed; MaxText joins it) each loader gives its process's rows of a
+global array, gathered into the global batch (one all-gather of the batch a step). Cost of a rebuild: one MaxText setup
 (model init and data pipeline) and MaxText's ahead-of-time compile of its step, once per argv.
 """
 
@@ -75,7 +77,7 @@ class Rebuilt:
         while self.drawn <= k:
             self.last = self.loader.load_next_batch()
             self.drawn += 1
-        return self.last
+        return _global(self.last)
 
     def _new_loader(self) -> Any:
         import jax
@@ -86,6 +88,18 @@ class Rebuilt:
         with jax.set_mesh(self.mesh):
             iterator, _ = create_data_iterator(self.config, self.mesh)
             return create_dataloader(self.config, self.mesh, iterator, None, create_rampup_manager(self.config, None))
+
+
+def _global(batch: Any) -> Any:
+    """The batch as host arrays of the global batch: on several processes MaxText's loader gives each
+    process only its rows of a global jax.Array; replay hashes and feeds the global batch."""
+    import jax
+
+    if all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(batch)):
+        return batch
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(batch, tiled=True)
 
 
 _built: dict[tuple, Rebuilt] = {}
@@ -127,10 +141,15 @@ def _run_until_first_step(argv: list[str]) -> Rebuilt:
     def jit_train_step(config, *args, **kwargs):
         return Capture(jit_step(config, *args, **kwargs))
 
+    import jax
+
+    # Several processes: replay's --coordinator started jax.distributed, and MaxText joins it. One: MaxText
+    # must not start it (the run's own argv may ask it to, from environment variables a replay lacks).
+    alone = () if jax.distributed.is_initialized() else ("skip_jax_distributed_system=true",)
     train_utils.setup_train_loop, train_utils.jit_train_step = setup_train_loop, jit_train_step
     try:
         with tempfile.TemporaryDirectory(prefix="replay-maxtext-") as out:
-            train.main(["train", *argv, *OVERRIDES, f"base_output_directory={out}"])
+            train.main(["train", *argv, *OVERRIDES, *alone, f"base_output_directory={out}"])
     except _Captured:
         pass
     finally:

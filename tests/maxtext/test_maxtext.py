@@ -1,15 +1,17 @@
-"""MaxText's own training loop recorded by `python -m replay.maxtext` (issue 33, part 2, first slice).
+"""MaxText's own training loop recorded by `python -m replay.maxtext` and replayed (issue 33, part 2).
 
 MaxText needs Python >= 3.12 and jax >= 0.11: these tests run in the venv tools/maxtext-env.sh builds
 (maxtext[tpu]==0.2.5, jax 0.12, this package installed editable) and skip elsewhere. A tiny decoder
 (2 layers, 64 wide, vocabulary 256, synthetic data) trains 12 steps on the CPU; the run replays bit
-for bit from its exported program, without MaxText's code, and bisect names a learning-rate change.
+for bit from its exported program (a bundle) and with MaxText's code (replay.maxtext:make), bisect
+names a learning-rate change down to its op, and a run recorded on two processes replays on two.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -73,17 +75,46 @@ def test_the_run_records_every_step_with_maxtexts_loss(runs):
     assert manifest["config"]["base_emb_dim"] == 64 and manifest["config"]["steps"] == STEPS  # MaxText's own config
 
 
-def test_two_processes_record_one_run_of_the_global_batch(runs, tmp_path):
-    run = _record_on_two_processes(tmp_path, "two")
-    manifest = json.loads((run / "run.json").read_text())
-    assert (run / "COMPLETE").exists() and manifest["environment"]["process_count"] == 2
-    done = _replay("show", str(run), "--json")
+@pytest.fixture(scope="module")
+def two(tmp_path_factory) -> Path:
+    return _record_on_two_processes(tmp_path_factory.mktemp("two"), "two")
+
+
+def test_two_processes_record_one_run_of_the_global_batch(runs, two):
+    manifest = json.loads((two / "run.json").read_text())
+    assert (two / "COMPLETE").exists() and manifest["environment"]["process_count"] == 2
+    done = _replay("show", str(two), "--json")
     assert done.returncode == 0, done.stderr[-2000:]
     shown = json.loads(done.stdout.strip().splitlines()[-1])
     one = json.loads(_replay("show", str(runs["clean"]), "--json").stdout.strip().splitlines()[-1])
     # per_device_batch_size=4 on each process's one device: the trace holds both processes' rows
     assert (shown["steps"]["count"], shown["schema"]["examples_per_step"]) == (STEPS, 8), shown["schema"]
     assert one["schema"]["examples_per_step"] == 4 and shown["checkpoints"] == [0, 10]
+
+
+def test_the_two_process_run_replays_bit_exact_on_two_processes_with_maxtexts_code(two):
+    # No examples are stored (each process held only its rows): the batches are MaxText's own, its
+    # loader rebuilt on each process, the global batch gathered; checkpoint 0 restored from both shards.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-m", "replay.cli.app", "run", str(two), "--steps", f"3:{STEPS - 1}",
+                               "--json", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                               "--process-id", str(i)], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    outs = [p.communicate(timeout=900) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    report = json.loads(outs[0][0].strip().splitlines()[-1])
+    assert "replayed with your code (replay.maxtext:make)" in report["notes"], report["notes"]
+    assert report["contract"]["expect_bits"], report["contract"]
+    assert (report["replayed"], report["bit_exact"], report["all_bit_exact"]) == (STEPS - 3, STEPS - 3, True), report
+
+
+def test_the_two_process_run_on_one_process_is_refused_in_one_line(two):
+    done = _replay("run", str(two), "--steps", "0:1", prng=None)
+    lines = [ln for ln in done.stderr.splitlines() if ln.startswith("error:")]
+    assert done.returncode == 2 and len(lines) == 1 and "--num-processes 2" in lines[0], done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,10 @@ import optax_loop  # noqa: E402  (importable: tests/examples/loops.py puts examp
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    # tests/replay/test_user_loop.py replays and bisects its own runs: no refeed run here
-    return loops.record_runs(optax_loop, tmp_path_factory.mktemp("optax"), names=("clean", "clean2", "lr", "poison"))
+def runs():
+    # The session's runs of the example, which tests/replay/test_user_loop.py replays and bisects too:
+    # recorded once for both files (the poisoned example rides on the refeed run).
+    return loops.shared_runs(optax_loop, names=("clean", "clean2", "lr", "poison"))
 
 
 def test_lines_only_for_replay_are_few():

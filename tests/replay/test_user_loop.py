@@ -37,13 +37,13 @@ def invoke(*args: str):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("user_loop")
-    out = {}
-    for name, bug in (("clean", {}), ("clean2", {}), ("lr", {"lr_bump_at": 17}), ("refeed", {"refeed_at": 23})):
-        cfg = optax_loop.Config(steps=STEPS, checkpoint_every=10, **bug)
-        out[name] = Path(optax_loop.train(cfg, str(root / name)))
-    return out
+def runs() -> dict[str, Path]:
+    """clean, clean2, lr (lr_bump_at=17), refeed (refeed_at=23; a poisoned example at 26 too): the
+    session's runs of the example, which tests/examples/test_optax_loop.py reads too (made once)."""
+    from tests.examples import loops
+
+    assert (loops.STEPS, loops.EVERY, loops.LR_AT, loops.REFEED_AT) == (STEPS, 10, 17, 23)
+    return loops.shared_runs(optax_loop, ("clean", "clean2", "lr", "refeed"))
 
 
 @pytest.fixture(scope="module")

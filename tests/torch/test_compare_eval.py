@@ -131,7 +131,9 @@ def test_a_damaged_torch_checkpoint_is_exit_2(pair, tmp_path):
 # `replay train --preset tiny` with these is the demo's config (trainer.demo_reference.demo_config),
 # whose JAX run the session already trained; the lr run below differs from it in optimizer.lr only
 # (and in steps, which the schedule does not read: decay_steps is set). The training is a fresh
-# compile (the learning rate is a constant of the step program), the test's main cost.
+# compile (the learning rate is a constant of the step program), the test's main cost: recorded at
+# the step level (compare --eval reads checkpoints, not the trace), a smaller program than the layer
+# level's with its per-tensor fingerprints and sketches, which compiles in less than half the time.
 DEMO_SETS = ("model.dropout=0.0", "trace.sketches=true", "optimizer.z_loss=0.0001", f"optimizer.decay_steps={STEPS}",
              f"checkpoint.every_steps={EVERY}", "checkpoint.keep=0")
 
@@ -147,11 +149,12 @@ def test_cli_on_tiny_runs_exit_0_when_identical_and_1_on_a_learning_rate_change(
     assert same.stdout.strip().splitlines()[-1] == "agree within the noise floor at 3 checkpoints", same.stdout
 
     lr_run, lr = tmp_path / "lr", 2 * demo_config().optimizer.lr
-    sets = [a for s in (*DEMO_SETS, f"optimizer.lr={lr}") for a in ("--set", s)]
+    sets = [a for s in (*DEMO_SETS, f"optimizer.lr={lr}", "trace.level=step") for a in ("--set", s)]
     trained = invoke("train", "--preset", "tiny", "--steps", str(EVERY), "--out", str(lr_run), *sets)  # checkpoints 0, 2
     assert trained.exit_code == 0, trained.output
     changed = dataclasses.replace(demo_config(), steps=EVERY,
-                                  optimizer=dataclasses.replace(demo_config().optimizer, lr=lr))
+                                  optimizer=dataclasses.replace(demo_config().optimizer, lr=lr),
+                                  trace=dataclasses.replace(demo_config().trace, level="step"))
     assert Run.open(base).manifest["config"] == to_dict(demo_config())
     assert Run.open(lr_run).manifest["config"] == to_dict(changed)
 

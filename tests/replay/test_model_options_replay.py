@@ -1,7 +1,12 @@
-"""Issue 14's model options end to end: with the scan over layers, remat and fused attention on
-(and, in a second run, bf16 compute and the sliding window too), `replay run` is bit-exact, and
-bisect of a `layer-bf16` fault names the faulty block through the scan, down to its first
-intermediate (`block_NN.attn.q`, as tests/replay/test_claims.py derives it)."""
+"""Issue 14's model options end to end: with the scan over layers and remat on (and, in a second
+run, every option at once: fused attention, remat of the dots, microbatches, bf16 compute and the
+sliding window too), `replay run` is bit-exact, and bisect of a `layer-bf16` fault names the faulty
+block through the scan, down to its first intermediate (`block_NN.attn.q`, as
+tests/replay/test_claims.py derives it).
+
+The runs are tests/trainer/test_model_options.py's two option sets (its small 2-block model) as
+the trainer records them: their layer-level steps are that file's programs, so the session's
+compilation cache (tests/conftest.py) compiles each once for both files."""
 
 from __future__ import annotations
 
@@ -10,19 +15,18 @@ import json
 import pytest
 
 from tests.cli_util import invoke
+from tests.trainer.test_model_options import BASE, OPTIONS
 from trainer import faults, model
 from trainer.config import apply_overrides
 from trainer.presets import get_preset
 
 pytestmark = pytest.mark.slow
 STEPS, EVERY, FAULT = 8, 4, 5
-OPTIONS = ["model.scan_layers=true", "model.remat=full", "model.attention=fused"]
-MORE = ["model.dtype=bfloat16", "model.sliding_window=8", "model.full_attention_every=2"]
 
 
-def _cfg(*more: str):
+def _cfg(options: str):
     return apply_overrides(get_preset("tiny"), [f"steps={STEPS}", f"checkpoint.every_steps={EVERY}"]
-                           + OPTIONS + list(more))
+                           + BASE + OPTIONS[options])
 
 
 @pytest.fixture(scope="module")
@@ -30,10 +34,10 @@ def runs(tmp_path_factory):
     from trainer.loop import train
 
     root = tmp_path_factory.mktemp("options")
-    cfg = _cfg()
+    cfg = _cfg("scan+remat-full")
     train(cfg, root / "A", preset="tiny")
     train(cfg, root / "B", preset="tiny", faults=faults.FaultPlan([faults.Fault("layer-bf16", FAULT)], cfg))
-    train(_cfg(*MORE), root / "C", preset="tiny")
+    train(_cfg("all+bf16"), root / "C", preset="tiny")
     return cfg, root
 
 

@@ -12,14 +12,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.trainer.loop_programs import loop_step
 from trainer import attention, model, step as steplib
 from trainer.config import ConfigError, apply_overrides
 from trainer.presets import get_preset
 
 # Smaller than tiny (compiles dominate): 2 blocks, so the scan, the sliding/full pattern and a
 # faulty block all have something to act on; dropout on, so the scan's per-layer keys matter.
+# tiny's vocabulary (the byte tokenizer's): tests/replay/test_model_options_replay.py trains these
+# option sets on the embedded corpus, so its runs' layer-level steps are this file's programs.
 BASE = ["model.dropout=0.1", "data.global_batch_size=4", "model.seq_len=16", "model.d_model=32",
-        "model.n_heads=2", "model.n_kv_heads=1", "model.d_ff=64", "model.vocab_size=128"]
+        "model.n_heads=2", "model.n_kv_heads=1", "model.d_ff=64"]
 SLIDING = ["model.sliding_window=4", "model.full_attention_every=2"]  # block_00 sliding, block_01 full
 # Every option is on in at least one combination, and each combination is two compiled programs
 # (trace levels off and layer; compiles are this file's cost. Level step records a subset of what
@@ -67,8 +70,9 @@ def test_each_option_trains_the_same_bits_with_layer_recording_on_and_off(name):
     state0 = steplib.init_state(cfg)
     finals, layer_metrics = {}, None
     for level in ("off", "layer"):
-        fn = steplib.compile_step(cfg, level)
-        state = jax.tree.map(jnp.copy, state0)
+        # the trainer's programs: tests/replay/test_model_options_replay.py's runs compile them too
+        fn = loop_step(cfg, level)
+        state = jax.tree.map(jnp.copy, state0)  # a copy: the step donates it
         for k in range(2):
             state, metrics = fn(state, _batch(cfg, k))
         finals[level] = _bits(state)

@@ -67,6 +67,10 @@ def make(config: dict) -> Any:
     except ImportError as exc:
         raise EntrypointNotFound(f"MaxText is not installed here ({exc}), so its loop cannot be rebuilt; "
                                  "tools/maxtext-env.sh builds an environment with it") from exc
+    missing = [a for a in argv if a.endswith((".yml", ".yaml")) and "=" not in a and not Path(a).is_file()]
+    if missing:  # the run was recorded on another machine or checkout: MaxText's main would fail on it
+        raise EntrypointNotFound(f"the MaxText config file the run was recorded with, {missing[0]}, is not here, "
+                                 "so MaxText's loop cannot be rebuilt")
     import jax
 
     processes = config.get(PROCESSES_KEY, 1)

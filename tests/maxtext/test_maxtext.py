@@ -163,3 +163,15 @@ def test_bisect_names_the_learning_rate_change_down_to_the_op(runs):
     assert op is not None, report["refinement"]["notes"]
     assert "optax/schedules/_schedule.py" in op["where"] and op["same_inputs"] is False, op
     assert [d["constant"] for d in op["differing_operands"]] == [True], op
+
+
+@pytest.mark.parametrize("config", [{"base_emb_dim": 64}, {"replay_maxtext_argv": ["/nowhere/base.yml", "steps=2"]}],
+                         ids=["recorded-without-argv", "config-file-not-here"])
+def test_make_declines_so_the_replay_falls_back_to_the_exported_program(config):
+    # EntrypointNotFound is a CodeNotAllowed: replay/record/exported.py's choose() then replays the exported
+    # program (with a note), instead of MaxText's main failing inside the user's code (exit 2).
+    from replay.engine.code import EntrypointNotFound
+    from replay.maxtext import make
+
+    with pytest.raises(EntrypointNotFound, match="cannot be rebuilt"):
+        make(config)

@@ -28,6 +28,7 @@ from traces.fingerprint import GOLDEN, SUB_BYTE_RE, lane_seeds
 __all__ = ["dtype_name", "fingerprint", "lanes_and_sum_of_squares", "words_lanes", "CHUNK_ELEMENTS"]
 
 CHUNK_ELEMENTS = 1 << 22
+_STACKED_WORDS = 1 << 16  # chunks up to this many words compute both lanes in one pass (_lanes_i32)
 EXACT = False  # True forces the exact int64 path (tests run both)
 _M32 = 0xFFFFFFFF
 _C1, _C2 = 0x85EBCA6B, 0xC2B2AE35
@@ -92,7 +93,13 @@ def _lanes_i32(flat: torch.Tensor, word0: int, seeds: tuple[int, int]) -> list[t
     base = words + i * _s32(GOLDEN)
     del i
     # int32 sums come back as int64; signed and unsigned sums agree mod 2**32.
-    return [_fmix32_i32(base + _s32(s)).sum() for s in seeds]
+    if words.numel() > _STACKED_WORDS:
+        return [_fmix32_i32(base + _s32(s)).sum() for s in seeds]
+    # Both lanes in one [2, n] pass: half the elementwise calls, which is most of the cost for the
+    # small tensors a recorder fingerprints every step (big chunks keep one lane's buffers at a time).
+    seeded = base[None, :] + torch.tensor([[_s32(s)] for s in seeds], dtype=torch.int32, device=flat.device)
+    l0, l1 = _fmix32_i32(seeded).sum(dim=1)
+    return [l0, l1]
 
 
 # ------------------------------------------------------------------------------ int64, exact

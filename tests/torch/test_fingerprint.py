@@ -51,6 +51,17 @@ def test_equals_the_numpy_reference(dtype, path):
             assert tfp.fingerprint(v) == _numpy_fingerprint(v.contiguous()), shape
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_one_lane_at_a_time_equals_both_lanes_at_once(dtype, monkeypatch):
+    """The int32 path takes a small chunk's two lanes in one pass, a big one's one lane at a time
+    (fingerprint._STACKED_WORDS): with every chunk taken one lane at a time, the same bits."""
+    monkeypatch.setattr(tfp, "EXACT", False)
+    monkeypatch.setattr(tfp, "_STACKED_WORDS", 0)
+    for i, shape in enumerate(SHAPES):
+        t = _random(dtype, shape, seed=i)
+        assert tfp.fingerprint(t) == _numpy_fingerprint(t), shape
+
+
 def test_chunking_does_not_change_it(monkeypatch, path):
     t = _random(torch.float32, (5, 9), seed=3)
     whole = tfp.fingerprint(t), tfp.fingerprint(t.t())

@@ -42,6 +42,19 @@ def test_torch_sketch_is_the_numpy_definition(shape, exact, monkeypatch):
     assert norm == pytest.approx(want_norm, rel=1e-7)
 
 
+@pytest.mark.parametrize("exact", [False, True])
+def test_kept_and_fresh_signs_give_the_same_sketch(exact, monkeypatch):
+    """A small chunk's signs and row offsets are hashed once and kept (sketch._first_rows, what
+    the test above runs): hashed afresh for every call instead, the sketch is the same numpy one."""
+    import replay.torch.sketch as tsk
+
+    monkeypatch.setattr(tfp, "EXACT", exact)
+    monkeypatch.setattr(tsk, "_CACHED_ELEMENTS", 0)  # nothing kept: every chunk hashed as it comes
+    for shape in SHAPES:
+        x = np.random.default_rng(len(shape)).standard_normal(shape).astype(np.float32)
+        np.testing.assert_array_equal(torch_sketch(torch.from_numpy(x.copy()), 32)[0], sketch(x, 32)[0])
+
+
 def test_jax_sketch_is_the_numpy_definition_within_float32_rounding():
     jax = pytest.importorskip("jax")
     from replay.record.fingerprint import sketch_and_norm

@@ -191,9 +191,13 @@ def test_trainer_weight_decay_fault_on_a_step_level_trace(tmp_path):
     from trainer.faults import Fault, FaultPlan
     from trainer.loop import train
 
-    # One block: the claim is about the search and the cause, and a block is a fifth of each compile.
+    # One small block: the claim is about the search and the cause, not the model. At trace level
+    # step this is the model of test_pack.py's 1000-step lite bundle: the same step program, which
+    # the session's compilation cache (tests/conftest.py) compiles once for both files.
+    from tests.replay.test_pack import SMALLER_THAN_TINY
+
     cfg = apply_overrides(get_preset("tiny"), ["steps=20", "checkpoint.every_steps=10", "trace.level=step",
-                                               "model.n_layers=1"])
+                                               *SMALLER_THAN_TINY])
     train(cfg, tmp_path / "A")
     train(cfg, tmp_path / "B", faults=FaultPlan([Fault("weight-decay", 15)], cfg))
     assert Run.open(tmp_path / "B").manifest["faults"] == ["weight-decay@15"]

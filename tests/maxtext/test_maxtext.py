@@ -108,6 +108,7 @@ def test_the_two_process_run_replays_bit_exact_on_two_processes_with_maxtexts_co
     assert "replayed with your code (replay.maxtext:make)" in report["notes"], report["notes"]
     assert report["contract"]["expect_bits"], report["contract"]
     assert (report["replayed"], report["bit_exact"], report["all_bit_exact"]) == (STEPS - 3, STEPS - 3, True), report
+    assert (report["checkpoint"], report["warmup_bit_exact"]) == (0, 3), report
 
 
 def test_the_two_process_run_on_one_process_is_refused_in_one_line(two):
@@ -149,6 +150,7 @@ def test_replay_with_maxtexts_code_is_bit_exact(runs):
     assert "replayed with your code (replay.maxtext:make)" in report["notes"], report["notes"]
     assert report["contract"]["expect_bits"] and report["contract"]["differences"] == [], report["contract"]
     assert (report["replayed"], report["bit_exact"], report["all_bit_exact"]) == (STEPS - 3, STEPS - 3, True), report
+    assert (report["checkpoint"], report["warmup_replayed"], report["warmup_bit_exact"]) == (0, 3, 3), report
     assert not any("does not reproduce" in n for n in report["notes"]), report["notes"]  # MaxText's data, rebuilt
 
 

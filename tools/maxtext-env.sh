@@ -2,7 +2,7 @@
 # MaxText's tests (tests/maxtext/): builds once, then reuses, a Python 3.12 venv with
 # maxtext[tpu]==0.2.5 (jax 0.12, ~3 GB; libtpu is inert on a CPU) and this package installed
 # editable into it without its pins (MaxText's own versions stay), then runs those tests in it.
-#   tools/maxtext-env.sh                 # build if needed, run tests/maxtext
+#   tools/maxtext-env.sh                 # build if needed, run tests/maxtext; a JSON line of results last
 #   tools/maxtext-env.sh -k bisect       # extra pytest arguments
 #   tools/maxtext-env.sh --suite         # also the rest of the suite that needs no torch, fast tests only
 #                                        # (traces, replay, examples: replay on the newest jax MaxText runs)
@@ -23,4 +23,23 @@ if [ "${1:-}" = "--suite" ]; then
   shift
   JAX_PLATFORMS=cpu "$VENV/bin/python" -m pytest -n 0 -q -p no:cacheprovider -m "not slow" tests/traces tests/replay tests/examples "$@"
 fi
-exec "$VENV/bin/python" -m pytest -n 0 -q -p no:cacheprovider tests/maxtext "$@"
+# The results as one JSON line last (what the issue's notes quote): each test's outcome, the versions.
+REPORT="$(mktemp -d)/maxtext-junit.xml"
+set +e
+"$VENV/bin/python" -m pytest -n 0 -q -p no:cacheprovider --junitxml="$REPORT" tests/maxtext "$@"
+rc=$?
+set -e
+"$VENV/bin/python" - "$REPORT" <<'PY' || true
+import json, sys, xml.etree.ElementTree as ET
+from importlib.metadata import version
+suite = ET.parse(sys.argv[1]).getroot()
+suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+tests = {}
+for case in suite.iter("testcase"):
+    kinds = {child.tag for child in case}
+    tests[case.get("name")] = next((k for k in ("failure", "error", "skipped") if k in kinds), "passed")
+counts = {k: sum(v == k for v in tests.values()) for k in ("passed", "failure", "error", "skipped")}
+print(json.dumps({"maxtext": version("maxtext"), "jax": version("jax"), **counts,
+                  "seconds": round(float(suite.get("time", 0)), 1), "tests": tests}))
+PY
+exit $rc

@@ -6,15 +6,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.trainer.loop_programs import loop_step
 from trainer.config import ConfigError, apply_overrides
 from trainer.presets import get_preset
-from trainer.step import compile_step, init_state
+from trainer.step import init_state
 
 
 def _train(cfg, level, steps=3):
     rng = np.random.default_rng(0)
     state, losses = init_state(cfg), []
-    fn = compile_step(cfg, level)
+    fn = loop_step(cfg, level)  # the trainer's own program for the level
     for _ in range(steps):
         batch = {k: jnp.asarray(rng.integers(0, cfg.model.vocab_size, (16, cfg.model.seq_len)), jnp.int32)
                  for k in ("inputs", "targets")}
@@ -26,7 +27,10 @@ def _train(cfg, level, steps=3):
 @pytest.fixture(scope="module")
 def runs():
     # One block: the chunks are in the head, after the blocks; each program here is a compile (this
-    # file's cost), and one block makes each about half as long.
+    # file's cost), and one block makes each about half as long. The programs are the trainer loop's
+    # (tests/trainer/loop_programs.py): the unchunked one at level off is that of the one-block tiny
+    # run tests/replay/test_bisect.py trains at trace.level=off, so in a whole suite run it is the
+    # session's compilation cache's (tests/conftest.py).
     plain = apply_overrides(get_preset("tiny"), ["model.n_layers=1"])
     chunked = apply_overrides(plain, ["model.loss_chunk=8"])
     return {level: _train(chunked, level) for level in ("off", "step", "layer")}, _train(plain, "off")

@@ -2,6 +2,8 @@
 logz and target logits bit for bit; its gradients differ at rounding level only (bounded here:
 another matmul shape and summation order); and the compiled backward needs far less memory."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,7 @@ from trainer.config import apply_overrides
 from trainer.presets import get_preset
 
 
+@functools.lru_cache(maxsize=None)  # three tests start from the same untied fp32 setup: traced once
 def _setup(tied: bool, dtype: str = "float32", seq: int = 64):
     cfg = apply_overrides(get_preset("tiny"), [f"model.tied_embeddings={str(tied).lower()}", f"model.dtype={dtype}",
                                                f"model.seq_len={seq}", "model.n_layers=1"]).model

@@ -31,8 +31,12 @@ Enabled with `--set mesh.mesh_invariant=true mesh.n_microbatches=M`. The scheme:
        shards in one order for every device count (tree_sums.fixed_order_sums: each leaf's squares
        summed per row by slice-add trees, the row sums all-gathered in global order, pair_tree over
        rows, then over leaves; no XLA reduce); the records' gradient RMS values come from the same
-       sums, and the updated parameters' RMS is taken with the parameters whole (trainer/step.py),
-       so the records keep one set of bits on every count. Per-microbatch losses, z-losses,
+       sums, and the updated parameters' RMS is taken with the parameters whole (trainer/step.py)
+       and their norm (param_norm, every level) from row shards like the gradient's
+       (tree_sums.sharded_norm), so the records keep one set of bits on every count. (Until
+       December 2026 param_norm was an XLA reduce over the sharded parameters: at trace level step
+       1 and 4 devices recorded it 1 ULP apart; mesh-invariant runs recorded before it have other
+       param_norm bits.) Per-microbatch losses, z-losses,
        per-example losses and (for layer-level records) the captured forward activations are
        all_gather'ed and put in global order; losses are combined with the same tree.
        (Session 6 left the gradient as shards with a norm over each device's shard: the norm then

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from trainer import chunked_loss, invariant, layers, model, optim, rng, sdc, sketches
+from trainer import chunked_loss, invariant, layers, model, optim, rng, sdc, sketches, tree_sums
 from trainer.config import Config, ConfigError
 from trainer.constants import BATCH_AXES, TRACE_LEVELS
 from replay.record.fingerprint import fingerprint_lanes, fingerprints_and_sums_of_squares
@@ -215,7 +215,9 @@ def train_step(state: TrainState, batch: dict, *, cfg: Config, level: str = "ste
         z_loss=aux["z_loss"],
         grad_norm=optax.tree.norm(grads) if grad_norm is None else grad_norm,
         lr=jnp.asarray(applied_lr(opt_state), jnp.float32),
-        param_norm=optax.tree.norm(params),
+        # mesh-invariant: a fixed-order norm from row shards, as grad_norm's (an XLA reduce's order follows the layout)
+        param_norm=optax.tree.norm(params) if grad_norm is None else tree_sums.sharded_norm(
+            params, invariant._default_mesh(mesh)),
         example_loss=aux["example_loss"],
         rng=rng.key_words(step_key),
     )

@@ -3,8 +3,9 @@
 `pair_tree` is the tree; `Counter` builds the same tree online, one term at a time (a scan
 step's), holding log2(K) + 1 partial sums instead of the K terms; `split_axis` the axis a
 gradient leaf is cut along for the reduce-scatter; `fixed_order_sums` the gradient's norm from
-its shards. No XLA reduce anywhere: XLA:CPU picks a reduce's order from the shape it sees, which
-follows the device count; elementwise adds of slices have one order (trainer/model.py tree_sum).
+its shards; `sharded_norm` the same norm of any tree on a mesh (the updated parameters'). No XLA
+reduce anywhere: XLA:CPU picks a reduce's order from the shape it sees, which follows the device
+count; elementwise adds of slices have one order (trainer/model.py tree_sum).
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from trainer.constants import BATCH_AXES
 
 
 def pair_tree(x_Kx: jax.Array, levels: int | None = None) -> jax.Array:
@@ -128,3 +132,20 @@ def fixed_order_sums(leaves: list[jax.Array], cut: list[bool], gather) -> tuple[
     totals = jnp.stack([pair_tree(gather(row_sums_of_squares(x)) if is_cut else row_sums_of_squares(x))
                         for x, is_cut in zip(leaves, cut)])
     return jnp.sqrt(pair_tree(totals)), totals
+
+
+def sharded_norm(tree, mesh) -> jax.Array:
+    """The global L2 norm of `tree` by fixed_order_sums, its leaves cut into rows over `mesh`'s batch
+    axes as the gradient is (split_axis): the bits of one device holding every leaf whole, on any
+    device count. A plain optax norm is an XLA reduce over whatever layout the leaves have, so its
+    bits followed the device count (1 ULP, measured). No leaf is gathered whole: a replicated or
+    row-sharded leaf is sliced in place, and only its per-row sums are all-gathered."""
+    leaves = jax.tree.leaves(tree)
+    n = int(mesh.devices.size)
+    cut = [n > 1 and split_axis(x.shape, n) is not None for x in leaves]
+    specs = tuple(P(BATCH_AXES) if is_cut else P() for is_cut in cut)  # split_axis is 0 where it cuts
+
+    def per_device(*shards):
+        return fixed_order_sums(list(shards), cut, lambda rows: lax.all_gather(rows, BATCH_AXES, axis=0, tiled=True))[0]
+
+    return jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)(*leaves)

@@ -15,7 +15,8 @@ ones; and a plain data-parallel run recorded on 8 devices does not replay bit-ex
 one is tests/replay/test_noise.py's, whose runs are plain 1 and 8 device runs).
 
 Runs on the same device count share one process (the CLI's commands in turn, as `replay` runs
-them): 6 processes for the 7 mesh-invariant runs and 2 replays.
+them): 6 processes for the 9 mesh-invariant runs and 2 replays (two runs at trace level step: every
+metric there, param_norm included, equal on 1 and 4 devices).
 
 The fast tests show in-process that the mesh-invariant step runs every softmax and RMSNorm
 backward through the fixed-order VJPs, and that the gradients are made of what those VJPs
@@ -49,6 +50,9 @@ INVARIANT = ["mesh.mesh_invariant=true", "mesh.n_microbatches=8"]
 STEPS, EVERY = 4, 2  # checkpoints 0, 2 and 4: states compared mid-run and at the end
 ONE_BLOCK = ["model.n_layers=1"]  # compiles faster; every kind of layer and call site is in it
 RUN_SETS = INVARIANT + ONE_BLOCK + [f"steps={STEPS}", f"checkpoint.every_steps={EVERY}"]
+# trace.level=step: param_norm was an XLA reduce over the sharded parameters there and 1 and 4
+# devices recorded different bits at steps 4, 5, 7 and 9 (1 ULP); layer-level steps took it whole.
+STEP_LEVEL = INVARIANT + ONE_BLOCK + ["trace.level=step", "steps=10", "checkpoint.every_steps=0"]
 REPLAYED = (1, 3)  # `replay run --steps 1:3`: from the checkpoint at 0, so step 0 is the warmup
 
 # `replay` commands in turn in one fresh process (argv[1]: a JSON list of {"args", "fallback"}),
@@ -145,16 +149,19 @@ def runs(tmp_path_factory) -> SimpleNamespace:
     "fallback-1" / "fallback-8" without the fixed-order backward; `replays[n]`: the results of
     `replay run --json` of run "4" on n devices; `misfit`: `replay train` on 4 devices with 2 microbatches."""
     root = tmp_path_factory.mktemp("invariant-claims")
-    paths = {name: root / name for name in ("1", "4", "8", "2x2", "fallback-1", "fallback-8", "misfit")}
+    paths = {name: root / name for name in ("1", "4", "8", "2x2", "fallback-1", "fallback-8", "misfit", "step-1",
+                                            "step-4")}
 
-    def train(name: str, *overrides: str) -> list[str]:
-        return ["train", "--preset", "tiny", "--out", str(paths[name]), *sets(RUN_SETS + list(overrides))]
+    def train(name: str, *overrides: str, base: list[str] = RUN_SETS) -> list[str]:
+        return ["train", "--preset", "tiny", "--out", str(paths[name]), *sets(base + list(overrides))]
 
     replay = (["run", str(paths["4"]), "--steps", "%d:%d" % REPLAYED, "--json"], False)
-    misfit, four = commands(4, (train("misfit", "mesh.n_microbatches=2"), False), (train("4"), False))
+    misfit, four, step_four = commands(4, (train("misfit", "mesh.n_microbatches=2"), False), (train("4"), False),
+                                       (train("step-4", base=STEP_LEVEL), False))
     assert four["exit_code"] == 0, four["stderr"][-2000:]
-    trained = commands(8, (train("8"), False), (train("fallback-8"), True))
-    *trained_one, replay_one = commands(1, (train("1"), False), (train("fallback-1"), True), replay)
+    trained = commands(8, (train("8"), False), (train("fallback-8"), True)) + [step_four]
+    *trained_one, replay_one = commands(1, (train("1"), False), (train("fallback-1"), True),
+                                        (train("step-1", base=STEP_LEVEL), False), replay)
     (replay_two,) = commands(2, replay)
     for done in trained + trained_one:
         assert done["exit_code"] == 0, done["stderr"][-2000:]
@@ -215,6 +222,21 @@ def test_eight_and_four_devices_record_the_bits_of_one(runs, devices):
     assert (environment["device_count"], environment["process_count"]) == (int(devices), 1)
     assert int(devices) in manifest(other)["invariant_device_counts"] and 1 in manifest(one)["invariant_device_counts"]
     assert differences(one, other) == []
+
+
+@pytest.mark.slow
+def test_four_devices_record_the_bits_of_one_at_the_step_level(runs):
+    """Every metric's bits at every step (param_norm included) without the layer level's records."""
+    one, four = Run.open(runs.path["step-1"]), Run.open(runs.path["step-4"])
+    assert (one.manifest["environment"]["device_count"], four.manifest["environment"]["device_count"]) == (1, 4)
+    assert not one.schema.tensors and one.trace.end == four.trace.end == 10
+    names = one.schema.metric_names
+    assert "param_norm" in names
+    differ = [(k, name) for k in range(one.trace.end) for i, name in enumerate(names)
+              if one.trace.read(k).metrics[i].tobytes() != four.trace.read(k).metrics[i].tobytes()]
+    assert differ == []
+    assert [k for k in range(one.trace.end) if one.trace.raw_frame(k) != four.trace.raw_frame(k)] == []
+    assert compare(one.trace, four.trace).identical
 
 
 @pytest.mark.slow

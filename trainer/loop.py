@@ -20,6 +20,7 @@ Cost at a million steps: O(1) memory; one record and at most one checkpoint save
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -79,11 +80,11 @@ class Built:
     batch_sharding: Any
     abstract_sharded: Any  # the state's ShapeDtypeStructs with shardings: restore target
     schema: Schema
-    compiled: dict  # trace level -> compiled step
+    compiled: Programs | dict  # trace level -> compiled step
     program_hash: str
     compile_seconds: float
     faults: FaultPlan | None = None  # injected faults (trainer/faults.py), applied step by step
-    compiled_faulty: dict = field(default_factory=dict)  # trace level -> step compiled with layer-bf16
+    compiled_faulty: Programs | dict = field(default_factory=dict)  # trace level -> step compiled with layer-bf16
     hash_gather: str = "async"  # several hosts: "async" (replay/record/gather.py) or the old "blocking" (bench)
     timeline: Timeline | None = None  # debug: per-step host times (bench/multihost_dispatch.py)
 
@@ -127,6 +128,41 @@ class Built:
         return jax.jit(make_optimizer(self.cfg.optimizer).init, out_shardings=shardings)(params)
 
 
+class Programs(Mapping):
+    """Trace level -> compiled step, each compiled on first use (`compile_step` keeps the jitted
+    function; this keeps the executable). A run with trace.layer_every > 1 has a step-level and a
+    layer-level program, and a replay may need only one: `replay spike` replays its window at the
+    layer level (~4 s of CPU for tiny's other program, compiled for nothing before). `seconds`:
+    time spent compiling here."""
+
+    def __init__(self, compile_level: Callable[[str], Any], levels: set[str], compiled: dict | None = None):
+        self._compile, self._levels, self._done = compile_level, tuple(sorted(levels)), dict(compiled or {})
+        self.seconds = 0.0
+
+    def __getitem__(self, level: str) -> Any:
+        if level not in self._done:
+            if level not in self._levels:
+                raise KeyError(level)
+            t0 = time.perf_counter()
+            self._done[level] = self._compile(level)
+            self.seconds += time.perf_counter() - t0
+        return self._done[level]
+
+    def __contains__(self, level: object) -> bool:  # Mapping's would compile it
+        return level in self._levels
+
+    def __iter__(self):
+        return iter(self._levels)
+
+    def __len__(self) -> int:
+        return len(self._levels)
+
+    def warm(self) -> None:
+        """Compiles every level now (training uses them all: its step times stay compile-free)."""
+        for level in self._levels:
+            self[level]
+
+
 def make_schema(global_batch: int, level: str, tensors: tuple[tuple[str, str], ...] = (),
                 sketch_width: int = 0) -> Schema:
     """The trace schema of a trainer run: step-level fields always, tensors (and their distance
@@ -160,17 +196,26 @@ def build(cfg: Config, source: data.TokenSource | None = None, mesh_cfg: MeshCon
         on_compile()
     t0 = time.perf_counter()
     example = meshlib.abstract_batch(cfg, mesh)
-    compiled, phash = {}, ""
-    for lvl in sorted(levels):
-        lowered = compile_step(cfg, lvl, shardings, batch_sharding).lower(abstract_sharded, example)
-        compiled[lvl] = lowered.compile()
-        if lvl == cfg.trace.level:
-            phash = program_hash(lowered)
+
+    def compiler(step_cfg: Config) -> Callable[[str], Any]:
+        return lambda lvl: compile_step(step_cfg, lvl, shardings, batch_sharding).lower(abstract_sharded, example).compile()
+
+    # The recorded level's program now (its hash goes in the manifest); the others on first use.
+    lowered = compile_step(cfg, cfg.trace.level, shardings, batch_sharding).lower(abstract_sharded, example)
+    compiled = Programs(compiler(cfg), levels, {cfg.trace.level: lowered.compile()})
+    phash = program_hash(lowered)
     faulty_cfg = faults.model_cfg(10**12) if faults else None  # the faulty program, if a fault needs one
-    compiled_faulty = {lvl: compile_step(faulty_cfg, lvl, shardings, batch_sharding).lower(abstract_sharded, example)
-                       .compile() for lvl in sorted(levels)} if faulty_cfg is not None else {}
+    compiled_faulty = Programs(compiler(faulty_cfg), levels) if faulty_cfg is not None else {}
     return Built(cfg, source, mesh, batcher, batch_sharding, abstract_sharded, schema, compiled, phash,
                  time.perf_counter() - t0, faults, compiled_faulty)
+
+
+def _warm(built: Built) -> None:
+    for programs in (built.compiled, built.compiled_faulty):
+        if isinstance(programs, Programs):
+            programs.warm()
+            built.compile_seconds += programs.seconds
+            programs.seconds = 0.0
 
 
 def load_resume_config(path: Path, cfg: Config | None, steps: int | None) -> Config:
@@ -232,6 +277,7 @@ def prepare(cfg: Config, out: str | Path, *, resume: bool = False, preset: str |
         if resume:  # the lock from before the compile; a damaged checkpoint refused before the run is written
             _open_resume(job, cfg)
         job.built = build(cfg, on_compile=on_compile, faults=faults)
+        _warm(job.built)  # training uses every level: compiled before the run is written, as before
     except BaseException:
         if job.run is not None:
             job.run.close()

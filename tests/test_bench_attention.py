@@ -3,10 +3,15 @@ and that the comparison runs end to end at a tiny size (its timings are never as
 
 import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from bench._attention import median_interval, verdict
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_median_interval_is_the_binomial_order_statistics():
@@ -24,15 +29,14 @@ def test_the_verdict_needs_the_whole_interval_on_one_side_of_the_budget():
     assert verdict(None, 0.01) == "too few rounds"
 
 
-@pytest.mark.slow  # compiles the step twice
-def test_attention_only_runs_and_reports_both_clocks(capsys):
-    # In this process: main is what `python -m bench.overhead` runs, and it sets nothing process-wide
-    # (no JAX flag or device count), so a new process would only import JAX again (~3 CPU s).
-    from bench import overhead
-
-    overhead.main(["--preset", "tiny", "--attention-only", "--attention-rounds", "2", "--steps-per-round", "1",
-                   "--warmup-rounds", "0", "--set", "model.n_layers=1", "--set", "model.seq_len=16", "--api-example", ""])
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+@pytest.mark.slow  # compiles the step twice in a new process
+def test_attention_only_runs_and_reports_both_clocks():
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.overhead", "--preset", "tiny", "--attention-only", "--attention-rounds", "2",
+         "--steps-per-round", "1", "--warmup-rounds", "0", "--set", "model.n_layers=1", "--set", "model.seq_len=16",
+         "--api-example", ""],
+        cwd=ROOT, capture_output=True, text=True, check=True, timeout=600)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
     a = result["attention"]
     assert a["overrides"][-1] == "model.seq_len=16" and a["order"] == "ABBA" and a["rounds"] == 2
     for key in ("median_explicit_s", "median_fused_s", "median_cpu_explicit_s", "median_cpu_fused_s"):

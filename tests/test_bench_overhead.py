@@ -25,16 +25,15 @@ from tests.test_bench_accelerator import bench as accelerator_bench
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow  # trains three levels and the example's three lanes
-def test_overhead_bench_reports_every_level(capsys):
-    # In this process: main is what `python -m bench.overhead` runs (the tests below run that), and
-    # with --sdc-rounds 0 it sets nothing process-wide, so a new process would only import JAX again.
-    from bench import overhead
-
-    overhead.main(["--preset", "tiny", "--rounds", "2", "--steps-per-round", "2", "--warmup-rounds", "1",
-                   "--set", "model.n_layers=1", "--api-set", "batch=4", "--api-set", "seq=8", "--api-set", "d_model=16",
-                   "--api-set", "layers=1", "--api-rounds", "2", "--sdc-rounds", "0"])
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+@pytest.mark.slow  # trains three levels and the example's three lanes in a new process
+def test_overhead_bench_reports_every_level():
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.overhead", "--preset", "tiny", "--rounds", "2", "--steps-per-round", "2",
+         "--warmup-rounds", "1", "--set", "model.n_layers=1", "--api-set", "batch=4", "--api-set", "seq=8",
+         "--api-set", "d_model=16", "--api-set", "layers=1", "--api-rounds", "2", "--sdc-rounds", "0"],
+        cwd=ROOT, capture_output=True, text=True, check=True, timeout=600,
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
     for key in ("step_overhead", "layer_overhead", "paired_step_overhead", "paired_layer_overhead",
                 "cpu_step_overhead", "cpu_layer_overhead"):
         assert isinstance(result[key], float), key

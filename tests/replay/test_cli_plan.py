@@ -11,7 +11,8 @@ from trainer.cli import plan as plan_cli
 from replay.cli.app import app
 from trainer.presets import get_preset
 from trainer.model import flops_per_token, param_count
-from trainer.plan import plan_env
+from trainer.config import apply_overrides
+from trainer.plan import option_overrides, plan_env
 
 
 def invoke(*args: str):
@@ -157,15 +158,23 @@ def test_unknown_remat_or_precision_exit_2_one_line():
 
 @pytest.mark.slow
 def test_plan_with_remat_scan_and_bf16_compiles_and_reports_them():
-    result = invoke("plan", "--preset", "tiny", "--devices", "2", "--remat", "full", "--scan", "--precision", "bf16",
-                    "--set", "model.attention=fused", "--json")
+    # tests/trainer/test_model_options.py's every-option set, on one device at level layer: the
+    # program that file and test_model_options_replay.py's run compile, so in a whole suite run the
+    # child's compile is the session's compilation cache's (tests/conftest.py; the device-count flag
+    # is not in its key). The multi-device mesh is tiny_plan's.
+    from tests.trainer.test_model_options import BASE, SLIDING, _cfg
+
+    sets = BASE + ["model.attention=fused", "optimizer.microbatches=2"] + SLIDING
+    assert apply_overrides(get_preset("tiny"), option_overrides("dots", True, "bf16") + sets) == _cfg("all+bf16")
+    result = invoke("plan", "--preset", "tiny", "--devices", "1", "--level", "layer", "--remat", "dots", "--scan",
+                    "--precision", "bf16", *(a for kv in sets for a in ("--set", kv)), "--json")
     assert result.exit_code == 0, result.stderr
     r = json.loads(result.stdout)
     m = r["model"]
     assert (m["remat"], m["scan_layers"], m["dtype"], m["param_dtype"], m["attention"]) == \
-        ("full", True, "bfloat16", "float32", "fused")
+        ("dots", True, "bfloat16", "float32", "fused")
     assert r["precision"] == {"compute": "bfloat16", "params": "float32", "optimizer": ["float32"]}
-    assert r["donation"]["in_place"] and r["params"] == param_count(get_preset("tiny"))
+    assert r["donation"]["in_place"] and r["params"] == param_count(_cfg("all+bf16"))
 
 
 @pytest.mark.slow

@@ -145,7 +145,8 @@ def sharded_norm(tree, mesh) -> jax.Array:
     cut = [n > 1 and split_axis(x.shape, n) is not None for x in leaves]
     specs = tuple(P(BATCH_AXES) if is_cut else P() for is_cut in cut)  # split_axis is 0 where it cuts
 
-    def per_device(*shards):
-        return fixed_order_sums(list(shards), cut, lambda rows: lax.all_gather(rows, BATCH_AXES, axis=0, tiled=True))[0]
+    def per_device(*shards):  # in float32: bfloat16 parameters' squares summed in bfloat16 lose the norm
+        gather = lambda rows: lax.all_gather(rows, BATCH_AXES, axis=0, tiled=True)  # noqa: E731
+        return fixed_order_sums([x.astype(jnp.float32) for x in shards], cut, gather)[0]
 
     return jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)(*leaves)

@@ -104,3 +104,20 @@ def test_fixed_order_backward_keeps_forward_bits_and_gradients_close():
     assert np.asarray(loss_a).tobytes() == np.asarray(loss_b).tobytes()
     for a, b in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
+
+
+def test_sharded_norm_is_the_fixed_order_norm_in_float32():
+    """param_norm's norm (tree_sums.sharded_norm) on one device: fixed_order_sums' bits over the leaves
+    taken whole, bfloat16 leaves squared in float32, near the float64 norm; the multi-device bits are
+    tests/trainer/test_invariant_claims.py's (step-level runs on 1 and 4 devices)."""
+    from trainer import tree_sums
+
+    rng = np.random.default_rng(3)
+    tree = {"w": jnp.asarray(rng.standard_normal((6, 4, 3)), jnp.float32), "s": jnp.float32(1.5),
+            "b": jnp.asarray(rng.standard_normal(300) * 50, jnp.bfloat16)}
+    leaves = [x.astype(jnp.float32) for x in jax.tree.leaves(tree)]
+    expected, _ = tree_sums.fixed_order_sums(leaves, [False] * len(leaves), None)
+    got = jax.jit(lambda t: tree_sums.sharded_norm(t, invariant._default_mesh(None)))(tree)
+    assert got.dtype == jnp.float32 and np.asarray(got).tobytes() == np.asarray(expected).tobytes()
+    exact = np.sqrt(sum((np.asarray(x, np.float64) ** 2).sum() for x in leaves))
+    assert abs(float(got) - exact) <= 1e-6 * exact

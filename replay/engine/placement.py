@@ -61,11 +61,22 @@ def rotated(tree: Any, rotate: int) -> Any:
     batches, Python scalars) as they are: the step places them as it did when recording."""
     import jax
 
+    devices = sorted(jax.local_devices(), key=lambda d: d.id)
+    to = {d: devices[(i + rotate) % len(devices)] for i, d in enumerate(devices)}
+
     def move(x: Any) -> Any:
         if not isinstance(x, jax.Array):
             return x
-        if rotate == 0:
-            return x.copy()
-        return jax.device_put(x, rotated_sharding(x.sharding, rotate))
+        if rotate == 0:  # fresh buffers where they are (Array.copy compiles a program per leaf shape)
+            return jax.device_put(x, x.sharding, may_alias=False)
+        sharding = rotated_sharding(x.sharding, rotate)
+        if not x.is_fully_addressable:
+            return jax.device_put(x, sharding)
+        # Shard by shard, each a plain copy onto the device its mesh position now names: a
+        # device_put of the whole array onto other devices compiles a program per leaf's shape and
+        # layout, as many small compiles as the state has leaves, for every rotation.
+        shards = [jax.device_put(s.data, jax.sharding.SingleDeviceSharding(
+            to[s.device], memory_kind=s.data.sharding.memory_kind), may_alias=False) for s in x.addressable_shards]
+        return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
 
     return jax.tree.map(move, tree)

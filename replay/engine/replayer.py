@@ -85,12 +85,13 @@ def _one_line(e: BaseException) -> str:
 def _copy(tree: Any) -> Any:
     """A copy with fresh buffers: the compiled step donates its input state. Leaves that are not
     JAX arrays (python ints, strings, numpy arrays a loop keeps on the host) are immutable or
-    copied on the host; typed PRNG keys copy as themselves. A device array is copied by
-    device_put into a new buffer on its own sharding, not `x.copy()`, which compiles a copy
-    program for every leaf shape (7 or 8 of a bisect's compiles on the example loops)."""
+    copied on the host. A device array is copied by device_put into a new buffer on its own
+    sharding, not `x.copy()`, which compiles a copy program for every leaf shape (7 or 8 of a
+    bisect's compiles on the example loops). The sharding is named: without it a typed PRNG key
+    replicated over a mesh came back on one device, and the step then refused its state."""
     def copy(x: Any) -> Any:
         if isinstance(x, jax.Array):
-            return jax.device_put(x, may_alias=False)
+            return jax.device_put(x, x.sharding, may_alias=False)
         if isinstance(x, np.ndarray):
             return x.copy()
         return x

@@ -97,9 +97,7 @@ def test_adam_eps_outside_is_torch_adamw_and_inside_is_not():
 def test_z_loss_off_changes_the_gradient_and_its_term_is_the_mean_of_log_z_squared():
     from trainer import step
 
-    # One block: the z-loss is a term of the logits (the claim does not involve the depth); two
-    # gradient programs and a forward compile in about half the time.
-    cfg = apply_overrides(get_preset("tiny"), ["model.dropout=0", "optimizer.z_loss=1e-2", "model.n_layers=1"])
+    cfg = apply_overrides(get_preset("tiny"), ["model.dropout=0", "optimizer.z_loss=1e-2"])
     params = jmodel.init_params(cfg.model, jax.random.key(0))
     tokens = np.random.default_rng(2).integers(0, cfg.model.vocab_size, (4, cfg.model.seq_len + 1)).astype(np.int32)
     inputs, targets = jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, 1:])

@@ -22,7 +22,8 @@ from traces.manifest import UncheckedManifestError, trusting_unchecked_manifests
 from traces.run import Run, manifest_checksum, read_manifest, write_manifest
 from traces.schema import CAUSAL_KINDS, Schema, StepRecord, decode_record, encode_record, same_bits
 from traces.trace import FORMAT_VERSION, Damage, TraceReader, describe_damage
-from traces.writer import TraceWriter, write_indexes
+from traces.index_repair import write_indexes
+from traces.writer import TraceWriter
 
 __all__ = [
     "CAUSAL_KINDS", "FORMAT_VERSION", "Comparison", "Damage", "DiskFullError", "FieldDiff", "ManifestCorruptError",

@@ -33,7 +33,7 @@ from traces.errors import (
     DISK_FULL_ERRNOS, DiskFullError, ResumeDivergedError, StepOrderError, TraceCorruptError, disk_full_message,
 )
 from traces import sidecar
-from traces.index import IndexBuilder, IndexUnusable, index_path
+from traces.index import IndexBuilder, index_path
 from traces.schema import Schema, StepRecord, encode_record, same_bits
 from traces.segment import FRAME_HEAD
 from traces.trace import (
@@ -394,24 +394,3 @@ class TraceWriter:
             os.close(self._fd)
             self._fd = None
 
-
-def write_indexes(trace_dir: str | os.PathLike, schema: Schema) -> list[Path]:
-    """Writes the index file of every sealed segment that lacks a usable one (a run recorded
-    before replay wrote them, or one whose index was damaged); returns the files written.
-    Reads each such segment once, in chunks; checks nothing else."""
-    reader = TraceReader(trace_dir, schema)
-    written = []
-    for i, seg in enumerate(reader.segments):
-        if not seg.sealed:
-            continue
-        index = reader._file_index(i)
-        if index is not None:
-            try:
-                index.columns()
-                continue  # usable
-            except IndexUnusable:
-                pass
-        builder, end = reader.index_builder(i)
-        builder.write(index_path(seg.path), end, seg.content_crc, seg.size)
-        written.append(index_path(seg.path))
-    return written

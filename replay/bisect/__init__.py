@@ -36,6 +36,7 @@ from traces.schema import TENSOR_KINDS  # fields a replay can look inside (repla
 from replay.engine.damage import bundle_terms, describe_damage, run_damage, shown_path
 from replay.record.checkpoint_check import checkpoint_problem, listed_checkpoints
 from replay.record.orbax_io import CheckpointDamagedError
+from replay.engine.edits import describe, state_edits
 
 
 
@@ -142,8 +143,6 @@ def bisect(run_a: Run, run_b: Run, refine: bool = True):
 
 def _edits(report: BisectReport, run_a: Run, run_b: Run) -> bool:
     """The divergence begins with the state entering a step: did one run's loop edit it there?"""
-    from replay.engine.edits import describe, state_edits
-
     step = report.comparison.first_step
     for name, run in (("B", run_b), ("A", run_a)):
         leaves = state_edits(run, step)
@@ -249,8 +248,9 @@ def _needs_replay(report: BisectReport, run_a: Run, run_b: Run) -> bool:
 
 def _replay(report: BisectReport, run_a: Run, run_b: Run) -> None:
     """Steps 4 and 5: confirm the divergent step by replay (or find it), then recompute it."""
-    from replay.bisect.refine import (ReplayUnavailable, Replayer, first_state_difference, refine_loop_step, refine_step,
+    from replay.bisect.refine import (ReplayUnavailable, Replayer, first_state_difference, refine_step,
                                search_first_divergence)
+    from replay.bisect.refine_loop import refine_loop_step
     from replay.engine.recompute import recomputes
 
     if not _needs_replay(report, run_a, run_b):

@@ -25,11 +25,13 @@ runs that code, so resolving it is a security decision, not a convenience:
 `UserCodeError`: one line naming the user's function and the exception (exit 2), instead of
 an "internal error" that blames replay. Exceptions that already are user errors of replay's
 own (a damaged checkpoint a factory read through replay, say) pass through unchanged.
+
+Where a module comes from (a bundle's unpack folder, module locations, a folder's modules under
+their unique names) is replay/engine/code_paths.py; the policy and the imports are here.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.machinery
 import importlib.util
@@ -40,17 +42,17 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 from replay.errors import user_error_code
+from replay.engine.code_paths import MARKER  # noqa: F401 - bundle commands and tests import it from here
+from replay.engine.code_paths import (
+    alias_of, has_location, inside, is_forbidden, locations_inside, meta_spec, module_locations,
+    same_file, siblings_from, unpacked_from,
+)
 
 TRUSTED_PACKAGES = ("replay", "trainer")  # replay's own factories: they ship with replay itself
 # The only functions replay calls without a marker: the trainer's and replay.init's factories.
 OWN_FACTORIES = ("trainer.replayable:from_run", "replay.record.replayable:from_run")
 API_FACTORY = OWN_FACTORIES[1]
-# Written by `replay unpack` (and by every command that opens a bundle) into the folder it unpacks
-# to: replay's own mark, on the user's machine, so a bundle's bytes can neither forge it away nor
-# keep a folder they fill from being known as a bundle's (format.py refuses a member of this name).
-MARKER = "FROM_BUNDLE.json"
 ALLOW_FLAG = "--allow-code"
-_ALIAS_PREFIX = "_replay_code_"
 _display_names: dict[str, str] = {}  # unique module name -> the name the manifest gave it
 
 
@@ -107,21 +109,6 @@ def is_bundle_run(run) -> bool:
     `replay unpack` wrote (the one a crafted manifest cannot talk away)."""
     return (getattr(run, "bundle", None) is not None or isinstance(run.manifest.get("bundle"), dict)
             or unpacked_from(run.path) is not None)
-
-
-def unpacked_from(path: str | os.PathLike) -> Path | None:
-    """The folder at or above `path` that a bundle was unpacked to (it holds MARKER), else None."""
-    try:
-        p = Path(path).resolve()
-    except (OSError, RuntimeError):
-        return None
-    for folder in (p, *p.parents):
-        try:
-            if os.path.lexists(folder / MARKER):
-                return folder
-        except OSError:
-            continue
-    return None
 
 
 def _brief(value: Any) -> str:
@@ -195,7 +182,7 @@ _MARK = "__replay_entrypoint__"  # replay.record.loop.MARK, set by @replay.entry
 
 def _carried(run, folder: Path) -> str | None:
     """Why `folder` holds code that came with the run rather than from the user (None: it does not)."""
-    if _inside(folder, [Path(run.path).resolve()]):
+    if inside(folder, [Path(run.path).resolve()]):
         return "inside the run's own folder"
     marked = unpacked_from(folder)
     return f"inside {marked}, a folder a bundle was unpacked to" if marked is not None else None
@@ -237,13 +224,6 @@ def _folder(run, search_path: str) -> Path:
     return (p if p.is_absolute() else Path(run.path) / p).resolve()
 
 
-def _inside(path: str | os.PathLike | None, folders: list[Path]) -> bool:
-    if not path:
-        return False
-    p = Path(path).resolve()
-    return any(p == f or f in p.parents for f in folders)
-
-
 def _origin(module: ModuleType) -> str:
     return getattr(module, "__file__", None) or module.__name__
 
@@ -254,20 +234,20 @@ def _installed(module_name: str, forbidden: list[Path], trusted: bool) -> Module
     and a module already imported is used only if the filtered path would find that same file
     (one imported earlier from a folder since removed from sys.path is not "installed")."""
     top = module_name.split(".")[0]
-    path = [p for p in sys.path if not _forbidden(p or os.getcwd(), forbidden)]
+    path = [p for p in sys.path if not is_forbidden(p or os.getcwd(), forbidden)]
     loaded = sys.modules.get(top)
-    if loaded is not None and (trusted or not _has_location(loaded)):
-        if _locations_inside(_module_locations(loaded), forbidden):
+    if loaded is not None and (trusted or not has_location(loaded)):
+        if locations_inside(module_locations(loaded), forbidden):
             return None
     else:
-        spec = importlib.machinery.PathFinder.find_spec(top, path) or _meta_spec(top)
+        spec = importlib.machinery.PathFinder.find_spec(top, path) or meta_spec(top)
         if spec is None:
             return None
         locations = ([spec.origin] if spec.has_location and spec.origin else []) + list(
             spec.submodule_search_locations or [])
-        if _locations_inside(locations, forbidden):
+        if locations_inside(locations, forbidden):
             return None
-        if loaded is not None and _same_file(_module_locations(loaded), locations) is False:
+        if loaded is not None and same_file(module_locations(loaded), locations) is False:
             return None  # importing would hand back a module from elsewhere
     saved = list(sys.path)
     sys.path[:] = path
@@ -279,48 +259,9 @@ def _installed(module_name: str, forbidden: list[Path], trusted: bool) -> Module
         raise UserCodeError(f"import {module_name}", e) from e
     finally:
         sys.path[:] = saved
-    if _locations_inside(_module_locations(module), forbidden):
+    if locations_inside(module_locations(module), forbidden):
         return None
     return module
-
-
-def _has_location(module: ModuleType) -> bool:
-    return bool(getattr(module, "__file__", None))
-
-
-def _module_locations(module: ModuleType) -> list[str]:
-    found = [module.__file__] if getattr(module, "__file__", None) else []
-    return found + [str(p) for p in (getattr(module, "__path__", None) or [])]
-
-
-def _forbidden(path: str | os.PathLike, forbidden: list[Path]) -> bool:
-    return _inside(path, forbidden) or unpacked_from(path) is not None
-
-
-def _locations_inside(locations: list[str], forbidden: list[Path]) -> bool:
-    return any(_forbidden(p, forbidden) for p in locations)
-
-
-def _same_file(a: list[str], b: list[str]) -> bool | None:
-    if not a or not b:
-        return None
-    return Path(a[0]).resolve() == Path(b[0]).resolve()
-
-
-def _meta_spec(top: str):
-    for finder in sys.meta_path:  # editable installs and the like register their own finders
-        if isinstance(finder, type) and issubclass(finder, importlib.machinery.PathFinder):
-            continue
-        find = getattr(finder, "find_spec", None)
-        if find is None:
-            continue
-        try:
-            spec = find(top, None)
-        except Exception:
-            continue
-        if spec is not None:
-            return spec
-    return None
 
 
 def _import(name: str, shown: str) -> ModuleType:
@@ -332,17 +273,12 @@ def _import(name: str, shown: str) -> ModuleType:
         raise UserCodeError(f"import {shown}", e) from e
 
 
-def _alias(module_name: str, folder: Path) -> str:
-    digest = hashlib.sha256(str(folder).encode()).hexdigest()[:12]
-    return f"{_ALIAS_PREFIX}{digest}_{module_name.split('.')[0]}"
-
-
 def _from_folder(module_name: str, folder: Path) -> ModuleType | None:
     """`module_name` loaded from `folder` under a name unique to the folder. Sibling modules it
     imports at import time resolve from the folder too, and are dropped from sys.modules after,
     so another folder's siblings of the same name load their own."""
     top, _, rest = module_name.partition(".")
-    alias = _alias(module_name, folder)
+    alias = alias_of(module_name, folder)
     full = alias + (f".{rest}" if rest else "")
     if full in sys.modules:
         return sys.modules[full]
@@ -355,7 +291,7 @@ def _from_folder(module_name: str, folder: Path) -> ModuleType | None:
         module = importlib.util.module_from_spec(spec)
         _display_names[alias] = top
         sys.modules[alias] = module
-        with _siblings_from(folder):
+        with siblings_from(folder):
             try:
                 spec.loader.exec_module(module)
             except BaseException as e:
@@ -365,7 +301,7 @@ def _from_folder(module_name: str, folder: Path) -> ModuleType | None:
                 raise
     if not rest:
         return sys.modules[alias]
-    with _siblings_from(folder):
+    with siblings_from(folder):
         try:
             module = importlib.import_module(full)
         except ModuleNotFoundError:
@@ -374,30 +310,6 @@ def _from_folder(module_name: str, folder: Path) -> ModuleType | None:
             raise UserCodeError(f"import {module_name} (from {folder})", e) from e
     _display_names[full] = module_name
     return module
-
-
-class _siblings_from:
-    """While a folder's module executes: the folder first on sys.path; after: the plain-named
-    modules imported from it forgotten (the loaded module keeps its references to them)."""
-
-    def __init__(self, folder: Path):
-        self.folder = folder
-
-    def __enter__(self):
-        self.before = set(sys.modules)
-        sys.path.insert(0, str(self.folder))
-
-    def __exit__(self, *exc):
-        try:
-            sys.path.remove(str(self.folder))
-        except ValueError:
-            pass
-        for name in set(sys.modules) - self.before:
-            if name.startswith(_ALIAS_PREFIX):
-                continue
-            if _inside(getattr(sys.modules[name], "__file__", None), [self.folder]):
-                del sys.modules[name]
-        return False
 
 
 # --- errors -----------------------------------------------------------------------------------------------------
@@ -414,7 +326,7 @@ def _user_frame(exc: BaseException) -> str | None:
     found = None
     for frame in traceback.extract_tb(exc.__traceback__):
         f = frame.filename
-        if _inside(f, own) or "site-packages" in f or f.startswith("<"):
+        if inside(f, own) or "site-packages" in f or f.startswith("<"):
             continue
         found = f"{Path(f).name}:{frame.lineno}"
     return found

@@ -19,7 +19,8 @@ one-step form, which fingerprints the entering state itself.
 The schema is derived while tracing: scalar outputs are metrics, float `[B]` outputs
 per-example metrics, other outputs forward tensors. The same wrapping of the run's
 `replay.Loop` step at replay time gives the same program (its hash is compared) and the same
-schema.
+schema. The step's inputs before it is traced (unwrapping its jit, the abstract values, their
+placement) are replay/record/step_inputs.py's.
 """
 
 from __future__ import annotations
@@ -33,14 +34,11 @@ from replay.record.options import StepOptions
 from traces import Schema
 from replay.record.packed import pack
 from replay.record.taps import collecting, tap_leaves, tap_order
+from replay.record.step_inputs import (
+    check_state, leaf_name, placed, replicated, spec, unwrap, without_one_device_sharding,
+)
 
 RESERVED = ("rng", "fingerprints", "rms")  # keys of the record dict (trainer.recorder.to_record)
-
-
-def _path(path: tuple, sep: str = ".") -> str:
-    import jax
-
-    return jax.tree_util.keystr(path, simple=True, separator=sep)
 
 
 def _is_key(x: Any) -> bool:
@@ -53,99 +51,6 @@ def _bits(x: Any) -> Any:
     import jax
 
     return jax.random.key_data(x) if _is_key(x) else x
-
-
-def unwrap(step: Callable) -> tuple[Callable, dict]:
-    """(the Python function, jit options to keep) of a `jax.jit` step; a plain function as is."""
-    if type(step).__name__ == "_JitWrapper" and type(step).__module__.startswith("equinox"):
-        # eqx.filter_jit: its inner jit would refuse the step's taps; keep its donation only.
-        return step.__wrapped__, ({"donate_argnums": (0,)} if getattr(step, "donate_first", False) else {})
-    info = getattr(step, "_jit_info", None)
-    fn = getattr(step, "__wrapped__", None)
-    if info is None or fn is None:
-        if not callable(step):
-            raise RecordError(f"run.step wraps a step function; got {type(step).__name__}")
-        return step, {}
-    if info.static_argnums or info.static_argnames:
-        raise RecordError("run.step: the jitted step has static arguments; a recorded step is (state, batch) -> "
-                          "(state, metrics), so bind the static ones first (functools.partial, then jax.jit)")
-    import jax
-
-    opts: dict = {}
-    if info.donate_argnums:
-        opts["donate_argnums"] = tuple(info.donate_argnums)
-    if info.user_specified_in_shardings:
-        opts["in_shardings"] = jax.tree_util.tree_unflatten(info.in_shardings_treedef, info.in_shardings_leaves)
-    leaves = info.out_shardings_leaves
-    if any(type(s).__name__ != "UnspecifiedValue" for s in leaves):
-        opts["out_shardings"] = jax.tree_util.tree_unflatten(info.out_shardings_treedef, leaves)
-    return fn, opts
-
-
-def check_state(state: Any) -> None:
-    import jax
-
-    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-        if not isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
-            raise RecordError(f"state leaf {_path(path) or 'state'} is a {type(leaf).__name__}, not an array; a "
-                              "recorded state holds arrays only (make it jnp.asarray(...), or keep it out of the state)")
-
-
-def spec(x: Any) -> Any:
-    """The abstract value a program is lowered for: shape, dtype and, for device arrays, sharding."""
-    import jax
-
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return x
-    sharding = x.sharding if isinstance(x, jax.Array) else None
-    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
-
-
-def _replicated(abstract: tuple) -> Any:
-    """A sharding replicated over the program's devices, for the small rows chained from step to
-    step; None when the inputs' layout does not say one (the program then measures the entering
-    state itself, every step)."""
-    import jax
-
-    shardings = [getattr(x, "sharding", None) for x in jax.tree.leaves(abstract)]
-    named = [s for s in shardings if isinstance(s, jax.sharding.NamedSharding)]
-    if named:
-        return jax.sharding.NamedSharding(named[0].mesh, jax.sharding.PartitionSpec())
-    placed = [s for s in shardings if s is not None]  # None: a host array, placed on the default device
-    if not placed:
-        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    if all(isinstance(s, jax.sharding.SingleDeviceSharding) for s in placed) \
-            and len({next(iter(s.device_set)) for s in placed}) == 1:
-        return placed[0]
-    return None
-
-
-def _placed(abstract: tuple, jit_options: dict) -> tuple:
-    """The inputs as the step's jit places them: a host array (a replayed batch_at's numpy rows)
-    takes the step's in_shardings, as the array the loop fed while recording had them, so the
-    step traces for the same types (under explicit sharding a type carries its sharding) and
-    compiles to the same program."""
-    import jax
-
-    given = jit_options.get("in_shardings")
-    if not isinstance(given, (tuple, list)) or len(given) != len(abstract):
-        return abstract
-    out = []
-    for tree, sharding in zip(abstract, given):
-        if isinstance(sharding, jax.sharding.Sharding):
-            tree = jax.tree.map(lambda x, s=sharding: x if x.sharding is not None
-                                else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree)
-        out.append(tree)
-    return tuple(out)
-
-
-def _without_one_device_sharding(x: Any) -> Any:
-    import jax
-
-    sharding = getattr(x, "sharding", None)
-    if sharding is not None and len(sharding.device_set) == 1:
-        return jax.ShapeDtypeStruct(x.shape, x.dtype)
-    return x
 
 
 class Program:
@@ -176,11 +81,11 @@ class Program:
 
         check_state(state)
         self.batch = batch_size(batch, self.options.batch_axis)
-        self.abstract = _placed((jax.tree.map(spec, state), jax.tree.map(spec, batch)), self.jit_options)  # what export.py exports for
+        self.abstract = placed((jax.tree.map(spec, state), jax.tree.map(spec, batch)), self.jit_options)  # what export.py exports for
         n_state = len(jax.tree.leaves(state))
         self._tap_order = tap_order(self.fn, self.abstract) if self.options.level == "layer" else {}
-        self._everywhere = _replicated(self.abstract) if jax.process_count() > 1 else None
-        rep = self._rep = _replicated(self.abstract) if self.options.level == "layer" and n_state else None
+        self._everywhere = replicated(self.abstract) if jax.process_count() > 1 else None
+        rep = self._rep = replicated(self.abstract) if self.options.level == "layer" and n_state else None
         lowered = None
         if rep is not None:
             entering = jax.ShapeDtypeStruct((n_state, 3), np.uint32, sharding=rep)
@@ -196,7 +101,7 @@ class Program:
         # The hash is of the program as lowered for shapes and dtypes plus any layout across devices:
         # a one-device sharding (a committed array at record time, none for the eval_shape state at
         # replay) changes the text, not the program, and must not make a replay "measured only".
-        hashed = jax.tree.map(_without_one_device_sharding, args)
+        hashed = jax.tree.map(without_one_device_sharding, args)
         same = all(a.sharding is b.sharding for a, b in zip(jax.tree.leaves(hashed), jax.tree.leaves(args)))
         self.program_hash = program_hash(lowered if same else jitted.trace(*hashed).lower())
         self._compiled = lowered.compile()
@@ -291,7 +196,7 @@ class Program:
 
         o, B = self.options, self.batch
         scalars, examples, outputs = [], [], []
-        flat = [(_path(path, "/") or "metric", x) for path, x in jax.tree_util.tree_flatten_with_path(metrics)[0]]
+        flat = [(leaf_name(path, "/") or "metric", x) for path, x in jax.tree_util.tree_flatten_with_path(metrics)[0]]
         if o.metrics is not None:  # run.step(metrics=...): only these outputs (and the loss) are recorded
             unknown = [m for m in o.metrics if m not in {n for n, _ in flat}]
             if unknown:
@@ -363,7 +268,7 @@ class Program:
         import jax
         import jax.numpy as jnp
 
-        flat = {_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+        flat = {leaf_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
         words = [jax.random.key_data(x).reshape(-1) for x in flat.values() if _is_key(x)]
         for name in self.options.rng:
             if name not in flat:
@@ -427,7 +332,7 @@ def _check_taps(taps: list) -> None:
 
 
 def _join(prefix: str, path: tuple) -> str:
-    p = _path(path)
+    p = leaf_name(path)
     return f"{prefix}/{p}" if p else prefix
 
 

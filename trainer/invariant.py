@@ -64,7 +64,8 @@ measurement (jax/jaxlib 0.10.2, x86-64 with AVX-512, 2 cores, virtual CPU device
 
 `prepare_process()` (trainer/invariant_process.py, with the other process settings) applies b
 and c before the backend starts (`build`, and the CLI when its argument is a mesh-invariant run)
-and refuses in one line when the backend already runs without them. The manifest records XLA_FLAGS, the pool size and `invariant_device_counts`.
+and refuses in one line when the backend already runs without them. The manifest records
+XLA_FLAGS, the pool size and `invariant_device_counts`.
 
 Measured (bench/invariance.py; 10 steps of tiny, 4 of demo, n_microbatches=8, trace level
 layer): which device counts give the same bits as 4 devices in every field `replay run`

@@ -36,9 +36,10 @@ from traces import Run, Schema
 from traces.errors import DISK_FULL_ERRNOS, DiskFullError, disk_full_message
 from traces.run import LOCK, take_lock
 from trainer import data, invariant, mesh as meshlib, model, rng, sketches
-from trainer.config import Config, ConfigError, MeshConfig, config_diff, from_dict, to_dict
+from trainer.config import Config, ConfigError, MeshConfig, to_dict
 from trainer.faults import FaultPlan
 from trainer.optim import make_optimizer
+from trainer.resume_config import load_resume_config  # noqa: F401 - the train command and demo import it here
 from trainer.sdc_watch import RerunWatch
 from trainer.step import METRICS, compile_step, tensor_schema
 
@@ -216,33 +217,6 @@ def _warm(built: Built) -> None:
             programs.warm()
             built.compile_seconds += programs.seconds
             programs.seconds = 0.0
-
-
-def load_resume_config(path: Path, cfg: Config | None, steps: int | None) -> Config:
-    """The config of the run to resume, refusing a different one.
-
-    `steps` is the run's new total length: a resume trains up to it, so it may only grow. Fewer
-    steps than the run is configured for would rewrite its config (and drop what it planned to
-    record), so that is refused; a shorter run is a new run."""
-    run = Run.open(path)
-    recorded = from_dict(run.manifest["config"])
-    if steps is not None and steps < 1:
-        raise ConfigError(f"--steps {steps}: a run takes at least 1 step; give --steps 1 or more")
-    if steps is not None and steps < recorded.steps:
-        raise ConfigError(f"--steps {steps}: {path} is configured for {recorded.steps} steps and a resume can only "
-                          f"extend it; give --steps {recorded.steps} or more, or omit --steps to finish it as configured")
-    if cfg is not None:
-        diff = [d for d in config_diff(recorded, cfg) if d[0] != "steps"]
-        if diff:
-            key, a, b = diff[0]
-            raise ConfigError(f"{path} was made with {key}={a!r}, not {b!r}: resume with the run's own config "
-                              f"(drop --preset/--set) or train a new run")
-    total = steps if steps is not None else recorded.steps
-    if run.status == "complete" and total <= run.trace.end:
-        # Nothing to train: refused before the lock or a compile, so the run stays byte for byte as it was.
-        raise ConfigError(f"{path} already has {run.trace.end} steps and is complete, so there is nothing to train; "
-                          f"pass a larger --steps (more than {run.trace.end}) to continue it")
-    return from_dict({**to_dict(recorded), "steps": total})
 
 
 @dataclass

@@ -27,6 +27,7 @@ from replay.engine.code import OWN_FACTORIES
 from replay.record.exported import pack_refusal, stage_for_bundle
 from replay.record.manifest import FACTORY as LOOP_FACTORY
 import shutil
+from replay.record.checkpoints import run_checkpoint_dir
 
 
 @dataclass
@@ -147,8 +148,6 @@ def pack(run_path: str | os.PathLike, out: str | os.PathLike, steps: tuple[int, 
         if not lite:
             ckpt_dir = run.checkpoint_dir / str(checkpoint)
             if api_run:  # the folder its manifest names (maybe the user's CheckpointManager's), bundled as checkpoints/C
-                from replay.record.checkpoints import run_checkpoint_dir
-
                 ckpt_dir = run_checkpoint_dir(run) / str(checkpoint)
                 if ckpt_dir.is_dir() and ckpt_dir.resolve() != (run.path / "checkpoints" / str(checkpoint)).resolve():
                     shutil.copytree(ckpt_dir, stage / "checkpoints" / str(checkpoint))

@@ -11,6 +11,7 @@ from replay.cli import console
 from replay.cli.distributed import (Coordinator, NumProcesses, ProcessId, any_process, first_process_prints, initialize,
                                     prints_report)
 from replay.errors import EXIT_DIVERGED
+from replay.engine.human_names import namer
 
 
 def _fmt_distance(d: dict | None) -> str:
@@ -73,8 +74,6 @@ def run(
         if json_out:
             console.print_json(report.to_json())
         else:
-            from replay.engine.human_names import namer
-
             _render(report, namer(target.manifest))
     if any_process(not report.exact):  # every process exits with one code, whatever each compared
         raise typer.Exit(EXIT_DIVERGED)

@@ -158,8 +158,6 @@ def _check_records(run: Run, start: int, last: int) -> None:
 def replay(run: Run, replayable: Any, first: int, last: int, contract: Contract,
            on_step: Callable[[StepResult], None] | None = None) -> ReplayReport:
     start = check_range(run, first, last, replayable.checkpoint_steps())
-    from replay.engine.damage import shown_path
-
     report = ReplayReport(shown_path(run), first, last, start, contract, value_dtype=run.schema.metric_dtype)
     schema = run.schema
     state = replayable.restore(start)

@@ -32,6 +32,7 @@ import numpy as np
 
 from replay.engine.code import OWN_FACTORIES, call_user
 from traces import Run, Schema
+from replay.errors import ReplayUnavailable
 
 # The factory of a run whose manifest names none: every run of trainer/ recorded before runs
 # named their factory. A string the manifest protocol resolves (replay.engine.code.OWN_FACTORIES), not
@@ -153,7 +154,6 @@ def load(run: Run, *, allow_code: bool | None = None, **options: Any) -> Replaya
     are the user's (replay.engine.code.UserCodeError, exit 2), not replay's."""
     from replay.bundle.trust import manifest_problem
     from replay.engine.code import OWN_FACTORIES, CodeNotAllowed, call_user, code_allowed, import_entrypoint, is_bundle_run
-    from replay.errors import ReplayUnavailable
 
     if allow_code is None:  # not passed down: the command's --allow-code (replay.engine.code.allowing)
         allow_code = code_allowed()

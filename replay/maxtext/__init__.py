@@ -32,7 +32,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from replay.errors import InputError
+import replay
+from replay.engine.code import EntrypointNotFound
+from replay.errors import InputError, ReplayUnavailable
 from replay.record.loop import entrypoint
 
 LOSS = "scalar/learning/loss"  # MaxText's metrics: {"scalar": {"learning/loss": ..., ...}}
@@ -53,10 +55,6 @@ def make(config: dict) -> Any:
     MaxText's `train.main` runs again with that argv up to its first call of the jitted step, which is
     captured instead of run (replay/maxtext/rebuild.py): the same model, optimizer, mesh, sharding rules
     and data pipeline MaxText builds, so the replay's program is the one MaxText trained with."""
-    import replay
-
-    from replay.engine.code import EntrypointNotFound
-
     # Either refusal lets a replay fall back to the run's exported program (replay/record/exported.py).
     argv = config.get(ARGV_KEY) if isinstance(config, dict) else None
     if not (isinstance(argv, list) and all(isinstance(a, str) for a in argv)):
@@ -75,8 +73,6 @@ def make(config: dict) -> Any:
 
     processes = config.get(PROCESSES_KEY, 1)
     if processes != jax.process_count():  # MaxText's mesh and data sharding are built for that many
-        from replay.errors import ReplayUnavailable
-
         raise ReplayUnavailable(f"this MaxText run trained on {processes} processes and MaxText's loop is rebuilt "
                                 f"on as many: start the replay on {processes} (replay run RUN --steps A:B --coordinator "
                                 f"HOST:PORT --num-processes {processes} --process-id I, one per process); here "
@@ -122,8 +118,6 @@ class RecordedMaxTextStep:
                                "run without enable_diloco")
         if self.run is None:
             import jax
-
-            import replay
 
             # Each process holds only its rows of a batch: stored examples (a replay without code) are
             # one process's only; with several, the trace (bisect, audit, show) is what is recorded.

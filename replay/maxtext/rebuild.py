@@ -27,6 +27,7 @@ from __future__ import annotations
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any
+from replay.errors import ReplayUnavailable
 
 OVERRIDES = ("enable_checkpointing=false",)
 
@@ -155,8 +156,6 @@ def _run_until_first_step(argv: list[str]) -> Rebuilt:
     finally:
         train_utils.setup_train_loop, train_utils.jit_train_step = setup, jit_step
     if "state" not in got:
-        from replay.errors import ReplayUnavailable
-
         raise ReplayUnavailable("MaxText, run with the recorded argv, trained no step through its jitted train step; "
                                 "its loop cannot be rebuilt (replay without --allow-code)")
     return Rebuilt(config=got["config"], mesh=got["mesh"], rules=got["rules"], jitted=got["jitted"],

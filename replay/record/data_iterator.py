@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from replay.record.errors import RecordError
 from replay.engine.code import UserCodeError, call_user
+from replay.errors import ReplayUnavailable
 
 FORMAT = "replay.data-state/1"
 DATA_FINGERPRINTS_KEY = "data_state_fingerprints"  # manifest: {"<step>": "<16 hex>"}, as checkpoint_fingerprints
@@ -111,8 +112,6 @@ class IteratorFeed:
     """
 
     def __init__(self, make: Callable[[], Any], checkpoint_steps: Callable[[], list[int]], load: Callable[[int], Any]):
-        from replay.engine.code import call_user
-
         self._make, self._list_steps, self._load, self._call = make, checkpoint_steps, load, call_user
         self._steps: list[int] | None = None  # listed once: a replay opens the run read-only
         self._it: Any = None
@@ -144,8 +143,6 @@ class IteratorFeed:
         newest = max((c for c in self._steps if c <= step), default=None)
         if self.position is None or step < self.position or (newest is not None and newest > self.position):
             if newest is None:
-                from replay.errors import ReplayUnavailable
-
                 raise ReplayUnavailable(f"no checkpoint at or before step {step} holds the data iterator's state, so "
                                         "its batch cannot be found")
             self.restore(newest)
@@ -165,8 +162,6 @@ def next_batch(it: Any, where: str = "before its first batch") -> Any:
     except UserCodeError as e:
         if not isinstance(e.original, StopIteration):
             raise
-        from replay.errors import ReplayUnavailable
-
         raise ReplayUnavailable(f"the Loop's data iterator ended {where}") from None
 
 

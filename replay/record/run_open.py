@@ -15,6 +15,7 @@ from replay.record.errors import RecordError
 from traces import Run, Schema
 from traces.run import holds_nothing
 from traces.errors import DiskFullError, TraceError
+from replay.engine.protocol import LEGACY_DEFAULT_FACTORY
 
 PENDING = Schema(examples_per_step=0, rng_words=0, metrics=())  # until the first step shows the real one
 _WAIT_S = 120.0  # how long another process waits for process 0 to create the run
@@ -67,8 +68,6 @@ def recorded_by(manifest: dict, replayable: str | None) -> bool:
     """Whether `replay.init(..., replayable=)` (None: with an entrypoint) records runs like this one.
     A loop's own factory also owns its runs from before they were recorded through replay.init
     (the manifest names no factory: replay.engine.protocol's LEGACY_DEFAULT_FACTORY)."""
-    from replay.engine.protocol import LEGACY_DEFAULT_FACTORY
-
     if replayable is None:
         return manifest.get("recorded_by") == manifestlib.RECORDED_BY and manifest.get("replayable") == manifestlib.FACTORY
     return manifest.get("replayable", LEGACY_DEFAULT_FACTORY) == replayable

@@ -123,8 +123,6 @@ def save(run: Any, model: torch.nn.Module, optimizer: Any = None) -> Path:
 
 
 def _verified(run_path: Path, step: int, name: str) -> Path:
-    from traces.run import read_manifest
-
     recorded = (read_manifest(run_path).get(FILES_KEY) or {}).get(str(step))
     if recorded is None:
         have = steps(run_path)
@@ -171,8 +169,6 @@ def _restore_rng(run_path: Path, step: int) -> None:
 
 
 def _manifest_files(run_path: Path) -> dict:
-    from traces.run import read_manifest
-
     return read_manifest(run_path).get(FILES_KEY) or {}
 
 

@@ -60,6 +60,8 @@ from replay.torch.errors import TorchRecordError
 from replay.torch.run import TorchRun
 from traces.errors import ResumeDivergedError
 from traces.sketch import DEFAULT_WIDTH
+from importlib.metadata import PackageNotFoundError, version
+from traces.run import read_manifest
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +76,6 @@ def instances(run_path: str | Path) -> np.ndarray | None:
     """int64 [steps, B]: the instance index of every recorded example, or None when the batches
     carried none. A crash can leave one step more than the trace holds (the trace writes a step's
     record when the next step ends)."""
-    from traces.run import read_manifest
-
     info = (read_manifest(Path(run_path)).get(SECTION) or {}).get("instances")
     f = Path(run_path) / INSTANCES
     if not info or not f.is_file():
@@ -263,8 +263,6 @@ class ReplayCallback(Callback):
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("ai2-olmo-core")
     except PackageNotFoundError:

@@ -143,7 +143,6 @@ def verify(run, replayable, first: int, last: int, rotate: int = 1,
     environment's), None when it does."""
     import jax
 
-    from replay.engine.damage import shown_path
     from replay.verify import rotation
 
     why = refusal(run)

@@ -12,7 +12,8 @@ from replay.cli import console
 from replay.errors import EXIT_DIVERGED
 from replay.spike import (DEFAULT_METRIC, DEFAULT_THRESHOLD, DEFAULT_TOP, DEFAULT_WINDOW, analyze, check_metric,
                           check_step, check_window, plot_scan, plot_spike, scan)
-from replay.engine.damage import bundle_terms, damage_error
+from replay.bundle import open_run
+from replay.engine.damage import bundle_terms, damage_error, named_as_bundle
 from replay.spike import save_batch as write_batch
 from replay.spike.analysis import check_save_batch
 
@@ -46,8 +47,8 @@ def spike(
             console.fail(f"{opt} {value}: the folder {value.parent} does not exist")
     if save_batch is not None and save_batch.suffix != ".npy":
         console.fail(f"--save-batch {save_batch}: the file name must end in .npy")
-    target = _open(path, for_replay=step is not None)
-    with _named_as_bundle(target):  # messages name BUNDLE or BUNDLE:member, not the temporary folder
+    target = open_run(path, for_replay=step is not None)  # a run folder, or a bundle unpacked to a temporary folder
+    with named_as_bundle(target):  # messages name BUNDLE or BUNDLE:member, not the temporary folder
         _spike(target, path, step, window, threshold, top, save_batch, plot, data, allow_data_change, json_out,
                metric, allow_code)
 
@@ -112,29 +113,8 @@ def _spike_step(target, path: Path, step: int, window: int, threshold: float, to
         raise typer.Exit(EXIT_DIVERGED)
 
 
-def _named_as_bundle(target):
-    try:
-        from replay.engine.damage import named_as_bundle
-    except ImportError:  # no bundles: nothing to rename
-        import contextlib
-
-        return contextlib.nullcontext()
-    return named_as_bundle(target)
-
-
 def _bundle_terms(target, text: str) -> str:
     return bundle_terms(target, text)
-
-
-def _open(path: Path, for_replay: bool):
-    """A run folder, or a bundle of `replay pack` (unpacked to a temporary folder), as `replay run` opens it."""
-    try:
-        from replay.bundle import open_run
-    except ImportError:  # replay/bundle/__init__.py (the pack issue) not there: run folders only
-        from traces import Run
-
-        return Run.open(path)
-    return open_run(path, for_replay=for_replay)
 
 
 def _f(x: float | None, digits: int = 4) -> str:

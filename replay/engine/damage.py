@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 
-from traces import Run, TraceCorruptError
+from traces import Run, TraceCorruptError, describe_damage as describe_trace_damage
 
 
 class DamagedRunError(TraceCorruptError):
@@ -34,11 +34,7 @@ def run_damage(run: Run, crash_tail: bool = True) -> list:
 
 def describe_damage(run: Run, damage: list) -> str:
     """One line naming the file, byte and step of the first damage, in the bundle's terms for a bundle."""
-    try:
-        from traces import describe_damage as describe
-    except ImportError:
-        from traces.trace import describe_damage as describe
-    return bundle_terms(run, describe(damage))
+    return bundle_terms(run, describe_trace_damage(damage))
 
 
 def damage_error(run: Run, what: str, remedy: str, crash_tail: bool = True) -> DamagedRunError | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import logging
 import os
 import re
@@ -121,8 +122,6 @@ def _quiet_orbax():
     try:
         yield
     except BaseException:
-        import gc
-
         # Orbax's un-awaited coroutines warn when collected, as late as interpreter exit.
         warnings.filterwarnings("ignore", message="coroutine '.*' was never awaited", category=RuntimeWarning)
         gc.collect()

@@ -33,6 +33,7 @@ import numpy as np
 
 from trainer import reference
 from trainer.config import Config, to_dict
+from trainer import hf_checkpoint
 
 __all__ = ["reference_rows", "train_reference"]
 
@@ -52,8 +53,6 @@ def _initial_hf(cfg: Config, weights: str | Path | None, start_params: Any) -> d
     if weights is None and start_params is None and cfg.model.init_from:
         weights = cfg.model.init_from  # the checkpoint the JAX side of this config starts from
     if weights is not None:  # a HF folder (sharded or not) or one safetensors file, checked against cfg
-        from trainer import hf_checkpoint
-
         return hf_checkpoint.as_dtype(hf_checkpoint.hf_weights(weights, cfg.model), "float32")  # the reference's
     if start_params is None:  # init_state(cfg).params, without compiling the optimizer's init
         from trainer import model, rng

@@ -101,8 +101,6 @@ class TrainerModelProtocol:
         plan = built.faults
         if not plan or not any(not f.persistent and f.step == step for f in plan.sdc):
             return None
-        from trainer.step import compile_step
-
         chips = [f for f in plan.sdc if f.persistent]
         chips_cfg = faulty_config(built.cfg, chips) if chips and step >= min(f.step for f in chips) else None
         state = jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, state)

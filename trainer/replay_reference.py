@@ -32,16 +32,12 @@ class TrainerReference:
 
     def load(self, model: Any, weights: dict[str, np.ndarray]) -> None:
         """Copies weights under the reference's names into `model`, bit for bit."""
-        from trainer import reference
-
         reference.load_into(model, weights, self._m)
 
     def weights(self, state: Any) -> dict[str, np.ndarray]:
         """A JAX trainer state's parameters (as TrainerReplay.restore gives it) under the
         reference's names."""
         import jax
-
-        from trainer import reference
 
         return reference.to_hf(jax.tree.map(np.asarray, state.params), self.cfg)
 

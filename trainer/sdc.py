@@ -178,8 +178,6 @@ def _leaves(cfg: Config) -> list:
 
 def faulty_config(cfg: Config, faults) -> FaultyConfig:
     """`cfg` carrying `faults` compiled for the device code; the program runs from the first fault's step."""
-    from trainer import rng
-
     start = min(f.step for f in faults)
     compiled = []
     for f in faults:

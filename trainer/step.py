@@ -32,6 +32,7 @@ from trainer.constants import BATCH_AXES, TRACE_LEVELS
 from replay.record.fingerprint import fingerprint_lanes, fingerprints_and_sums_of_squares
 from replay.record.names import get_path  # noqa: F401 - trainer.step.get_path: the recorded names' lookup
 from trainer.optim import applied_lr
+from trainer import hf_checkpoint
 
 # (name, causal kind) of the scalar metrics, in the order a record stores them.
 METRICS = (("loss", "loss"), ("z_loss", "loss"), ("grad_norm", "backward"), ("lr", "update"), ("param_norm", "update"))
@@ -58,8 +59,6 @@ def init_state(cfg: Config) -> TrainState:
 
 
 def _checkpoint_params(cfg: Config) -> Any:
-    from trainer import hf_checkpoint  # numpy only; read when a run starts from a checkpoint
-
     return jax.tree.map(jnp.asarray, hf_checkpoint.initial_params(cfg.model))
 
 
@@ -161,8 +160,6 @@ def train_step(state: TrainState, batch: dict, *, cfg: Config, level: str = "ste
     only to measure what they buy (autodiff's inside the same microbatch scheme)."""
     step_key = rng.step_key(jax.random.wrap_key_data(state.key, impl="threefry2x32"), state.step)
     if cfg.mesh.mesh_invariant:  # --- mesh-invariant mode: fixed-order microbatched gradients
-        from trainer.config import ConfigError
-
         if cfg.optimizer.microbatches > 1:
             raise ConfigError("optimizer.microbatches does not apply in mesh-invariant mode; its microbatches are "
                               "mesh.n_microbatches: leave optimizer.microbatches=1")

@@ -64,7 +64,7 @@ def head_loss(cfg: Config | ModelConfig, params: Any, hidden_BxLxD: jax.Array, t
               chunk: int) -> tuple[jax.Array, jax.Array]:
     """(logz [B, L], target logit [B, L]) of the LM head, `chunk` positions at a time (0 or L:
     all at once, the unchunked head). `params`: the model's whole parameter tree."""
-    m = model._model_cfg(cfg)
+    m = model.model_cfg(cfg)
     B, L, D = hidden_BxLxD.shape
     if chunk <= 0 or chunk >= L:
         return _head_stats(m, params, hidden_BxLxD, targets_BxL)

@@ -15,8 +15,9 @@ the whole projection (all heads at once), not per head, and so does this model.
 
 Layout: this file holds the numerics every layer shares (fixed-order sums, softmax, RMSNorm and
 their fixed-order backward passes, which tests patch here), the taps and the public API
-(apply, init_params, the name functions, counts); trainer/attention.py the attention and RoPE;
-trainer/layers.py the blocks, the network, remat and the scan over layers.
+(apply, init_params, param_names, counts; the name functions are trainer/model_names.py's,
+imported here); trainer/attention.py the attention and RoPE; trainer/layers.py the blocks, the
+network, remat and the scan over layers.
 
 Shape suffixes: B batch, L query positions, S key positions, D d_model, N query heads,
 K key/value heads, G = N / K query heads per kv head, H head_dim, F d_ff, V vocab.
@@ -41,13 +42,10 @@ import jax
 import jax.numpy as jnp
 
 from trainer.config import Config, ModelConfig
+from trainer.model_names import block_capture_names, block_names, layer_names, model_cfg
 
 LAYERS = "intermediates"  # collection holding the layer-level outputs
 _TAP = "tap:"  # prefix of sown variable names: they then never collide with submodule names
-
-
-def _model_cfg(cfg: Config | ModelConfig) -> ModelConfig:
-    return cfg.model if isinstance(cfg, Config) else cfg
 
 
 def _fine_collection(block: str) -> str:
@@ -250,34 +248,6 @@ def _dense(cfg: ModelConfig, features: int, name: str) -> nn.Dense:
 
 # ------------------------------------------------------------------------ public API
 
-def block_names(cfg: Config | ModelConfig) -> list[str]:
-    """["block_00", "block_01", ...]; zero-padded so names sort in execution order."""
-    m = _model_cfg(cfg)
-    width = max(2, len(str(m.n_layers - 1)))
-    return [f"block_{i:0{width}d}" for i in range(m.n_layers)]
-
-
-def layer_names(cfg: Config | ModelConfig) -> list[str]:
-    """Names of the layer-level forward outputs, in execution order (what traces record)."""
-    names = ["embed"]
-    for b in block_names(cfg):
-        names += [f"{b}.attn", f"{b}.mlp", b]
-    return names + ["final_norm", "logits"]
-
-
-def block_capture_names(cfg: Config | ModelConfig, block: str) -> list[str]:
-    """Names of the intermediates inside one block, in execution order."""
-    m = _model_cfg(cfg)
-    if block not in block_names(m):
-        raise ValueError(f"unknown block {block!r}; valid: {', '.join(block_names(m))}")
-    attn = ["q", "k", "v"] + (["q_norm", "k_norm"] if m.qk_norm else [])
-    # the fused attention never materialises its scores and probabilities
-    attn += ["q_rope", "k_rope"] + (["logits", "probs"] if m.attention == "explicit" else []) + ["ctx", "out"]
-    names = [f"{block}.attn.{n}" for n in attn] + [f"{block}.attn_norm", f"{block}.attn"]
-    names += [f"{block}.mlp.{n}" for n in ("gate", "up", "act", "down")]
-    return names + [f"{block}.mlp_norm", f"{block}.mlp", block]
-
-
 def _collect(tree: Mapping[str, Any], out: dict[str, jax.Array]) -> dict[str, jax.Array]:
     for key, value in tree.items():
         if key.startswith(_TAP):
@@ -306,7 +276,7 @@ def apply(cfg: Config | ModelConfig, params: Any, tokens_BxL: jax.Array, *,
     """
     from trainer.layers import Transformer
 
-    m = _model_cfg(cfg)
+    m = model_cfg(cfg)
     model = Transformer(m, fixed_backward, batch_sharding)
     variables = {"params": params}
     rngs = {} if dropout_key is None else {"dropout": dropout_key}
@@ -339,7 +309,7 @@ def init_params(cfg: Config | ModelConfig, key: jax.Array) -> Any:
     (threefry_partitionable makes random bits independent of the sharding)."""
     from trainer.layers import Transformer
 
-    m = _model_cfg(cfg)
+    m = model_cfg(cfg)
     tokens_BxL = jnp.zeros((1, 1), jnp.int32)  # parameter shapes do not depend on L
     return Transformer(m).init({"params": key}, tokens_BxL, True, mutable=["params"])["params"]
 
@@ -351,7 +321,7 @@ def param_names(cfg: Config | ModelConfig) -> tuple[str, ...]:
     the order of anything recorded per parameter."""
     from trainer.layers import Transformer
 
-    m = _model_cfg(cfg)
+    m = model_cfg(cfg)
     order: list[str] = []
 
     def walk(tree: Mapping[str, Any], prefix: str) -> None:
@@ -374,7 +344,7 @@ def param_names(cfg: Config | ModelConfig) -> tuple[str, ...]:
 
 def param_count(cfg: Config | ModelConfig) -> int:
     """Exact number of parameters (tested against the initialised tree)."""
-    m = _model_cfg(cfg)
+    m = model_cfg(cfg)
     D, F, V, KH = m.d_model, m.d_ff, m.vocab_size, m.n_kv_heads * m.head_dim
     attn = D * D + 2 * D * KH + D * D + ((D + KH) if m.qk_norm else 0)
     block = attn + 3 * D * F + 2 * D  # + attn_norm and mlp_norm scales
@@ -392,7 +362,7 @@ def flops_per_token(cfg: Config | ModelConfig) -> float:
     seq_len per layer = 12 * L * D * T, counted for the full (not causal-halved) square, as
     PaLM does; GQA does not change it because every query head still attends.
     """
-    m = _model_cfg(cfg)
+    m = model_cfg(cfg)
     from trainer.attention import layer_window
 
     n_matmul = param_count(m) - (0 if m.tied_embeddings else m.vocab_size * m.d_model)

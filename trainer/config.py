@@ -1,4 +1,5 @@
-"""Run configuration: frozen dataclasses nested by concern, CLI overrides (presets: trainer/presets.py).
+"""Run configuration: frozen dataclasses nested by concern, CLI overrides (presets: trainer/presets.py;
+a field's values from text or JSON, and ConfigError: trainer/config_values.py).
 
 A config is saved whole into the run manifest and compared on resume, so it must
 round-trip exactly through JSON (`to_dict` / `from_dict`) and never change after a run
@@ -11,15 +12,10 @@ from it by name elsewhere, so no section carries a seed of its own.
 from __future__ import annotations
 
 import dataclasses
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from replay.errors import InputError
-
-
-class ConfigError(ValueError, InputError):
-    """A bad preset name, override or value; the message is one line meant for users."""
+from trainer.config_values import ConfigError, coerce, field_types, valid_keys
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -224,62 +220,6 @@ _SECTION_TYPES: dict[str, type] = {
 
 # ----------------------------------------------------------------- overrides and dicts
 
-def _field_types(cls: type) -> dict[str, Any]:
-    # `from __future__ import annotations` leaves field.type as a string; resolve it.
-    return typing.get_type_hints(cls)
-
-
-def _coerce(value: Any, tp: Any, key: str, *, text: bool) -> Any:
-    """Turn a CLI string (text=True) or a JSON value (text=False, no string parsing) into
-    a value of type `tp`, or raise ConfigError."""
-    if typing.get_origin(tp) is Literal:
-        choices = typing.get_args(tp)
-        if value not in choices:
-            raise ConfigError(f"{key}={value!r} is not one of: {', '.join(map(str, choices))}")
-        return value
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if text and isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
-            return True
-        if text and isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
-            return False
-        raise ConfigError(f"{key}={value!r} is not a bool (true/false)")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if text and isinstance(value, str):
-            try:
-                return int(value.replace("_", ""))
-            except ValueError:
-                pass
-            try:  # "1e6" is a natural way to write a step count
-                f = float(value)
-                if f.is_integer():
-                    return int(f)
-            except ValueError:
-                pass
-        raise ConfigError(f"{key}={value!r} is not an integer")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if text and isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{key}={value!r} is not a number")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{key}={value!r} is not a string")
-    raise ConfigError(f"{key}: unsupported field type {tp!r}")  # pragma: no cover
-
-
-def _valid_keys(cls: type, prefix: str = "") -> str:
-    return ", ".join(prefix + f.name for f in dataclasses.fields(cls))
-
-
 def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:
     """Return a new Config with "section.field=value" (or "seed=1", "steps=10") applied.
 
@@ -294,23 +234,23 @@ def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Conf
             raise ConfigError(f"override {item!r} must look like section.field=value")
         section, dot, name = key.partition(".")
         if not dot:
-            top = _field_types(Config)
+            top = field_types(Config)
             if key in SECTIONS:
                 raise ConfigError(f"override {key!r} names a section; use {key}.FIELD=value")
             if key not in top:
                 raise ConfigError(f"unknown config key {key!r}; valid top-level keys: "
                                   f"seed, steps, and sections {', '.join(SECTIONS)}")
-            top_changes[key] = _coerce(raw, top[key], key, text=True)
+            top_changes[key] = coerce(raw, top[key], key, text=True)
             continue
         if section not in SECTIONS:
             raise ConfigError(f"unknown config section {section!r} in {key!r}; valid sections: "
                               f"{', '.join(SECTIONS)}")
         cls = _SECTION_TYPES[section]
-        types = _field_types(cls)
+        types = field_types(cls)
         if name not in types:
             raise ConfigError(f"unknown config key {key!r}; valid keys of {section}: "
-                              f"{_valid_keys(cls, section + '.')}")
-        section_changes.setdefault(section, {})[name] = _coerce(raw, types[name], key, text=True)
+                              f"{valid_keys(cls, section + '.')}")
+        section_changes.setdefault(section, {})[name] = coerce(raw, types[name], key, text=True)
     for section, changes in section_changes.items():
         top_changes[section] = _replace(getattr(cfg, section), **changes)
     return _replace(cfg, **top_changes) if top_changes else cfg
@@ -331,7 +271,7 @@ def from_dict(d: dict[str, Any]) -> Config:
     read with silently filled-in defaults could claim a config the run never had."""
     if not isinstance(d, dict):
         raise ConfigError(f"config must be a dict, got {type(d).__name__}")
-    top = _field_types(Config)
+    top = field_types(Config)
     if "check" not in d:  # recorded before the SDC checks existed: it ran with none, i.e. the defaults
         d = {**d, "check": dataclasses.asdict(CheckConfig())}
     d = _fill_added_later(d)
@@ -346,11 +286,11 @@ def from_dict(d: dict[str, Any]) -> Config:
             if name == "data" and "sampler" not in sub:
                 raise ConfigError(_BEFORE_SAMPLER)
             _check_keys(sub, cls, name + ".")
-            types = _field_types(cls)
-            kwargs[name] = cls(**{k: _coerce(sub[k], t, f"{name}.{k}", text=False)
+            types = field_types(cls)
+            kwargs[name] = cls(**{k: coerce(sub[k], t, f"{name}.{k}", text=False)
                                   for k, t in types.items()})
         else:
-            kwargs[name] = _coerce(d[name], tp, name, text=False)
+            kwargs[name] = coerce(d[name], tp, name, text=False)
     return Config(**kwargs)
 
 
@@ -388,7 +328,7 @@ def _check_keys(d: dict[str, Any], cls: type, prefix: str) -> None:
     missing = sorted(want - set(d))
     if unknown:
         raise ConfigError(f"unknown config key {prefix + unknown[0]!r}; valid keys: "
-                          f"{_valid_keys(cls, prefix)}")
+                          f"{valid_keys(cls, prefix)}")
     if missing:
         raise ConfigError(f"config is missing key {prefix + missing[0]!r}")
 

@@ -110,6 +110,22 @@ def test_a_torn_last_entry_is_dropped_and_its_record_walked(tmp_path, cut):
     assert trace.notes == []
 
 
+def test_an_empty_sidecar_is_one_not_yet_begun_and_no_note(tmp_path):
+    """A writer killed between creating the sidecar and writing its header leaves an empty file
+    (once in test_a_kill_mid_append_leaves_a_sidecar_of_whole_records's random kills): the records
+    are read, as with no sidecar, and nothing is reported damaged or unusable."""
+    schema, seg = write(tmp_path / "run")
+    tix = sidecar.sidecar_path(seg)
+    os.truncate(tix, 0)
+    trace = assert_tail(tmp_path / "run", schema)
+    assert trace.notes == []
+    w = TraceWriter(tix.parent, schema, segment_records=1000)  # a resumed writer gives the tail its sidecar again
+    w.append(make_record(schema, TAIL))
+    w.close()
+    side = sidecar.read(seg, schema, 0, seg.stat().st_size)
+    assert side is not None and side.problem is None and side.count == TAIL + 1
+
+
 @pytest.mark.parametrize("where", ["header", "middle-entry", "last-entry-lies", "other-segment"])
 def test_a_garbled_sidecar_is_found_and_the_records_read(tmp_path, where):
     schema, seg = write(tmp_path / "run")

@@ -64,9 +64,6 @@ EXIT_CODES = MappingProxyType({
     "builtins.PermissionError": EXIT_BAD_INPUT,
     "builtins.IsADirectoryError": EXIT_BAD_INPUT,
     "builtins.NotADirectoryError": EXIT_BAD_INPUT,
-    # a signal that stops MaxText's main at its first step inside replay.maxtext's rebuild and is caught
-    # there; one that escaped would be a bug in replay
-    "replay.maxtext.rebuild._Captured": EXIT_BUG,
 })
 
 class ReplayUnavailable(Exception):

@@ -32,10 +32,6 @@ from replay.errors import ReplayUnavailable
 OVERRIDES = ("enable_checkpointing=false",)
 
 
-class _Captured(Exception):
-    """Raised from the first call of MaxText's jitted step: the rebuild has what it needs."""
-
-
 @dataclass
 class Rebuilt:
     config: Any
@@ -119,6 +115,10 @@ def _run_until_first_step(argv: list[str]) -> Rebuilt:
     from flax.core.spmd import get_logical_axis_rules
     from maxtext.trainers.pre_train import train
     from maxtext.utils import train_utils
+
+    class _Captured(Exception):
+        """Raised from the first call of MaxText's jitted step: the rebuild has what it needs. A signal
+        that never leaves this function (caught below), so not one of the package's error classes."""
 
     got: dict = {}
     setup, jit_step = train_utils.setup_train_loop, train_utils.jit_train_step

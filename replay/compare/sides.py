@@ -27,6 +27,7 @@ from replay.compare.floor import reference_losses, rounding_error
 from traces import Run
 from replay.bundle import open_run
 from replay.engine.damage import damage_error
+from replay import plugins
 
 EVALUATE = "evaluate"
 HOOK = "torch_reference"
@@ -50,8 +51,6 @@ def framework_of(run: Run) -> str:
 
 
 def _reference(run: Run, why: str) -> TorchReference:
-    from replay import plugins
-
     ref = plugins.first_answer(HOOK, run)
     if ref is None:
         raise CompareInputError(f"{run.path}: compare --eval needs a PyTorch reference of the run's model {why}, and "
@@ -136,7 +135,6 @@ def open_side(path: str | Path) -> Any:
     even though only its checkpoints are evaluated: its manifest and trace are what name them.
     A JAX run no plugin gives a PyTorch reference for is a JAX loop's (replay/compare/jaxloop.py:
     its own evaluate and held-out batches, a floor measured with its own evaluate)."""
-    from replay import plugins
     from replay.compare.jaxloop import LoopSide
 
     run = open_run(path)  # a folder a bundle was unpacked to is checked as one

@@ -18,7 +18,7 @@ from replay.engine.contract import Contract
 from traces import FieldDiff, Run, TraceCorruptError, diff_records
 from traces.schema import METRIC_DTYPES
 from replay.record.recorder import to_record
-from replay.engine.damage import describe_damage, run_damage, shown_path
+from replay.engine.damage import bundle_terms, describe_damage, run_damage, shown_path
 from replay.engine.edits import describe, state_edits
 from replay.record import checkpoints as ckpts
 
@@ -145,8 +145,6 @@ def check_range(run: Run, first: int, last: int, checkpoints: list[int]) -> int:
 def _check_records(run: Run, start: int, last: int) -> None:
     """Every record the replay will compare passes its checksums before anything is compiled, so
     damage inside the range is refused up front, never found halfway through a verdict."""
-    from replay.engine.damage import bundle_terms, shown_path
-
     try:
         for step in range(start, last + 1):
             run.trace.read(step)

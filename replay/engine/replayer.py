@@ -26,7 +26,7 @@ from replay.record import exported
 from replay.record.export import _path
 from replay.record.exported import flat_state
 from replay.record.fingerprint import fingerprint_lanes
-from replay.record.orbax_io import CheckpointError
+from replay.record.orbax_io import CheckpointDamagedError, CheckpointError
 from traces.fingerprint import fingerprint
 
 
@@ -126,8 +126,6 @@ class Replayer:
 
     def checkpoints(self) -> list[int]:
         if self._ckpts is None:
-            from replay.record.orbax_io import CheckpointDamagedError, CheckpointError
-
             try:
                 steps = list(self.rep.checkpoint_steps())
             except CheckpointDamagedError:

@@ -22,6 +22,7 @@ import sys
 from importlib import metadata
 
 import jax
+from jax._src import xla_bridge
 
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy")
 # Packages whose code or libraries run a GPU step: the JAX plugin, cuBLAS, cuDNN, NCCL (all-reduce
@@ -90,8 +91,6 @@ def cpu_description() -> dict:
 def pool_threads() -> int | None:
     """Threads in this process's XLA:CPU intra-op pool, or None when it cannot be known
     (no backend started yet, or no /proc to count threads in)."""
-    from jax._src import xla_bridge
-
     if not xla_bridge.backends_are_initialized():
         return None
     try:

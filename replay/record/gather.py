@@ -32,6 +32,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 
 def gather_blocking(local_hashes: np.ndarray) -> np.ndarray:
@@ -40,7 +41,7 @@ def gather_blocking(local_hashes: np.ndarray) -> np.ndarray:
     comparison and as the reference the asynchronous gather is checked against)."""
     if jax.process_count() == 1:
         return np.asarray(local_hashes, np.uint64)
-    from jax.experimental import multihost_utils
+    from jax.experimental import multihost_utils  # multi-process runs only: not loaded by `import jax`
 
     words = np.asarray(local_hashes, np.uint64).view(np.uint32).reshape(-1, 2)  # no uint64 on device
     gathered = np.asarray(multihost_utils.process_allgather(words, tiled=True), np.uint32)
@@ -75,8 +76,6 @@ class GatheredHashes:
 
 @functools.lru_cache(maxsize=8)
 def _replicate(mesh: Any) -> Any:
-    from jax.sharding import NamedSharding, PartitionSpec
-
     return jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 

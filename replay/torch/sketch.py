@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
 from replay.torch import fingerprint as _fp
@@ -93,7 +94,5 @@ def sketch_and_norm(t: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Te
 
 def sketch(t: torch.Tensor, width: int) -> tuple:
     """(numpy float32[W] sketch, float32 norm): syncs; for tests and one-off checks."""
-    import numpy as np
-
     s, ss = sketch_and_norm(t, width)
     return s.cpu().numpy().astype(np.float32), np.float32(np.sqrt(float(ss)))

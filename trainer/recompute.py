@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from replay.record.names import get_path
@@ -185,8 +186,6 @@ def _loss_program(cfg: Config) -> Any:
 def eval_losses(cfg: Config, params: Any, rows: np.ndarray) -> np.ndarray:
     """float32 [N]: each token row's mean next-token cross-entropy under `params`, without z-loss
     or dropout, `cfg.data.global_batch_size` rows at a time."""
-    import jax.numpy as jnp
-
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dropout=0.0))
     fn = _loss_program(cfg)
     batch = cfg.data.global_batch_size

@@ -1,6 +1,6 @@
 """`make(config)` checked while recording, so its bugs surface here and not at replay elsewhere.
 
-At the first step of a new run (replay/record/run.py `_start_recording`, once the step's input
+At the first step of a new run (replay/record/run_start.py `start`, once the step's input
 shapes are known) replay calls the entry point with the recorded config, as every replay will,
 and checks that the `replay.Loop` it returns can rebuild this step: the Loop's state has the
 tree, shapes and dtypes of the state the loop actually feeds (checkpoints are restored onto

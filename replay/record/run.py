@@ -27,19 +27,15 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from replay.record import checkpoints as ckpts
-from replay.record import examples_store, export, run_open, state_layout
+from replay.record import run_open, run_start
 from replay.record.run_checkpoints import RunCheckpoints, as_state
 from replay.record.errors import RecordError
 from replay.record.options import StepOptions
 from replay.record.orbax_io import CheckpointDiskFullError
 from traces import Run, Schema, StepRecord
-from replay.engine.human_names import STATE_NAMES_KEY
 from replay.record import manifest as manifestlib
-from replay.record.entry_check import check_entrypoint
 from replay.record.program import check_state
 from traces.errors import DiskFullError, disk_full_message
-import warnings
 
 _PENDING_JSON = run_open.PENDING.to_json()  # run.json's schema until the first step shows the real one
 
@@ -52,40 +48,18 @@ class RecordingRun:
                  store_examples: bool = False, keep_checkpoints: int = 0, replayable: str | None = None,
                  manifest: dict | None = None, state_step: Callable[[Any], int] | None = None,
                  resume_command: str | None = None):
-        if isinstance(keep_checkpoints, bool) or not isinstance(keep_checkpoints, int) or keep_checkpoints < 0:
-            raise RecordError(f"replay.init(keep_checkpoints={keep_checkpoints!r}): the newest checkpoints to keep, an "
-                              "int >= 0 (0 keeps all)")
-        if checkpoints is not None and keep_checkpoints:  # before the run's folder is touched
-            raise RecordError("replay.init(checkpoints=manager, keep_checkpoints=N): your CheckpointManager keeps what "
-                              "its own max_to_keep says; set it there")
-        if entrypoint is not None and replayable is not None:
-            raise RecordError("replay.init: give entrypoint= (a loop replay rebuilds) or replayable= (your own replay "
-                              "protocol factory), not both")
+        run_open.check_arguments(checkpoints, keep_checkpoints, entrypoint, replayable)
         self.path = Path(path)
         self.finished = False
         self._entrypoint = None if resume else entrypoint  # checked against the step at its first call
-        self.next_step = 0
         self._step: Any = None
         self._recorder: Any = None  # set by begin(): what hands records to the trace writer
         self._first_record = True
         self._resume_command = resume_command or f"replay.init({str(self.path)!r}, resume=True)"
-        self._trace_end: int | None = None  # a resumed run: where its trace ended when it was reopened
         self._marked = not resume  # a resumed run is marked incomplete at its first write (run_open.resume)
-        if resume:
-            self._run, recorded = run_open.resume(self.path, replayable)
-            self._trace_end = Run.open(self.path).trace.end if self._run is None else self._run.trace.end
-            self.next_step = self._trace_end if self._trace_end else (recorded.get("trace_first_step") or 0)
-        else:
-            if entrypoint is None and replayable is None:
-                raise RecordError("replay.init(..., entrypoint=make): name the @replay.entrypoint function that "
-                                  "rebuilds this loop for replay")
-            inside = checkpoints is None or run_open.inside(ckpts.directory_of(checkpoints), self.path)
-            where = ("checkpoints" if checkpoints is None else
-                     os.path.relpath(ckpts.directory_of(checkpoints), self.path.absolute()) if inside
-                     else str(ckpts.directory_of(checkpoints)))
-            recorded = manifestlib.build(config, entrypoint, dataset_size, where, replayable, manifest)
-            self._run = run_open.create(self.path, recorded)
-            recorded = self._run.manifest if self._run is not None else Run.open(self.path).manifest
+        # _trace_end: a resumed run's, where its trace ended when it was reopened (None: a new run)
+        self._run, recorded, self.next_step, self._trace_end = run_open.open_run(
+            self.path, resume, config, entrypoint, dataset_size, checkpoints, replayable, manifest)
         where = recorded.get("checkpoint_dir", "checkpoints")
         self._ckpt_dir = (self.path / where) if not Path(where).is_absolute() else Path(where)
         self._checkpoints = RunCheckpoints(self._ckpt_dir, recorded, manager=checkpoints, keep=keep_checkpoints,
@@ -136,15 +110,9 @@ class RecordingRun:
         options = StepOptions(batch_axis=batch_axis, loss=loss, level=level, rng=tuple(rng),
                               metric_kinds=dict(metric_kinds or {}), metrics=metrics)
 
-        def wrap(f: Callable) -> Any:
-            from replay.record.nnx_step import FunctionalStep  # RecordedStep, with its calls checked
+        from replay.record.nnx_step import FunctionalStep  # RecordedStep, with its calls checked
 
-            if self._step is not None:
-                raise RecordError("run.step wraps one train step per run; this run already has one")
-            self._step = FunctionalStep(self, f, options)
-            return self._step
-
-        return wrap if fn is None else wrap(fn)
+        return self._wrap("run.step", FunctionalStep, options, fn)
 
     def nnx_step(self, fn: Callable | None = None, *, batch_axis: int = 0, loss: str | None = "loss",
                  level: str = "layer", rng: tuple[str, ...] | list[str] = (), metric_kinds: dict | None = None) -> Any:
@@ -157,12 +125,15 @@ class RecordingRun:
         options = StepOptions(batch_axis=batch_axis, loss=loss, level=level, rng=tuple(rng),
                               metric_kinds=dict(metric_kinds or {}))
 
-        def wrap(f: Callable) -> Any:
-            from replay.record.nnx_step import NnxRecordedStep
+        from replay.record.nnx_step import NnxRecordedStep
 
+        return self._wrap("run.nnx_step", NnxRecordedStep, options, fn)
+
+    def _wrap(self, called: str, wrapper: Callable, options: StepOptions, fn: Callable | None) -> Any:
+        def wrap(f: Callable) -> Any:
             if self._step is not None:
-                raise RecordError("run.nnx_step wraps one train step per run; this run already has one")
-            self._step = NnxRecordedStep(self, f, options)
+                raise RecordError(f"{called} wraps one train step per run; this run already has one")
+            self._step = wrapper(self, f, options)
             return self._step
 
         return wrap if fn is None else wrap(fn)
@@ -175,31 +146,8 @@ class RecordingRun:
         return tap(tree, name, kind)
 
     def _start_recording(self, program: Any) -> None:
-        """The wrapped step's first call was traced: its schema, program and options into the
-        manifest (checked against the run's on a resume), the exported program, the trace opened."""
-        if run_open.process_index() == 0 and self._run is not None:
-            recorded = self._run.manifest.get("record")
-            if recorded is not None and recorded != program.options.to_json():
-                raise RecordError(f"{self.path}: the step records different options than the run did; resume with "
-                                  "the same step, config and run.step(...) arguments")
-            if recorded is not None and self._run.manifest.get("program_hash") != program.program_hash:
-                raise RecordError(f"{self.path}: the step compiles to a different program than the run recorded; "
-                                  "resume with the same code and config")
-        resuming = self._recorded_schema() is not None
-        if not resuming and self._entrypoint is not None:  # make() checked here, not on another machine at replay
-            check_entrypoint(self._entrypoint, self.manifest.get("config"), program, self.next_step)
-        self.begin(program.schema, program.program_hash, record=program.options.to_json())
-        if self._store_examples and run_open.processes() > 1:
-            raise RecordError(f"{self.path}: replay.init(store_examples=True) on {run_open.processes()} processes: each "
-                              "holds only its rows; record without it (replays then need the loop's code)")
-        if not resuming and self._run is not None:  # process 0 writes the run's files
-            self._record_exported(program)
-            if program.state_names:
-                self._run.update_manifest(**{STATE_NAMES_KEY: program.state_names})
-            state, batch = program.abstract
-            self._run.update_manifest(**{state_layout.KEY: state_layout.describe(state)},
-                                      **manifestlib.example_tokens(self.manifest, batch, program.options.batch_axis))
-        self._open_examples(program, resume=resuming)
+        """The wrapped step's first call was traced (replay/record/run_start.py)."""
+        run_start.start(self, program)
 
     def begin(self, schema: Schema, program_hash: str | None = None, *, level: str | None = None,
               record: dict | None = None, timeline: Any = None) -> None:
@@ -268,23 +216,6 @@ class RecordingRun:
         """Writes every record still held on device (run.save and run.finish do it too)."""
         if self._recorder is not None:
             self._recorder.flush()
-
-    def _record_exported(self, program: Any) -> None:
-        """The step as a jax.export program and the example store's layout, into the manifest, so
-        replay needs no user code (replay/record/export.py, examples_store.py; the manifest says
-        why when the step could not be exported, and whether examples are stored)."""
-        entry = export.export(self.path, program)
-        if entry.get("error"):
-            warnings.warn(f"replay: {self.path}: recorded without an exported program ({entry['error']}); "
-                          "replaying it will need your code", stacklevel=3)
-        store = (examples_store.layout_of(program.abstract[1], program.options.batch_axis) if self._store_examples
-                 else {"format": examples_store.FORMAT, "enabled": False})
-        self._run.update_manifest(**{export.KEY: entry, examples_store.KEY: store})
-
-    def _open_examples(self, program: Any, resume: bool) -> None:
-        store = self.manifest.get(examples_store.KEY)
-        if self._run is not None and isinstance(store, dict) and store.get("leaves"):
-            self._examples = examples_store.ExampleWriter(self.path, program.options.batch_axis, resume=resume)
 
     def _close_examples(self) -> None:
         if self._examples is not None:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Any, Callable
 
+from replay.record import checkpoints as ckpts
 from replay.record import manifest as manifestlib
 from replay.record.errors import RecordError
 from traces import Run, Schema
@@ -31,6 +33,40 @@ def processes() -> int:
     import jax
 
     return jax.process_count()
+
+
+def check_arguments(checkpoints: Any, keep_checkpoints: Any, entrypoint: str | Callable | None,
+                    replayable: str | None) -> None:
+    """replay.init's arguments that contradict each other, refused before the run's folder is touched."""
+    if isinstance(keep_checkpoints, bool) or not isinstance(keep_checkpoints, int) or keep_checkpoints < 0:
+        raise RecordError(f"replay.init(keep_checkpoints={keep_checkpoints!r}): the newest checkpoints to keep, an "
+                          "int >= 0 (0 keeps all)")
+    if checkpoints is not None and keep_checkpoints:  # before the run's folder is touched
+        raise RecordError("replay.init(checkpoints=manager, keep_checkpoints=N): your CheckpointManager keeps what "
+                          "its own max_to_keep says; set it there")
+    if entrypoint is not None and replayable is not None:
+        raise RecordError("replay.init: give entrypoint= (a loop replay rebuilds) or replayable= (your own replay "
+                          "protocol factory), not both")
+
+
+def open_run(path: Path, resumed: bool, config: Any, entrypoint: str | Callable | None,
+             dataset_size: "int | manifestlib.Tokens | None", checkpoints: Any, replayable: str | None,
+             manifest: dict | None) -> tuple[Run | None, dict, int, int | None]:
+    """(the run for writing, process 0's, else None; its manifest; the next step to record; where a
+    resumed run's trace ended when it was reopened, None for a new run)."""
+    if resumed:
+        run, recorded = resume(path, replayable)
+        trace_end = Run.open(path).trace.end if run is None else run.trace.end
+        return run, recorded, trace_end if trace_end else (recorded.get("trace_first_step") or 0), trace_end
+    if entrypoint is None and replayable is None:
+        raise RecordError("replay.init(..., entrypoint=make): name the @replay.entrypoint function that "
+                          "rebuilds this loop for replay")
+    inside_run = checkpoints is None or inside(ckpts.directory_of(checkpoints), path)
+    where = ("checkpoints" if checkpoints is None else
+             os.path.relpath(ckpts.directory_of(checkpoints), path.absolute()) if inside_run
+             else str(ckpts.directory_of(checkpoints)))
+    run = create(path, manifestlib.build(config, entrypoint, dataset_size, where, replayable, manifest))
+    return run, run.manifest if run is not None else Run.open(path).manifest, 0, None
 
 
 def create(path: Path, manifest: dict) -> Run | None:

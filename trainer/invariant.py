@@ -146,7 +146,8 @@ from trainer.tree_sums import Counter, fixed_order_sums, pair_tree, split_axis
 from trainer.config import Config
 from trainer.constants import BATCH_AXES
 from trainer.invariant_process import (  # noqa: F401 - the trainer, its CLI and tests name them here
-    INVARIANT_COUNTS, ISA_FLAG, POOL_ENV, POOL_THREADS, invariant_counts, prepare_process, settings_problem,
+    INVARIANT_COUNTS, ISA_FLAG, POOL_ENV, POOL_THREADS, invariant_counts, pool_threads, prepare_process,
+    settings_problem,
 )
 
 

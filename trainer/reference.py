@@ -137,6 +137,55 @@ def fine_map(cfg: Config | ModelConfig, block: str) -> list[tuple[str, str]]:
     return out + [(f"{block}.mlp_norm", f"{hf}.post_feedforward_layernorm"), (block, hf)]
 
 
+# Where the reference shows each point of trainer.model_names.block_capture_names(block) that no
+# module returns: the attention function's arguments and result (transformers' eager attention:
+# query and key after RoPE, the probabilities), and a module's input (the merged heads entering
+# o_proj, SwiGLU's product entering down_proj). The scores before softmax are not shown.
+_ATTENTION_POINTS = ("q_rope", "k_rope", "probs")
+_INPUT_POINTS = {"attn.ctx": "self_attn.o_proj", "mlp.act": "mlp.down_proj"}
+
+
+def fine_points(cfg: Config | ModelConfig, block: str) -> list[tuple[str, str, str]]:
+    """(trainer intermediate, HF module, what of it: "out" its output, "in" its input, or
+    "q_rope" / "k_rope" / "probs" of its attention call) for every point inside `block` the
+    reference can show, in the trainer's execution order (the block's layer-level names too)."""
+    from trainer.model_names import block_capture_names
+
+    m = _m(cfg)
+    hf = f"model.layers.{_block_names(m).index(block)}"
+    modules = dict(fine_map(m, block))
+    modules.update({f"{block}.attn": f"{hf}.post_attention_layernorm", f"{block}.mlp": f"{hf}.post_feedforward_layernorm"})
+    out = []
+    for name in block_capture_names(m, block):
+        leaf = name[len(block) + 1:]
+        if name in modules:
+            out.append((name, modules[name], "out"))
+        elif leaf in _INPUT_POINTS:
+            out.append((name, f"{hf}.{_INPUT_POINTS[leaf]}", "in"))
+        elif leaf.startswith("attn.") and leaf[5:] in _ATTENTION_POINTS:
+            out.append((name, f"{hf}.self_attn", leaf[5:]))
+    return out
+
+
+# What each point computes, for a report ("block_00.attn.q_rope" -> by its last part).
+OP_TEXT = {"q": "q projection", "k": "k projection", "v": "v projection", "q_norm": "QK-norm of q",
+           "k_norm": "QK-norm of k", "q_rope": "rotary embedding of q", "k_rope": "rotary embedding of k",
+           "probs": "attention softmax", "ctx": "attention context (heads merged)", "out": "o projection",
+           "attn_norm": "attention branch norm", "gate": "gate projection", "up": "up projection",
+           "act": "SwiGLU (silu(gate) * up)", "down": "down projection", "mlp_norm": "MLP branch norm",
+           "embed": "token embedding", "final_norm": "final norm", "logits": "head (lm_head)"}
+
+
+def op_text(name: str) -> str:
+    """What the point `name` (a layer or a point inside a block) computes, in words."""
+    parts = name.split(".")
+    if len(parts) == 1 and parts[0].startswith("block_"):
+        return "the block's residual sum"
+    if len(parts) == 2 and parts[0].startswith("block_") and parts[1] in ("attn", "mlp"):
+        return f"{'attention' if parts[1] == 'attn' else 'MLP'} branch as added to the residual"
+    return OP_TEXT.get(parts[-1], name)
+
+
 def tensor_names(cfg: Config | ModelConfig) -> Any:
     """The replay.torch TensorNames that records the reference under the trainer's trace names
     and layouts (imports torch)."""

@@ -63,7 +63,7 @@ def _initial_hf(cfg: Config, weights: str | Path | None, start_params: Any) -> d
 
 def train_reference(cfg: Config, run_dir: str | Path, steps: int, *, weights: str | Path | None = None,
                     start_params: Any = None, sketch_width: int | None = None,
-                    on_step: Callable[[int, float], None] | None = None) -> Path:
+                    on_step: Callable[[int, float], None] | None = None, variant: str | None = None) -> Path:
     """Train the reference for `steps` steps into the new run folder `run_dir`; returns its path.
 
     `weights`: a safetensors file of HF-named tensors or a Hugging Face checkpoint folder to start
@@ -71,7 +71,9 @@ def train_reference(cfg: Config, run_dir: str | Path, steps: int, *, weights: st
     (the checkpoint of model.init_from when it is set). Checkpoints (safetensors,
     replay/torch/checkpoint.py) at step 0, every `cfg.checkpoint.every_steps` and at the end, as
     the trainer saves them, so `replay compare --eval` can evaluate the same steps of both runs.
-    `on_step(k, loss)` after each step (a progress display; reading the loss waits for the step)."""
+    `on_step(k, loss)` after each step (a progress display; reading the loss waits for the step).
+    `variant`: a held-out port mistake patched into the reference (trainer.port_bugs.REFERENCE_BUGS),
+    recorded in the manifest as "reference_bug" so a re-run of the run patches it again."""
     import torch
 
     import replay.torch
@@ -85,6 +87,10 @@ def train_reference(cfg: Config, run_dir: str | Path, steps: int, *, weights: st
     torch.manual_seed(cfg.seed)
     model = reference.hf_model(m, seed=cfg.seed)
     reference.load_into(model, _initial_hf(cfg, weights, start_params), m)
+    if variant:
+        from trainer.port_bugs import apply_reference_bug
+
+        apply_reference_bug(model, variant)
     model.train()
     decay = [p for p in model.parameters() if p.dim() > 1]
     no_decay = [p for p in model.parameters() if p.dim() <= 1]
@@ -92,7 +98,8 @@ def train_reference(cfg: Config, run_dir: str | Path, steps: int, *, weights: st
                              {"params": no_decay, "weight_decay": 0.0}], lr=0.0, betas=(o.b1, o.b2), eps=o.eps)
     schedule = lr_schedule(o)
     source = data.open_source(cfg.data.source, cfg.data.token_dtype, m.vocab_size)
-    config = {"trainer_config": to_dict(cfg), "data": source.describe(), "reference": reference.generation()}
+    config = {"trainer_config": to_dict(cfg), "data": source.describe(), "reference": reference.generation(),
+              **({"reference_bug": variant} if variant else {})}
     run = replay.torch.init(run_dir, config=config, model=model, optimizer=opt, names=reference.tensor_names(m),
                             sketch_width=DEFAULT_WIDTH if sketch_width is None else sketch_width)
     params = list(model.parameters())

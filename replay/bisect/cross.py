@@ -12,6 +12,8 @@ Bits are never expected to match across frameworks, so instead of the first diff
 3. The noise floor (replay/bisect/cross_floor.py): the distance two correct implementations
    reach, measured. The first examined step where some field exceeds it, and the first field
    there in causal order, name the step, the layer and the cause.
+4. The op (replay/bisect/cross_refine.py): for a forward layer, that step re-run on both sides
+   with the points inside the layer's block captured; the first above the floor is named.
 
 Steps examined: every common step up to DENSE_STEPS; beyond, DENSE_STEPS evenly spaced ones,
 then a binary search between the last one within the floor and the first one above it (a
@@ -29,6 +31,7 @@ import numpy as np
 
 from replay.bisect.cross_distance import compared_names, from_replay, from_traces, sketches_in_both
 from replay.bisect.cross_floor import floor_for
+from replay.bisect.cross_refine import OpFinding, refine_op
 from traces import Run
 
 DENSE_STEPS = 256
@@ -76,6 +79,7 @@ class CrossReport:
     notes: list[str] = field(default_factory=list)
     failure: Exception | None = None
     max_ratio: float = 0.0  # the largest distance / floor seen where nothing was above
+    op: OpFinding | None = None  # the op inside first_layer (replay/bisect/cross_refine.py)
 
     @property
     def within_noise(self) -> bool:
@@ -93,7 +97,17 @@ class CrossReport:
         if self.cause == "init" and "one_side" in self.inputs.get("init", {}):
             side, name = self.inputs["init"]["one_side"]
             return f"{text}: {name} is a parameter of the {side} run only"
-        return f"{text} {self.first_layer}" if self.cause == "forward" and self.first_layer else text
+        if self.cause != "forward" or not self.first_layer:
+            return text
+        text = f"{text} {self.first_layer}"
+        op = self.op
+        if op is not None and op.name and op.name != self.first_layer:
+            return f"{text}, op {op.name} ({op.text}{': ' + op.diagnosis if op.diagnosis else ''})"
+        return f"{text} ({op.text})" if op is not None and op.name and op.text != op.name else text
+
+    @property
+    def first_op(self) -> str | None:
+        return self.op.name if self.op is not None else None
 
     # Names shared with BisectReport, so callers need not tell the two apart.
     @property
@@ -117,6 +131,7 @@ class CrossReport:
             "examined": sorted(self.distances), "names": [n for n, _ in self.names],
             "kinds": {n: k for n, k in self.names}, "floor": self.floor,
             "distances": {str(k): v for k, v in sorted(self.distances.items())},
+            "first_op": self.first_op, "op": None if self.op is None else self.op.to_json(),
             "error": None if self.failure is None else str(self.failure), "notes": self.notes,
         })
 
@@ -218,6 +233,8 @@ def cross_bisect(run_a: Run, run_b: Run, refine: bool = True) -> CrossReport:
         source = lambda steps: from_traces(t, j, steps, report.names)  # noqa: E731
     try:
         _scan(report, source, start, end)
+        if refine and report.cause == "forward" and report.first_layer:
+            report.op = refine_op(t, j, report.first_step, report.first_layer, report.notes)
     except Exception as e:  # noqa: BLE001 - the CLI raises it after the report (2 bad input, 3 a bug)
         report.failure = e
     return report

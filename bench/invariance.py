@@ -57,7 +57,8 @@ def _worker(args: argparse.Namespace) -> None:
 
         from trainer import step as steplib
 
-        loop.compile_step = functools.partial(steplib.compile_step, fixed_backward=False)
+        # the loop lowers through trainer.mesh.lower_step, which calls steplib.compile_step
+        steplib.compile_step = functools.partial(steplib.compile_step, fixed_backward=False)
     built = loop.build(cfg)
     state = meshlib.init_sharded_state(cfg, built.mesh)
     records, times = [], []

@@ -41,7 +41,7 @@ from trainer.faults import FaultPlan
 from trainer.optim import make_optimizer
 from trainer.resume_config import load_resume_config  # noqa: F401 - the train command and demo import it here
 from trainer.sdc_watch import RerunWatch
-from trainer.step import METRICS, compile_step, tensor_schema
+from trainer.step import METRICS, tensor_schema
 
 RNG_WORDS = 2  # a threefry2x32 key
 
@@ -186,23 +186,18 @@ def build(cfg: Config, source: data.TokenSource | None = None, mesh_cfg: MeshCon
         invariant.check(cfg, int(mesh.size))
     batcher = data.Batcher(source, cfg.model.seq_len, cfg.data.global_batch_size, rng.data_seed(cfg.seed),
                            jax.process_index(), jax.process_count(), sampler=cfg.data.sampler)
-    abstract = meshlib.abstract_state(cfg)
-    shardings = meshlib.state_shardings(mesh, abstract)
-    batch_sharding = meshlib.batch_sharding(mesh)
-    abstract_sharded = meshlib.abstract_with_shardings(abstract, shardings)
     sketches.check(cfg)
     schema = make_schema(cfg.data.global_batch_size, cfg.trace.level, tensor_schema(cfg), sketches.width(cfg))
     levels = {cfg.trace.level} | ({"step"} if cfg.trace.level == "layer" and cfg.trace.layer_every > 1 else set())
     if on_compile is not None:
         on_compile()
     t0 = time.perf_counter()
-    example = meshlib.abstract_batch(cfg, mesh)
 
     def compiler(step_cfg: Config) -> Callable[[str], Any]:
-        return lambda lvl: compile_step(step_cfg, lvl, shardings, batch_sharding).lower(abstract_sharded, example).compile()
+        return lambda lvl: meshlib.lower_step(cfg, lvl, mesh, step_cfg)[0].compile()
 
     # The recorded level's program now (its hash goes in the manifest); the others on first use.
-    lowered = compile_step(cfg, cfg.trace.level, shardings, batch_sharding).lower(abstract_sharded, example)
+    lowered, shardings, batch_sharding, abstract_sharded = meshlib.lower_step(cfg, cfg.trace.level, mesh)
     compiled = Programs(compiler(cfg), levels, {cfg.trace.level: lowered.compile()})
     phash = program_hash(lowered)
     faulty_cfg = faults.model_cfg(10**12) if faults else None  # the faulty program, if a fault needs one

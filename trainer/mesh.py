@@ -150,6 +150,19 @@ def abstract_batch(cfg: Config, mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:
     return {name: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=s) for name in ("inputs", "targets")}
 
 
+def lower_step(cfg: Config, level: str, mesh: Mesh, program_cfg: Config | None = None) -> tuple[Any, Any, Any, Any]:
+    """The train step at trace `level` lowered for `mesh`, as the trainer's loop lowers it:
+    (lowered, state shardings, batch sharding, sharded abstract state). Tests that step the trainer
+    by hand call it too, so they compile the very programs the loop's runs compile. `program_cfg`:
+    another config's step (a fault's) on `cfg`'s arguments."""
+    abstract = abstract_state(cfg)
+    shardings = state_shardings(mesh, abstract)
+    abstract_sharded = abstract_with_shardings(abstract, shardings)
+    lowered = step.compile_step(program_cfg or cfg, level, shardings, batch_sharding(mesh)).lower(
+        abstract_sharded, abstract_batch(cfg, mesh))
+    return lowered, shardings, batch_sharding(mesh), abstract_sharded
+
+
 def init_sharded_state(cfg: Config, mesh: Mesh) -> step.TrainState:
     """step.init_state(cfg) created directly in its sharded layout (no full copy on one device).
     Same bits as the unsharded state: threefry_partitionable random bits do not depend on the

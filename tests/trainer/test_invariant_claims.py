@@ -64,15 +64,16 @@ _COMMANDS = r"""
 import functools, json, sys
 from typer.testing import CliRunner
 from replay.cli.app import app
-from trainer import loop, step
+from trainer import step
+kept = step.compile_step
 out = []
 for job in json.loads(sys.argv[1]):
-    if job["fallback"]:
-        loop.compile_step = functools.partial(step.compile_step, fixed_backward=False)
+    if job["fallback"]:  # the loop lowers through trainer.mesh.lower_step, which calls step.compile_step
+        step.compile_step = functools.partial(kept, fixed_backward=False)
     try:
         r = CliRunner().invoke(app, job["args"], env={"REPLAY_DEBUG": None})
     finally:
-        loop.compile_step = step.compile_step
+        step.compile_step = kept
     crash = None if r.exception is None or isinstance(r.exception, SystemExit) else repr(r.exception)
     out.append({"exit_code": r.exit_code, "stdout": r.stdout, "stderr": r.stderr, "crash": crash})
 print(json.dumps(out))

@@ -27,6 +27,7 @@ from traces.index import (
 )
 from traces.schema import Schema
 from traces.segment import SegmentFile
+from traces.storage import is_remote
 
 
 class FileIndex:
@@ -112,7 +113,7 @@ class FileIndex:
     def maybe(self, queries: np.ndarray) -> np.ndarray | None:
         """bool per query, False where the hash is certainly not in the segment (the filter;
         version 2), or None (version 1: no filter)."""
-        if not self.filter_blocks:
+        if not self.filter_blocks or is_remote(self.path):  # remote: no map; the table answers (as for version 1)
             return None
         # Mapped for this search only: the kernel maps pages around each one touched, which
         # would count against the process's RSS if every segment's filter stayed mapped.

@@ -33,6 +33,7 @@ from traces.errors import (
     disk_full_message,
 )
 from traces.segment import SEGMENT_MAGIC
+from traces.storage import as_path
 from traces.trace import FORMAT_VERSION
 
 MANIFEST = "run.json"
@@ -103,7 +104,7 @@ def read_manifest(path: Path, notes: list[str] | None = None, trust_unchecked: b
     (None: the innermost `trusting_unchecked_manifests`) reads a format_version 1 manifest
     without a checksum, adding a line to `notes` that says what is then unchecked.
     """
-    path = Path(path)
+    path = as_path(path)  # a folder, or gs:// / s3:// (traces/storage)
     if not path.exists():
         raise RunNotFoundError(f"{path}: no such run; check the path (a run is the folder `replay train --out` wrote)")
     if not path.is_dir():
@@ -180,7 +181,7 @@ def _newest_segment_version(trace_dir: Path) -> int | None:
         return None
     for seg in names:
         try:
-            with open(seg, "rb") as f:
+            with seg.open("rb") as f:
                 head = f.read(_SEGMENT_VERSION.size)
         except OSError:
             continue

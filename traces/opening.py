@@ -21,6 +21,7 @@ import zstandard
 
 from traces import sidecar
 from traces.errors import NewerFormatError, SchemaError, TraceCorruptError
+from traces.storage import is_remote
 from traces.segment import (
     FRAME_HEAD, HEADER_SIZE, SEAL_SIZE, SEGMENT_SUFFIX, SegmentFile, Walk, check_frames, parse_seal, read_at, read_header,
     segment_name, walk_frames,
@@ -72,6 +73,11 @@ def open_segments(reader: TraceReader) -> None:
     """Fills reader.segments, .damage and .tail from the trace directory's segment files: each
     sealed segment's header and seal (48 bytes), the unsealed tail whole."""
     paths = sorted(reader.dir.glob("*" + SEGMENT_SUFFIX)) if reader.dir.is_dir() else []
+    if is_remote(reader.dir):  # every header and seal requested at once: O(segments) requests, in parallel
+        sizes = [p.stat().st_size for p in paths]
+        reader.dir.view.prefetch([(p.key, 0, HEADER_SIZE) for p in paths] +
+                                 [(p.key, n - SEAL_SIZE, SEAL_SIZE) for p, n in zip(paths, sizes)
+                                  if n >= HEADER_SIZE + SEAL_SIZE])
     expected: int | None = None
     for i, path in enumerate(paths):
         stop = _open_segment(reader, path, expected, is_last=i == len(paths) - 1)

@@ -24,6 +24,7 @@ from traces.manifest import (  # noqa: F401  (re-exported: the run format's name
     MANIFEST, MANIFEST_CHECKSUM, TRACE_FIRST_STEP, TRUST_FLAG, manifest_checksum, read_manifest, write_json_atomic, write_manifest,
 )
 from traces.schema import Schema
+from traces.storage import StorageError, as_path, is_remote, is_url
 from traces.trace import DEFAULT_SEGMENT_RECORDS, FORMAT_VERSION, Damage, TraceReader
 from traces.writer import TraceWriter
 
@@ -58,14 +59,14 @@ class Run:
     # Opening ----------------------------------------------------------------------------
     @classmethod
     def open(cls, path: str | os.PathLike) -> "Run":
-        path = Path(path)
+        path = as_path(path)  # a folder, or a gs:// / s3:// URL (read-only: traces/storage)
         notes: list[str] = []
         return cls(path, read_manifest(path, notes), notes=notes)
 
     @classmethod
     def create(cls, path: str | os.PathLike, schema: Schema, manifest: dict, first_step: int = 0) -> "Run":
         """Starts a new run whose trace starts at `first_step`. The directory must not exist, or be empty."""
-        path = Path(path)
+        path = _writable(path)
         if not holds_nothing(path):
             raise NotARunError(f"{path}: already exists and is not empty; choose a new --out or resume it with --resume")
         path.mkdir(parents=True, exist_ok=True)
@@ -81,7 +82,7 @@ class Run:
         """Reopens a run for appending: takes the lock and marks it incomplete again. mark=False
         only takes the lock (a second writer is refused from now on) and leaves the run as it
         was until `mark_incomplete()`, so a resume refused before it writes changes nothing."""
-        path = Path(path)
+        path = _writable(path)
         notes: list[str] = []
         manifest = read_manifest(path, notes)
         lock_fd = take_lock(path)
@@ -234,7 +235,16 @@ def take_lock(path: Path, create: bool = True) -> int | None:
     return fd
 
 
+def _writable(path: str | os.PathLike) -> Path:
+    if is_url(path):
+        raise StorageError(f"{path}: runs on object storage can be read (show, audit, bisect) but not yet written; "
+                           "record to a local folder and copy it to the bucket")
+    return Path(path)
+
+
 def _is_locked(path: Path) -> bool:
+    if is_remote(path):  # no flock on an object store: a remote run's writer is not seen (read-only for now)
+        return False
     try:
         fd = os.open(path / LOCK, os.O_RDONLY)
     except FileNotFoundError:

@@ -15,6 +15,7 @@ from pathlib import Path
 import zstandard
 
 from traces.errors import NewerFormatError, TraceCorruptError
+from traces.storage import is_remote
 
 FORMAT_VERSION = 2  # 2: distance sketches in layer-level records (traces/sketch.py); 1 still read
 SEGMENT_MAGIC = b"RPLYSEG1"
@@ -106,6 +107,13 @@ class SegmentFile:
 
     def __init__(self, path: Path, step: int | None = None):
         self.path, self.step = path, step
+        if is_remote(path):  # an object: its size from the folder's listing, its bytes by range reads
+            self.fd = None
+            try:
+                self.size = path.stat().st_size
+            except FileNotFoundError as e:
+                raise unreadable(path, e, step) from None
+            return
         try:
             self.fd = open_fd(path)
             self.size = os.fstat(self.fd).st_size
@@ -113,6 +121,8 @@ class SegmentFile:
             raise unreadable(path, e, step) from None
 
     def read(self, offset: int, size: int) -> bytes:
+        if self.fd is None:
+            return self.path.read_range(offset, size)
         try:
             data = os.pread(self.fd, size, offset)
             while len(data) < size:  # pread may return short on some filesystems; EOF returns b""
@@ -125,7 +135,8 @@ class SegmentFile:
             raise unreadable(self.path, e, self.step) from None
 
     def close(self) -> None:
-        os.close(self.fd)
+        if self.fd is not None:
+            os.close(self.fd)
 
     def __enter__(self) -> "SegmentFile":
         return self

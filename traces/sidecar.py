@@ -167,8 +167,7 @@ def read(segment: Path, schema: Schema, first_step: int, segment_size: int) -> S
     """The segment's sidecar, None when it has none (a run recorded before them, or a writer
     killed before it wrote one, or before its header: an empty file); raises SidecarUnusable when its header does not hold."""
     try:
-        with open(sidecar_path(segment), "rb") as f:
-            data = f.read()
+        data = sidecar_path(segment).read_bytes()  # a Path or a RemotePath (traces/storage)
     except FileNotFoundError:
         return None
     except OSError as e:

@@ -32,6 +32,7 @@ from traces.index import IndexBuilder, IndexUnusable, MemoryIndex, StepColumns, 
 from traces.index_file import FileIndex
 from traces.opening import Damage, _Segment, describe_damage, open_segments  # noqa: F401 - Damage re-exported
 from traces.schema import Schema, StepRecord, decode_record
+from traces.storage import as_path
 from traces.segment import (  # noqa: F401 - re-exported: the layout's names have always been here
     DEFAULT_SEGMENT_RECORDS, FORMAT_VERSION, FRAME_HEAD, HEADER_SIZE, MAX_FRAME_BYTES, SEAL_MARK, SEAL_SIZE,
     SEGMENT_MAGIC, SEGMENT_SUFFIX, SegmentFile, _compressor, _decompressor, check_frames, encode_frame, encode_header,
@@ -60,7 +61,7 @@ class TraceReader:
 
     def __init__(self, trace_dir: str | os.PathLike, schema: Schema, cache_segments: int = 2,
                  first_step: int | None = None):
-        self.dir = Path(trace_dir)
+        self.dir = as_path(trace_dir)
         self.first_step = first_step  # where the trace must start (run.json), None when not recorded
         self.schema = schema
         self._digest = schema.digest()

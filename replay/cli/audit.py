@@ -21,6 +21,7 @@ import typer
 
 from replay.cli import console
 from replay.errors import EXIT_DIVERGED
+from traces.storage import shown
 
 SHOWN_REPEATS = 20  # steps in the human table
 JSON_REPEATS = 1000  # steps in --json; a run that replays data for days would otherwise print gigabytes
@@ -90,7 +91,7 @@ def to_json(report, run: Path) -> dict[str, Any]:
     pe = report.per_epoch
     return {
         "ok": report.ok,
-        "run": str(run),
+        "run": shown(run),  # a URL with its "//" (a Path argument drops one)
         "steps": {"start": report.start, "end": report.end, "count": report.end - report.start},
         "examples_per_step": report.examples_per_step,
         "dataset_size": report.dataset_size if report.dataset_size_from != "trace" else None,

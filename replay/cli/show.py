@@ -20,6 +20,7 @@ import typer
 import traces
 from replay.cli import console
 from traces.schema import check_tensors
+from traces.storage import shown
 from replay.bundle import open_run
 from replay.engine.damage import bundle_terms, run_damage
 
@@ -81,7 +82,7 @@ def summarize(path: str | Path, verify: bool = False) -> dict[str, Any]:
     tail = (bundle_terms(run, str(reader.tail[0])), reader.tail[1]) if reader.tail is not None else None
 
     summary: dict[str, Any] = {
-        "path": str(path),
+        "path": shown(path),  # a URL as given (a Path argument turns gs:// into gs:/)
         "format_version": manifest["format_version"],
         "status": status,
         "steps": {

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+from traces.storage import is_url
+
 # Written by `replay unpack` (and by every command that opens a bundle) into the folder it unpacks
 # to: replay's own mark, on the user's machine, so a bundle's bytes can neither forge it away nor
 # keep a folder they fill from being known as a bundle's (format.py refuses a member of this name).
@@ -21,6 +23,8 @@ ALIAS_PREFIX = "_replay_code_"  # sys.modules names of modules loaded from a fol
 
 def unpacked_from(path: str | os.PathLike) -> Path | None:
     """The folder at or above `path` that a bundle was unpacked to (it holds MARKER), else None."""
+    if is_url(path):  # a run in a bucket: `replay unpack` unpacks only to local folders
+        return None
     try:
         p = Path(path).resolve()
     except (OSError, RuntimeError):

@@ -1,0 +1,97 @@
+"""Real object-store emulators on 127.0.0.1 for the remote-run tests (never a mock of a client):
+gcp-storage-emulator for gs:// (STORAGE_EMULATOR_HOST) and moto's server for s3://
+(AWS_ENDPOINT_URL). Each starts in a thread of this process in well under a second, on a free port,
+once per test session (per xdist worker), and points the official clients at itself.
+
+Use: `from tests.traces.emulators import gcs, s3, upload` in a test module, then the fixtures
+`gcs` / `s3` give a bucket URL ("gs://replay-test") and `upload(local_run, url)` copies a run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+BUCKET = "replay-test"
+
+
+logging.getLogger("werkzeug").setLevel(logging.WARNING)  # both servers log every request at INFO
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def gcs():
+    pytest.importorskip("gcp_storage_emulator", reason="pip install -e '.[dev]' brings gcp-storage-emulator")
+    from gcp_storage_emulator.server import create_server
+
+    port = _free_port()
+    server = create_server("127.0.0.1", port, in_memory=True, default_bucket=BUCKET)
+    server.start()
+    old = os.environ.get("STORAGE_EMULATOR_HOST")
+    os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{port}"
+    try:
+        yield f"gs://{BUCKET}"
+    finally:
+        _forget("gs")
+        server.stop()
+        _restore({"STORAGE_EMULATOR_HOST": old})
+
+
+@pytest.fixture(scope="session")
+def s3():
+    pytest.importorskip("moto.server", reason="pip install -e '.[dev]' brings moto[server]")
+    from moto.server import ThreadedMotoServer
+
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    old = {k: os.environ.get(k) for k in [*env, "AWS_PROFILE", "AWS_SESSION_TOKEN"]}
+    os.environ.pop("AWS_PROFILE", None)
+    os.environ.pop("AWS_SESSION_TOKEN", None)
+    os.environ.update(env)
+    try:
+        from traces.storage import open_store
+
+        open_store(f"s3://{BUCKET}")[0].client.create_bucket(Bucket=BUCKET)
+        yield f"s3://{BUCKET}"
+    finally:
+        _forget("s3")
+        server.stop()
+        _restore(old)
+
+
+def _forget(scheme: str) -> None:
+    """Drops the process's store for the emulator's bucket: a later emulator has another port."""
+    from traces import storage
+
+    storage._STORES.pop((scheme, BUCKET), None)
+
+
+def _restore(old: dict) -> None:
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def upload(local: Path, url: str) -> str:
+    """Copies the run folder `local` to `url` object by object (write-if-absent); returns `url`."""
+    from traces.storage import open_store
+
+    store, key = open_store(url)
+    for p in sorted(Path(local).rglob("*")):
+        if p.is_file() and p.name != ".lock":
+            store.write_if_absent(f"{key}/{p.relative_to(local).as_posix()}", p.read_bytes())
+    return url

@@ -1,0 +1,143 @@
+"""Runs on object storage, read: `replay show`, `audit` and `bisect` of a run in a bucket (a real
+emulator on 127.0.0.1: tests/traces/emulators.py) say what they say of the same run on disk, open
+it in O(segments) requests, and report a damaged object instead of reading it."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import traces
+from tests.cli_util import assert_one_line_error, invoke
+from tests.replay.test_audit import make_run as make_audit_run
+from tests.replay.test_audit import resume_repeat
+from tests.traces.emulators import gcs, s3, upload  # noqa: F401 - fixtures
+from tests.traces.helpers import make_record, make_schema
+from traces import storage
+
+SEGMENT = 7  # records a segment: resume_repeat()'s 30 steps make 4 sealed segments and an unsealed tail
+
+
+@pytest.fixture(params=["gcs", "s3"])
+def bucket(request):
+    return request.getfixturevalue(request.param)
+
+
+def remote_copy(tmp_path, bucket, name="run", hashes=None):
+    """(a local run of the audit tests' kind, its copy in the bucket's folder for this test)."""
+    local = make_audit_run(tmp_path / name, resume_repeat() if hashes is None else hashes, 1000, segment_records=SEGMENT)
+    return local, upload(local, f"{bucket}/{tmp_path.name}/{name}")
+
+
+def as_local(result, url, local) -> str:
+    return result.stdout.replace(url, str(local))
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_show_of_a_remote_run_says_what_show_of_the_local_run_says(tmp_path, bucket, verify):
+    local, url = remote_copy(tmp_path, bucket)
+    flags = ["--json", "--verify"] if verify else ["--json"]
+    here, there = invoke("show", *flags, str(local)), invoke("show", *flags, url)
+    assert here.exit_code == there.exit_code == 0, there.output
+    shown = json.loads(there.stdout)
+    assert shown["path"] == url and shown["status"] == "complete" and shown["steps"]["count"] == 30
+    assert json.loads(as_local(there, url, local)) == json.loads(here.stdout)
+
+
+def test_audit_of_a_remote_run_finds_the_same_repeats(tmp_path, bucket):
+    local, url = remote_copy(tmp_path, bucket)
+    here, there = invoke("audit", "--json", str(local)), invoke("audit", "--json", url)
+    assert here.exit_code == there.exit_code == 1, there.output  # resume_repeat() feeds steps 10..19 again
+    assert json.loads(there.stdout)["first_early_repeat_step"] == 20
+    assert json.loads(as_local(there, url, local)) == json.loads(here.stdout)
+
+
+def test_bisect_of_a_local_run_against_a_remote_one(tmp_path, bucket):
+    schema = make_schema()
+    runs = {}
+    for name, changed in (("a", None), ("b", 9)):
+        run = traces.Run.create(tmp_path / name, schema, {"config": {"synthetic": True}})
+        writer = run.writer(5)
+        for k in range(14):
+            rec = make_record(schema, k)
+            if k == changed:
+                rec.metrics[0] += 1
+            writer.append(rec)
+        run.finish()
+        runs[name] = (tmp_path / name, upload(tmp_path / name, f"{bucket}/{tmp_path.name}/{name}"))
+    (a, url_a), (b, url_b) = runs["a"], runs["b"]
+    here = invoke("bisect", "--no-refine", "--json", str(a), str(b))
+    assert here.exit_code == 1, here.output
+    assert json.loads(here.stdout)["first_step"] == 9
+    for pair in ((str(a), url_b), (url_a, url_b)):
+        there = invoke("bisect", "--no-refine", "--json", *pair)
+        assert there.exit_code == 1, there.output
+        assert json.loads(there.stdout.replace(url_a, str(a)).replace(url_b, str(b))) == json.loads(here.stdout)
+
+
+def test_opening_costs_requests_per_segment_and_a_step_one_range(tmp_path, bucket):
+    local, url = remote_copy(tmp_path, bucket)
+    segments = len(list((local / "trace").glob("*.seg")))
+    storage.reset_counts()
+    run = traces.Run.open(url)
+    reader = run.trace
+    assert (reader.start, reader.end, run.damage) == (0, 30, [])
+    opened = storage.request_counts()
+    # run.json and COMPLETE whole; each segment's header and seal (the tail's sidecar whole, its
+    # last frame checked): nothing grows with the steps a segment holds.
+    assert opened["range"] <= 2 * segments + 2 and opened.get("get", 0) <= 3 and opened["list"] <= 3, opened
+    storage.reset_counts()
+    record = reader.read(9)  # in the second sealed segment: its index's offsets column, then the frame
+    assert record.step == 9 and record.batch_hash == 10
+    step = storage.request_counts()
+    assert step["range"] <= 3 and step.get("get", 0) == 0 and step.get("list", 0) == 0, step
+    assert step["bytes"] < (local / "trace" / "000000000007.seg").stat().st_size, step
+
+
+def test_a_damaged_remote_segment_is_reported_not_read(tmp_path, bucket):
+    local, url = remote_copy(tmp_path, bucket)
+    name = "trace/000000000007.seg"  # sealed: opening reads only its header and seal
+    data = bytearray((local / name).read_bytes())
+    data[len(data) // 2] ^= 0x40
+    (local / name).write_bytes(bytes(data))
+    store, key = storage.open_store(f"{url}/{name}")
+    store.write_if_generation(key, bytes(data), store.stat(key).generation)
+    here, there = invoke("show", "--verify", str(local)), invoke("show", "--verify", url)
+    assert here.exit_code == there.exit_code == 2
+    assert_one_line_error(there, f"{url}/{name}")
+    assert there.stderr.replace(url, str(local)) == here.stderr
+    audit = invoke("audit", "--verify", url)
+    assert_one_line_error(audit, f"{url}/{name}")
+
+
+def test_a_missing_remote_run_is_one_line(bucket):
+    result = invoke("show", f"{bucket}/no/such/run")
+    assert_one_line_error(result, f"{bucket}/no/such/run: no such run")
+
+
+def test_writing_to_object_storage_is_refused_until_the_write_path_lands(bucket):
+    with pytest.raises(traces.TraceError, match="can be read .* but not yet written"):
+        traces.Run.create(f"{bucket}/new", make_schema(), {"config": {}})
+    from replay.errors import EXIT_BAD_INPUT, EXIT_CODES
+
+    assert EXIT_CODES["traces.errors.TraceError"] == EXIT_BAD_INPUT  # StorageError is one
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_conditional_writes_refuse_a_second_writer(tmp_path, request, where):
+    """What the next slice's writer lock and COMPLETE marker stand on. gcp-storage-emulator does not
+    enforce if_generation_match (checked: it overwrites), so GCS's is not tested here."""
+    url = str(tmp_path / "obj") if where == "local" else f"{request.getfixturevalue('s3')}/{tmp_path.name}/obj"
+    store, key = storage.open_store(url)
+    first = store.write_if_absent(key, b"one")
+    with pytest.raises(storage.PreconditionFailed):
+        store.write_if_absent(key, b"two")
+    second = store.write_if_generation(key, b"three", first)
+    with pytest.raises(storage.PreconditionFailed):
+        store.write_if_generation(key, b"four", first)  # the generation moved on
+    assert store.read(key) == b"three" and store.stat(key).generation == second
+    assert store.read_range(key, 1, 3) == b"hre" and store.read_range(key, 10, 3) == b""
+    store.delete(key)
+    assert store.stat(key) is None

@@ -253,7 +253,7 @@ def value_and_grad(params: Any, cfg: Config, batch: dict, step_key: jax.Array, c
     """
     from trainer import sdc
 
-    mesh = _default_mesh(mesh)
+    mesh = mesh_or_one_device(mesh)
     n = int(mesh.devices.size)
     check(cfg, n)
     m_total = cfg.mesh.n_microbatches
@@ -332,7 +332,8 @@ def value_and_grad(params: Any, cfg: Config, batch: dict, step_key: jax.Array, c
     return fn(params, key_data, step_in, batch["inputs"], batch["targets"])
 
 
-def _default_mesh(mesh: Mesh | None) -> Mesh:
+def mesh_or_one_device(mesh: Mesh | None) -> Mesh:
+    """`mesh`, or a 1x1 mesh of the first device where a caller traces without one (a test, a bench)."""
     import numpy as np
 
     return Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), BATCH_AXES) if mesh is None else mesh

@@ -324,9 +324,9 @@ def replica_lanes(params: Any, cfg: Config, batch: dict, step_key: jax.Array, st
     global microbatch order, with device d computing the microbatches device (d + rotate) % n computes
     in the step; only the persistent SDC faults of a faulty config act (a transient happened once).
     No reduction, no update: what `replay verify` compares across devices. jit it (rotate traced)."""
-    from trainer.invariant import _default_mesh, check, strided as _strided
+    from trainer.invariant import mesh_or_one_device, check, strided as _strided
 
-    mesh = _default_mesh(mesh)
+    mesh = mesh_or_one_device(mesh)
     n = int(mesh.devices.size)
     check(cfg, n)
     layout = Layout(n, cfg.mesh.n_microbatches // n, cfg.mesh.n_microbatches, _strided(n))

@@ -214,7 +214,7 @@ def train_step(state: TrainState, batch: dict, *, cfg: Config, level: str = "ste
         lr=jnp.asarray(applied_lr(opt_state), jnp.float32),
         # mesh-invariant: a fixed-order norm from row shards, as grad_norm's (an XLA reduce's order follows the layout)
         param_norm=optax.tree.norm(params) if grad_norm is None else tree_sums.sharded_norm(
-            params, invariant._default_mesh(mesh)),
+            params, invariant.mesh_or_one_device(mesh)),
         example_loss=aux["example_loss"],
         rng=rng.key_words(step_key),
     )

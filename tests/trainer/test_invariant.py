@@ -117,7 +117,7 @@ def test_sharded_norm_is_the_fixed_order_norm_in_float32():
             "b": jnp.asarray(rng.standard_normal(300) * 50, jnp.bfloat16)}
     leaves = [x.astype(jnp.float32) for x in jax.tree.leaves(tree)]
     expected, _ = tree_sums.fixed_order_sums(leaves, [False] * len(leaves), None)
-    got = jax.jit(lambda t: tree_sums.sharded_norm(t, invariant._default_mesh(None)))(tree)
+    got = jax.jit(lambda t: tree_sums.sharded_norm(t, invariant.mesh_or_one_device(None)))(tree)
     assert got.dtype == jnp.float32 and np.asarray(got).tobytes() == np.asarray(expected).tobytes()
     exact = np.sqrt(sum((np.asarray(x, np.float64) ** 2).sum() for x in leaves))
     assert abs(float(got) - exact) <= 1e-6 * exact

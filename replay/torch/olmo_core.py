@@ -37,8 +37,17 @@ own checkpoints (replay/torch/checkpoint.py) are not written: a torch run is nev
 replay's engine (it records no program), so its checkpoints serve only a resume, which
 OLMo-core's do, and `replay compare --eval`, which this run does not support.
 
-One process only: with a data-parallel world size above 1 each rank sees its slice of the
-global batch ([:, rank::world]), and a run records global batches, so it is refused in one line.
+Data parallel (OLMo-core's DDP or FSDP over torch.distributed, the data loader's world size
+the process group's): every rank adds the callback with the same folder; rank 0 alone writes
+the run. Each rank's loader feeds the columns [:, rank::world] of the global batch, so each
+step every rank's example hashes and instance indices are gathered to rank 0 and put back in
+the global order: the recorded examples are the global batch's, equal to a one-rank run's,
+whatever the world size, and a resume on another world size continues the same run (the
+manifest's segments say which world size fed which steps). The recorded metrics are reduced
+over the ranks as OLMo-core reduces them for its logs (the CE loss averaged); the layers' and
+gradients' fingerprints are rank 0's (its slice's activations), so a run on two ranks differs
+from one on one rank in numbers, never in data. Tensor, context or pipeline parallel (a process
+group larger than the data-parallel world) is refused in one line.
 
 Never imported by `import replay` or `import replay.torch`: it imports olmo_core.
 """
@@ -54,10 +63,13 @@ from typing import Any, ClassVar, Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from olmo_core.train.callbacks import Callback
 
 from replay.torch.errors import TorchRecordError
+from replay.torch.hashing import example_hashes
 from replay.torch.run import TorchRun
+from replay.torch.step import StepRecording, rng_words
 from traces.errors import ResumeDivergedError
 from traces.sketch import DEFAULT_WIDTH
 from importlib.metadata import PackageNotFoundError, version
@@ -118,6 +130,12 @@ class ReplayCallback(Callback):
         self._saved: list[dict] = []  # checkpoints saved since the manifest was last written (any thread)
         self._lock = threading.Lock()
         self._completed = False
+        self._group = None  # the data-parallel process group when the loader's world size is above 1
+        self._recording = False  # every rank alike: the collectives of a step run on all ranks or none
+
+    @property
+    def _writer_rank(self) -> bool:
+        return self._group is None or dist.get_rank(self._group) == 0
 
     # ------------------------------------------------------------------------------ the fit
 
@@ -125,10 +143,31 @@ class ReplayCallback(Callback):
         if not self.path:
             raise TorchRecordError("ReplayCallback(path): name the folder to record the run into")
         tr = self.trainer
-        if tr.data_loader.dp_world_size != 1 or (torch.distributed.is_initialized()
-                                                 and torch.distributed.get_world_size() != 1):
-            raise TorchRecordError("ReplayCallback records one process (world size 1): each rank sees only its "
-                                   "slice of the global batch; train in one process to record the run")
+        self._group, self._recording = _data_parallel_group(tr), False
+        if self._group is not None and not self._writer_rank:
+            self._open_elsewhere()
+            return
+        try:
+            self._start()
+        except BaseException as e:
+            self._open_elsewhere(e)
+            raise
+        self._open_elsewhere(None)
+
+    def _open_elsewhere(self, failed: BaseException | None = None) -> None:
+        """Rank 0 opens the run; the other ranks learn whether it did, so none waits in a step's
+        gather for a rank 0 that raised."""
+        if self._group is None:
+            self._recording = failed is None
+            return
+        box = [None if failed is None else f"{type(failed).__name__}: {failed}"]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self._group, 0), group=self._group)
+        if box[0] is not None and not self._writer_rank:
+            raise TorchRecordError(f"ReplayCallback: rank 0 could not open {self.path} ({box[0]})")
+        self._recording = box[0] is None
+
+    def _start(self) -> None:
+        tr = self.trainer
         module, self._completed = tr.train_module, False
         resume = bool(tr.checkpoint_loaded) and (Path(self.path) / "run.json").is_file()
         self._run = TorchRun(self.path, config=self.config, model=module.model, optimizer=module.optim,
@@ -152,6 +191,9 @@ class ReplayCallback(Callback):
         self._write_checkpoints()  # any saved before (a checkpointer of a higher priority saving at pre_train)
 
     def pre_step(self, batch: dict):
+        if not self._recording:
+            return
+        hashes, index = self._global_rows(batch)  # on every rank, also after rank 0 stopped: a collective
         run = self._run
         if run is None or run.finished:
             return
@@ -159,20 +201,36 @@ class ReplayCallback(Callback):
         if run.next_step != self.trainer.global_step - 1:
             raise TorchRecordError(f"trainer step {self.trainer.global_step} does not follow the recorded step "
                                    f"{run.next_step - 1}; every step of a recorded fit is recorded")
-        index = batch.get("index")
-        self._index = None if index is None else torch.as_tensor(index).detach().to("cpu", torch.int64)
-        self._rec = run.step(batch["input_ids"])
+        self._index = index
+        self._rec = _GlobalStep(run, hashes)
         self._rec.__enter__()
 
+    def _global_rows(self, batch: dict) -> tuple[np.ndarray, torch.Tensor | None]:
+        """The global batch's example hashes and instance indices (None when the batches carry
+        none), in the global order: rank r's row i is the global batch's row i * world + r."""
+        hashes = example_hashes(batch["input_ids"])
+        index = batch.get("index")
+        index = None if index is None else torch.as_tensor(index).detach().to("cpu", torch.int64).reshape(-1)
+        if self._group is None:
+            return hashes, index
+        rows = torch.stack([torch.from_numpy(hashes.view(np.int64)),
+                            index if index is not None else torch.full((len(hashes),), -1, dtype=torch.int64)], 1)
+        rows = rows.to(_collective_device(self.trainer))
+        world = dist.get_world_size(self._group)
+        parts = [torch.empty_like(rows) for _ in range(world)] if self._writer_rank else None
+        dist.gather(rows, parts, dst=dist.get_global_rank(self._group, 0), group=self._group)
+        if parts is None:
+            return hashes, index
+        rows = torch.stack(parts, 1).reshape(-1, 2).cpu()
+        return rows[:, 0].numpy().view(np.uint64).copy(), None if index is None else rows[:, 1].clone()
+
     def post_train_batch(self):
+        if not self._recording:
+            return
+        values = self._metrics()  # on every rank: reduced over the ranks
         rec, self._rec = self._rec, None
         if rec is None:
             return
-        values = {}
-        for (namespace, name), ours in METRICS:
-            v = self.trainer.get_metric(name, namespace=namespace)
-            if v is not None:
-                values[ours] = v
         if "loss" not in values:  # a step in the trainer's steps_to_skip trains nothing
             rec.__exit__(RuntimeError, None, None)
             self._stop(f"step {self.trainer.global_step - 1} trained no batch (steps_to_skip?)")
@@ -186,6 +244,31 @@ class ReplayCallback(Callback):
                        "checkpoint before the trace's end is recorded into a new folder")
             return
         self._write_instances()
+
+    def _metrics(self) -> dict:
+        """The step's metrics, each reduced over the data-parallel ranks by the reduce type it was
+        recorded with (what OLMo-core logs); one rank's alone would be its slice's loss."""
+        values = {}
+        for (namespace, name), ours in METRICS:
+            v = self.trainer.get_metric(name, namespace=namespace)
+            if v is not None:
+                values[ours] = v
+        if self._group is None:
+            return values
+        from olmo_core.train.common import ReduceType
+
+        kinds = self.trainer._metrics_reduce_type
+        world = dist.get_world_size(self._group)
+        for (namespace, name), ours in METRICS:
+            kind = kinds.get(f"{namespace}/{name}")
+            if ours not in values or kind is None:  # None: the same on every rank (the LR, the clipped grad norm)
+                continue
+            v = values[ours].detach().to(_collective_device(self.trainer), torch.float32).clone()
+            if kind == ReduceType.l2_norm:
+                v = v * v
+            dist.all_reduce(v, op=dist.ReduceOp.MAX if kind == ReduceType.max else dist.ReduceOp.SUM, group=self._group)
+            values[ours] = v / world if kind == ReduceType.mean else v.sqrt() if kind == ReduceType.l2_norm else v
+        return values
 
     def post_checkpoint_saved(self, path):
         m = re.fullmatch(r"step(\d+)", Path(str(path)).name)
@@ -260,6 +343,42 @@ class ReplayCallback(Callback):
         with open(f, "r+b" if f.exists() else "wb") as fh:
             fh.seek((self._run.next_step - 1) * index.numel() * 8)
             fh.write(index.numpy().astype("<i8").tobytes())
+
+
+class _GlobalStep(StepRecording):
+    """A step whose example hashes are given: the global batch's, gathered from every rank."""
+
+    def __init__(self, run: TorchRun, hashes: np.ndarray):
+        super().__init__(run, None)
+        self._hashes = hashes
+
+    def __enter__(self) -> "_GlobalStep":
+        self.hashes, self.rng = self._hashes, rng_words()
+        self._run._begin(self)
+        return self
+
+
+def _data_parallel_group(trainer: Any):
+    """The process group to gather the global batch over (None: the loader feeds it whole), or a
+    one-line refusal when the processes are not all data-parallel ranks of the loader."""
+    world = int(trainer.data_loader.dp_world_size)
+    ready = dist.is_available() and dist.is_initialized()
+    if world == 1 and not (ready and dist.get_world_size() > 1):
+        return None
+    if not ready:
+        raise TorchRecordError(f"ReplayCallback: the data loader's world size is {world} and torch.distributed is "
+                               "not initialized; start the ranks as OLMo-core does (prepare_training_environment)")
+    if world != dist.get_world_size():
+        raise TorchRecordError(f"ReplayCallback records data-parallel runs: the data loader's world size is {world}, "
+                               f"the process group's {dist.get_world_size()} (tensor, context or pipeline "
+                               "parallel); record a run whose ranks are all data-parallel")
+    return trainer.dp_process_group or dist.group.WORLD
+
+
+def _collective_device(trainer: Any) -> torch.device:
+    from olmo_core.distributed.utils import backend_supports_cpu
+
+    return torch.device("cpu") if backend_supports_cpu() else trainer.device
 
 
 def _version() -> str:

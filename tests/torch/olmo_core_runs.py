@@ -1,10 +1,19 @@
 """OLMo-core's own Trainer on a tiny `olmo3_1M`, recorded through ReplayCallback: the fits that
-tests/torch/test_olmo_core.py compares (imported by its fixture only, so that collecting the suite
-never imports olmo_core)."""
+tests/torch/test_olmo_core*.py compare (imported by their fixtures only, so that collecting the
+suite never imports olmo_core).
+
+`launch` starts a fit on 1 or 2 ranks the way OLMo-core is launched (torchrun's environment
+variables, `prepare_training_environment`, gloo on 127.0.0.1), each rank a process running this
+module; `seed_runs` makes the seed scenario's runs from them."""
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,9 +23,10 @@ from olmo_core.data.data_loader import NumpyFSLDataLoader
 from olmo_core.nn.attention import AttentionBackendName, SlidingWindowAttentionConfig
 from olmo_core.nn.transformer import TransformerConfig
 from olmo_core.optim import AdamWConfig
+from olmo_core.distributed.parallel import DataParallelType
 from olmo_core.train import Duration, TrainerConfig
 from olmo_core.train.callbacks import Callback, CheckpointerCallback
-from olmo_core.train.train_module import TransformerTrainModuleConfig
+from olmo_core.train.train_module import TransformerDataParallelConfig, TransformerTrainModuleConfig
 
 from replay.torch.olmo_core import ReplayCallback
 
@@ -54,6 +64,21 @@ class OffByOneResume(NumpyFSLDataLoader):
         super().load_state_dict({**state_dict, "tokens_processed": state_dict["tokens_processed"] - self.global_batch_size})
 
 
+class ContiguousShards(NumpyFSLDataLoader):
+    """MaxText's olmo_grain sharding, injected to show the audit can fail: each rank reads a contiguous
+    1/world of the epoch's order and resumes at batches_processed * its per-rank batch, so the
+    order depends on the world size, and a resume on another world size feeds seen instances."""
+
+    def _get_local_instance_indices(self, indices: np.ndarray):
+        per_rank = self.rank_batch_size // self.dataset.sequence_length
+        indices = np.asarray(indices[: self.total_size])
+        shard = indices.reshape(self.dp_world_size, -1)[self.dp_rank]
+        return shard[self.batches_processed * per_rank:]
+
+
+LOADERS = {"contiguous": ContiguousShards, "off_by_one": OffByOneResume}
+
+
 def dataset(root: Path):
     tokens = root / "tokens.npy"
     if not tokens.exists():
@@ -68,12 +93,14 @@ def fit(root: Path, name: str, steps: int, callbacks: dict | None = None, loader
         world_size: int | None = None) -> None:
     """One fit of OLMo-core's Trainer; a second fit of the same name resumes from its checkpoint."""
     torch.manual_seed(0)
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     model = TransformerConfig.olmo3_1M(
         vocab_size=VOCAB, attn_backend=AttentionBackendName.torch,  # flash_2 (the default) needs a GPU
         sliding_window=SlidingWindowAttentionConfig(pattern=[8, 8, 8, -1], force_full_attention_on_first_layer=False,
                                                     force_full_attention_on_last_layer=True)).build(init_device="cpu")
-    module = TransformerTrainModuleConfig(rank_microbatch_size=BATCH * SEQ, max_sequence_length=SEQ,
-                                          optim=AdamWConfig(lr=1e-2)).build(model)
+    ddp = TransformerDataParallelConfig(name=DataParallelType.ddp) if world > 1 else None
+    module = TransformerTrainModuleConfig(rank_microbatch_size=BATCH * SEQ // world, max_sequence_length=SEQ,
+                                          optim=AdamWConfig(lr=1e-2), dp_config=ddp).build(model)
     loader = NumpyDataLoaderConfig(global_batch_size=BATCH * SEQ, seed=0, work_dir=str(root / "work")).build(dataset(root))
     if loader_class is not None:
         loader.__class__ = loader_class
@@ -128,3 +155,70 @@ class Logged(logging.Handler):
 
     def emit(self, record):
         self.lines.append(record.getMessage())
+
+
+def launch(root: Path, fits: list[tuple[str, int, str | None]], world: int, timeout: float = 600) -> None:
+    """Runs `fits` ((run name, steps, loader name or None), one after the other) on `world` ranks, one
+    process each (torchrun's environment; gloo on 127.0.0.1): a fit of a name fitted before resumes
+    from OLMo-core's checkpoint, on any world size. Raises RuntimeError with a failed rank's output
+    tail. One process for several fits: importing torch and olmo_core costs more than a fit."""
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    repo = Path(__file__).resolve().parents[2]
+    argv = [sys.executable, "-m", "tests.torch.olmo_core_runs", str(root)] + [f"{n}:{k}:{ld or ''}" for n, k, ld in fits]
+    procs, logs = [], [root / f"{fits[0][0]}.{len(fits)}fits.rank{r}of{world}.log" for r in range(world)]
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
+        with open(logs[rank], "w") as out:
+            procs.append(subprocess.Popen(argv, cwd=repo, env=env, stdout=out, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline or any(p.returncode not in (None, 0) for p in procs):
+                break  # a rank that died leaves the others waiting in a collective
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
+    if failed:
+        rank, code = failed[0]
+        raise RuntimeError(f"{[f[0] for f in fits]} on {world} ranks: rank {rank} exited {code}:\n"
+                           f"{logs[rank].read_text()[-3000:]}")
+
+
+def seed_runs(root: Path, injected: bool = False) -> dict[str, Path]:
+    """The seed scenario under OLMo-core: trained to step K on one rank (OLMo-core checkpoints at K),
+    then resumed from that checkpoint on two ranks ("1->2") or on one ("1->1"), each recording into
+    one replay run. injected: also "1->2 contiguous", the same with ContiguousShards' loader."""
+    first = [("seed_1to2", K, None), ("seed_1to1", K, None)] + ([("seed_bad", K, "contiguous")] if injected else [])
+    launch(root, first + [("seed_1to1", STEPS, None)], 1)
+    launch(root, [("seed_1to2", STEPS, None)] + ([("seed_bad", STEPS, "contiguous")] if injected else []), 2)
+    runs = {"1->2": root / "seed_1to2", "1->1": root / "seed_1to1"}
+    return {**runs, "1->2 contiguous": root / "seed_bad"} if injected else runs
+
+
+def _rank_main(root: str, *fits: str) -> None:
+    import olmo_core.distributed.parallel
+    from olmo_core.train import prepare_training_environment, teardown_training_environment
+
+    prepare_training_environment(backend="gloo")
+    torch.set_num_threads(1)  # ops this small gain nothing from more; the machine's cores are shared
+    logging.getLogger("c10d-NullHandler-dcp_logger").propagate = False
+    try:
+        for spec in fits:
+            name, steps, loader = spec.split(":")
+            # OLMo-core builds its device mesh once per process (a job is one fit); each fit here builds one
+            olmo_core.distributed.parallel._WORLD_MESH = None
+            fit(Path(root), name, int(steps), loader_class=LOADERS[loader] if loader else None)
+    finally:
+        teardown_training_environment()
+
+
+if __name__ == "__main__":
+    _rank_main(*sys.argv[1:])

@@ -170,11 +170,11 @@ def test_bisect_names_the_refed_batch_as_data_and_audit_flags_it(runs):
 
 
 @pytest.mark.slow
-def test_a_data_parallel_fit_is_refused_before_its_first_step(tmp_path):
+def test_a_data_parallel_loader_without_a_process_group_is_refused_before_its_first_step(tmp_path):
     from replay.torch import TorchRecordError
     from tests.torch import olmo_core_runs
 
-    with pytest.raises(TorchRecordError, match="records one process") as e:
+    with pytest.raises(TorchRecordError, match="world size is 2 and torch.distributed is not initialized") as e:
         olmo_core_runs.fit(tmp_path, "dp", STEPS, world_size=2)
     assert len(str(e.value).splitlines()) == 1 and not (tmp_path / "dp").exists()
 

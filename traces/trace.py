@@ -28,11 +28,11 @@ import numpy as np
 import zstandard
 
 from traces.errors import SchemaError, TraceCorruptError
-from traces.index import IndexBuilder, IndexUnusable, MemoryIndex, StepColumns, index_path
+from traces.index import INDEX_HEADER_SIZE, IndexBuilder, IndexUnusable, MemoryIndex, StepColumns, index_path
 from traces.index_file import FileIndex
 from traces.opening import Damage, _Segment, describe_damage, open_segments  # noqa: F401 - Damage re-exported
 from traces.schema import Schema, StepRecord, decode_record
-from traces.storage import as_path
+from traces.storage import as_path, is_remote
 from traces.segment import (  # noqa: F401 - re-exported: the layout's names have always been here
     DEFAULT_SEGMENT_RECORDS, FORMAT_VERSION, FRAME_HEAD, HEADER_SIZE, MAX_FRAME_BYTES, SEAL_MARK, SEAL_SIZE,
     SEGMENT_MAGIC, SEGMENT_SUFFIX, SegmentFile, _compressor, _decompressor, check_frames, encode_frame, encode_header,
@@ -40,6 +40,7 @@ from traces.segment import (  # noqa: F401 - re-exported: the layout's names hav
 )
 
 _FRAME = struct.Struct("<II")
+READ_AHEAD = 16  # remote segments whose index headers are requested together (traces/storage/path.py)
 _BUILD_CHUNK = 1024  # frames read at once when building an index (~12 MB at 1,024 examples a step)
 
 
@@ -72,6 +73,7 @@ class TraceReader:
         self.damage: list[Damage] = []
         self.notes: list[str] = []  # what was rebuilt (an index missing or damaged), once each
         self.tail: tuple[Path, int] | None = None  # (file, byte offset) where a writer would truncate
+        self._headers_ahead: set[int] = set()  # segments whose index header was requested ahead (remote)
         open_segments(self)
 
     @property
@@ -93,6 +95,8 @@ class TraceReader:
         seg = self.segments[i]
         if seg.index is None and seg.sealed and not seg.index_unusable:
             path = index_path(seg.path)
+            if is_remote(path) and i not in self._headers_ahead:
+                self._read_ahead(i)
             if path.is_file():
                 try:
                     seg.index = FileIndex(path, self.schema, seg.first_step, seg.count, seg.content_crc, seg.size)
@@ -102,6 +106,15 @@ class TraceReader:
                 self._note("segments without an index file (recorded before replay wrote them) are indexed in memory "
                            "when needed, reading each once; traces.write_indexes(RUN) writes them")
         return seg.index
+
+    def _read_ahead(self, i: int) -> None:
+        """On object storage, the index headers of the next READ_AHEAD segments are requested at
+        once: every scan reads them segment by segment, so one round trip a window, not a segment."""
+        window = [j for j in range(i, min(i + READ_AHEAD, len(self.segments))) if j not in self._headers_ahead]
+        self._headers_ahead.update(window)
+        paths = [index_path(self.segments[j].path) for j in window
+                 if self.segments[j].sealed and self.segments[j].index is None]
+        self.dir.view.prefetch([(p.key, 0, INDEX_HEADER_SIZE) for p in paths if p.is_file()])
 
     def _cached(self, key, build):
         if key in self._memory:

@@ -1,7 +1,8 @@
 """RemotePath: the part of pathlib.Path the run readers use, answered from an object store.
 
 A run opened from a URL gets one `View`: each folder is listed once (one delimited list
-request) and every exists/is_file/is_dir/stat/glob under it is answered from that listing, so
+request) and every exists/is_file/is_dir/stat/glob under it is answered from that listing (the
+run's own folder is listed, never the one above it, which may hold every run in the bucket), so
 opening a run costs its listings plus the byte ranges it reads. A view is a snapshot: a run
 still being written is read as it was when opened, as a local reader reads the files it found.
 `prefetch` reads many ranges at once (threads), for opening O(segments) in parallel.
@@ -30,6 +31,19 @@ class View:
         if folder not in self._listings:
             self._listings[folder] = self.store.list(folder + "/" if folder else "")
         return self._listings[folder]
+
+    def listed(self, folder: str) -> tuple[dict[str, int], list[str]] | None:
+        return self._listings.get(folder)
+
+    def size(self, key: str) -> int | None:
+        """From the folder's listing once it is taken; before, one stat: the folder above a run (a
+        bucket's top, every run in it) is never listed to learn about one object."""
+        folder, _, name = key.rpartition("/")
+        listed = self.listed(folder)
+        if listed is not None:
+            return listed[0].get(name)
+        found = self.store.stat(key)
+        return None if found is None else found.size
 
     def prefetch(self, ranges: list[tuple[str, int, int]]) -> None:
         todo = [r for r in ranges if r[2] > 0 and r not in self._ranges]
@@ -102,7 +116,7 @@ class RemotePath:
 
     # what is there (from the folder's listing)
     def _size(self) -> int | None:
-        return self.view.listing(self.parent.key)[0].get(self.name) if self.key else None
+        return self.view.size(self.key) if self.key else None
 
     def is_file(self) -> bool:
         return self._size() is not None
@@ -112,7 +126,10 @@ class RemotePath:
         return bool(files or dirs)
 
     def exists(self) -> bool:
-        return self.is_file() or self.is_dir()
+        listed = self.view.listed(self.parent.key)
+        if listed is not None and self.key:
+            return self.name in listed[0] or self.name in listed[1]
+        return self.is_dir() or self.is_file()
 
     def is_symlink(self) -> bool:
         return False

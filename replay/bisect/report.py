@@ -53,6 +53,9 @@ class BisectReport:
         c = self.checkpoints
         if not c or not (c["A"] or c["B"]):
             return None
+        if c.get("unchecked"):
+            return (f"checkpoints not compared: those of {' and '.join(c['unchecked'])} (on object storage) were not "
+                    "checked either; copy the run to a folder to have them checked")
         return (f"checkpoints not compared: the {c['A']} of A and {c['B']} of B are present and structurally intact, "
                 "their contents unread (a restore checks each against its recorded fingerprint)")
 

@@ -145,3 +145,36 @@ def test_conditional_writes_refuse_a_second_writer(tmp_path, request, where):
     assert store.read_range(key, 1, 3) == b"hre" and store.read_range(key, 10, 3) == b""
     store.delete(key)
     assert store.stat(key) is None
+
+
+def test_identical_remote_runs_agree_and_their_checkpoints_are_named_unchecked(tmp_path, bucket):
+    schema = make_schema()
+    run = traces.Run.create(tmp_path / "a", schema, {"config": {"synthetic": True}})
+    writer = run.writer(5)
+    for k in range(12):
+        writer.append(make_record(schema, k))
+    run.update_manifest(checkpoints=[10])  # listed; its folder is not in the bucket, and nothing checks it there
+    run.finish()
+    one, two = (upload(tmp_path / "a", f"{bucket}/{tmp_path.name}/{name}") for name in ("one", "two"))
+    result = invoke("bisect", "--no-refine", "--json", one, two)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["identical"] is True and report["checkpoints"]["unchecked"] == ["A", "B"]
+    shown = invoke("bisect", "--no-refine", one, two)
+    assert "those of A and B (on object storage) were not checked either" in " ".join(shown.stdout.split())
+    local = invoke("bisect", "--no-refine", str(tmp_path / "a"), one)  # locally the missing folder is found
+    assert_one_line_error(local, "checkpoint 10 is damaged (its folder is missing)")
+
+
+def test_an_unreachable_store_is_one_line_not_damage(tmp_path, monkeypatch):
+    with __import__("socket").socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    for k, v in (("AWS_ACCESS_KEY_ID", "x"), ("AWS_SECRET_ACCESS_KEY", "x"), ("AWS_DEFAULT_REGION", "us-east-1")):
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(storage, "_STORES", {})  # a store made now, for the dead endpoint
+    result = invoke("show", "s3://replay-unreachable/run")
+    assert_one_line_error(result, "s3://replay-unreachable/run/", "cannot be read from S3", "AWS_ENDPOINT_URL")
+    assert "damage" not in result.stderr

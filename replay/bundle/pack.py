@@ -22,6 +22,7 @@ from replay.engine.damage import damage_error
 from replay.bundle.report import render_report
 from traces import Run
 from traces.run import COMPLETE, MANIFEST, TRACE_DIR, write_json_atomic, write_manifest
+from traces.storage import is_url
 from replay import rundata
 from replay.engine.code import OWN_FACTORIES
 from replay.record.exported import pack_refusal, stage_for_bundle
@@ -123,7 +124,8 @@ def pack(run_path: str | os.PathLike, out: str | os.PathLike, steps: tuple[int, 
             "trace": [trace_first, last], "examples": None if lite else api_files[-1].relative_to(stage).as_posix()
             if api_files else EXAMPLES,
             "example_count": examples_meta["examples"] if examples_meta else 0,
-            "packed_from": str(Path(getattr(run, "bundle", None) or run.path).absolute()), "source_status": run.status,
+            "packed_from": str(run.path) if is_url(run.path) else str(Path(getattr(run, "bundle", None) or run.path).absolute()),
+            "source_status": run.status,
             "source_steps": [trace.start, trace.end - 1], "finding": _json_safe(finding),
         }
         # The bundle's trace starts at `trace_first`: recorded, so a bundle missing its leading

@@ -11,6 +11,7 @@ import typer
 from replay.cli import console
 from replay.errors import EXIT_DIVERGED
 from replay.engine.code import allowing
+from traces.storage import is_url, shown
 
 
 def _parse_steps(text: str | None) -> list[int] | None:
@@ -53,6 +54,9 @@ def compare(
         console.fail("replay compare needs --eval (the only comparison it makes so far); for where two runs part, "
                      "use replay bisect A B")
     for path in (run_a, run_b):
+        if is_url(path):  # orbax reads a bucket's checkpoints in issue 35's next slice
+            console.fail(f"{shown(path)}: compare --eval evaluates checkpoints, which replay does not read from object "
+                         "storage yet; copy the run to a local folder")
         if not path.exists():
             console.fail(f"{path}: no such run; pass the folder a training run wrote")
     if run_a.resolve() == run_b.resolve():

@@ -178,3 +178,17 @@ def test_an_unreachable_store_is_one_line_not_damage(tmp_path, monkeypatch):
     result = invoke("show", "s3://replay-unreachable/run")
     assert_one_line_error(result, "s3://replay-unreachable/run/", "cannot be read from S3", "AWS_ENDPOINT_URL")
     assert "damage" not in result.stderr
+
+
+def test_spike_and_a_lite_pack_read_a_remote_run_and_replaying_one_is_refused_in_one_line(tmp_path, bucket):
+    local, url = remote_copy(tmp_path, bucket)
+    here, there = invoke("spike", "--json", "--window", "5", str(local)), invoke("spike", "--json", "--window", "5", url)
+    assert here.exit_code == there.exit_code == 0, there.output
+    assert json.loads(as_local(there, url, local)) == json.loads(here.stdout)
+    packed = invoke("pack", url, "--steps", "3:9", "--lite", "-o", str(tmp_path / "lite.rpk"))
+    assert packed.exit_code == 0, packed.output
+    shown = json.loads(invoke("show", "--json", str(tmp_path / "lite.rpk")).stdout)
+    assert shown["steps"]["start"] == 3 and shown["steps"]["end"] == 10 and shown["damage"] == []
+    for args in (("run", url, "--steps", "3:5"), ("pack", url, "--steps", "3:5", "-o", str(tmp_path / "b.rpk"))):
+        assert_one_line_error(invoke(*args), f"{url}: its checkpoints are on object storage")
+    assert_one_line_error(invoke("compare", url, str(local), "--eval"), f"{url}: compare --eval evaluates checkpoints")

@@ -19,12 +19,14 @@ the run's length.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import numpy as np
 
 from replay.record.gather import GatheredHashes, Timeline, hashes_ready
 from replay.record.hashing import batch_hash
+from replay.record.packed import PackedRecord
 from traces import Schema, StepRecord, TraceWriter
 
 
@@ -44,9 +46,9 @@ def _tensors(schema: Schema, step: int, metrics: dict, key: str) -> np.ndarray:
     must be the schema's names in the schema's order. A count alone cannot tell two tensors
     swapped, or a renamed one, from the schema: their fingerprints would be filed under the
     wrong names and every later comparison would blame the wrong layer."""
-    names = schema.tensor_names
     value = metrics[key]
     if isinstance(value, dict):  # by name (a jitted step's dict outputs come back sorted by key)
+        names = schema.tensor_names
         missing = [n for n in names if n not in value]
         extra = [str(n) for n in value if n not in names]
         if missing or extra:
@@ -54,8 +56,11 @@ def _tensors(schema: Schema, step: int, metrics: dict, key: str) -> np.ndarray:
                 f"step {step}: the step's {key} name tensors the schema does not ({', '.join(extra[:4]) or 'none'}) "
                 f"or lack some it does ({', '.join(missing[:4]) or 'none'}); record exactly the schema's tensors")
         return np.stack([np.asarray(value[n]) for n in names]) if names else np.zeros((0,), np.float32)
+    # The names are built only to check given ones: run.step's records give none, and building a
+    # schema's hundreds of names every step cost more than the rest of the record.
     given = metrics.get("tensor_names")
     if given is not None:
+        names = schema.tensor_names
         given = tuple(str(n) for n in given)
         if given != names:
             at = next((i for i, (g, n) in enumerate(zip(given, names)) if g != n), min(len(given), len(names)))
@@ -65,9 +70,10 @@ def _tensors(schema: Schema, step: int, metrics: dict, key: str) -> np.ndarray:
                 f"step {step}: the step's tensors are not the schema's: at position {at} it measured {got!r} where "
                 f"the schema has {want!r} ({len(given)} tensors, schema {len(names)}); measure them in the schema's order")
     arr = np.asarray(value)
-    if arr.ndim == 0 or arr.shape[0] != len(names):
+    count = len(schema.tensors)
+    if arr.ndim == 0 or arr.shape[0] != count:
         n = 0 if arr.ndim == 0 else arr.shape[0]
-        raise RecordSchemaError(f"step {step}: the step returned {n} {key} for the schema's {len(names)} tensors; "
+        raise RecordSchemaError(f"step {step}: the step returned {n} {key} for the schema's {count} tensors; "
                                 "measure exactly the schema's tensors, in its order")
     return arr
 
@@ -155,13 +161,21 @@ class Recorder:
             hashes = hashes.fetch()
             if self.timeline is not None:
                 self.timeline.mark("gathered", pending.step)
-        host = jax.device_get(pending.metrics)
+        host = _fetch(pending.metrics)
         rec = to_record(self.schema, pending.step, host, np.asarray(hashes, np.uint64))
         if self.writer is not None and not self.writer.append(rec):
             self.rewritten += 1
         if self.timeline is not None:
             self.timeline.mark("written", pending.step)
         self.last = rec
+
+
+def _fetch(metrics: Any) -> Any:
+    """The record on the host: a PackedRecord's one vector copied directly (jax.device_get's tree
+    walk cost more than the copy of this one small buffer), anything else by jax.device_get."""
+    if isinstance(metrics, PackedRecord) and isinstance(metrics.words, jax.Array):
+        return PackedRecord(np.asarray(metrics.words), metrics.layout)
+    return jax.device_get(metrics)
 
 
 def _ready(tree) -> bool:

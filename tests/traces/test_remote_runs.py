@@ -192,3 +192,17 @@ def test_spike_and_a_lite_pack_read_a_remote_run_and_replaying_one_is_refused_in
     for args in (("run", url, "--steps", "3:5"), ("pack", url, "--steps", "3:5", "-o", str(tmp_path / "b.rpk"))):
         assert_one_line_error(invoke(*args), f"{url}: its checkpoints are on object storage")
     assert_one_line_error(invoke("compare", url, str(local), "--eval"), f"{url}: compare --eval evaluates checkpoints")
+
+
+def test_a_remote_file_opened_reads_by_ranges(tmp_path, bucket):
+    local, url = remote_copy(tmp_path, bucket)
+    path = storage.as_path(f"{url}/trace/000000000007.seg")
+    storage.reset_counts()
+    with path.open("rb") as f:
+        head = f.read(10)
+        f.seek(-16, 2)
+        tail = f.read()
+    data = (local / "trace" / "000000000007.seg").read_bytes()
+    assert (head, tail) == (data[:10], data[-16:])
+    assert storage.request_counts()["bytes"] == 26  # what was asked for, not the object
+    assert storage.as_path(f"{url}/run.json").open("r").read() == (local / "run.json").read_text()

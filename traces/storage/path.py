@@ -160,7 +160,34 @@ class RemotePath:
         return self.view.read_range(self.key, offset, size)
 
     def open(self, mode: str = "rb"):
+        """A file that reads by ranges: f.read(n) is one request for n bytes, not the whole object."""
         if mode not in ("r", "rb"):
             raise PermissionError(f"{self}: runs on object storage are read-only in this version of replay")
-        data = io.BytesIO(self.read_bytes())
-        return data if mode == "rb" else io.TextIOWrapper(data, encoding="utf-8")
+        raw = _RangeFile(self)
+        return raw if mode == "rb" else io.TextIOWrapper(io.BufferedReader(raw), encoding="utf-8")
+
+
+class _RangeFile(io.RawIOBase):
+    def __init__(self, path: RemotePath):
+        super().__init__()
+        self.path, self.pos, self.size = path, 0, path.stat().st_size
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self.pos = max(0, {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence] + offset)
+        return self.pos
+
+    def readinto(self, buffer) -> int:
+        n = min(len(buffer), max(0, self.size - self.pos))
+        data = self.path.read_range(self.pos, n) if n else b""
+        buffer[: len(data)] = data
+        self.pos += len(data)
+        return len(data)

@@ -58,6 +58,11 @@ def render(report) -> None:
             floor = report.floor.get(report.first_layer)
             rows.append(("distance", f"{dist:.3g} relative, {report.ratio:.3g}x the floor {floor:.3g}"
                          if dist is not None and floor is not None else f"{report.ratio:.3g}x the floor"))
+        op = report.op
+        if op is not None and op.name and op.ratio is not None:  # replay/bisect/cross_refine.py
+            rows.append(("op", f"{op.name}: {op.text}{' (' + op.diagnosis + ')' if op.diagnosis else ''}, "
+                               f"{op.ratio:.3g}x the floor on re-running step {report.first_step} (torch weights: "
+                               f"{op.weights})"))
     console.print_table(rows, title=f"bisect across frameworks: {report.run_a} vs {report.run_b}")
     at = report.first_step if report.first_step is not None else (examined[-1] if examined else None)
     if at is not None and at in report.distances:

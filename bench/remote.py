@@ -3,7 +3,8 @@ bisect's trace scan of a run in a bucket, against the same run on local disk.
 
 Two runs of bench.scale's step-level shape (A, and B whose loss is one part in 1000 higher from
 90% of the run on) are written to a temporary folder and copied into an emulator started here on
-127.0.0.1 (`--store s3`: moto's server, the default; `--store gcs`: gcp-storage-emulator). Every
+127.0.0.1 (`--store s3`: moto's server, the default; `--store gcs`: gcp-storage-emulator, which serves
+one request at a time, so its figures for parallel reads are the emulator's, not the design's). Every
 request a Store makes first sleeps `--latency-ms` (in the calling thread, so requests made in
 parallel overlap as they would on the network): the latency a VM sees to its region's bucket, in
 front of an emulator that answers in well under a millisecond.

@@ -95,7 +95,8 @@ def test_an_rmsnorm_epsilon_port_bug_is_found_at_step_0_in_the_first_normed_laye
     report = last_json(bad)
     assert report["torch_side"] == "B" and not report["within_noise"]
     assert (report["first_step"], report["first_layer"], report["cause"]) == (0, "block_00.attn", "forward")
-    assert report["cause_text"] == "forward layer block_00.attn" and report["ratio"] > 100
+    assert report["cause_text"].startswith("forward layer block_00.attn") and report["ratio"] > 100
+    assert report["first_op"] == "block_00.attn.q_norm"  # the first norm inside it (tests/torch/test_port_ops.py)
     assert report["distances"]["0"]["embed"] == 0  # the embedding precedes every norm: equal bits
     assert (tmp_path / "h.png").stat().st_size > 10_000
 

@@ -116,6 +116,18 @@ def test_a_damaged_remote_segment_is_reported_not_read(tmp_path, bucket):
     assert_one_line_error(audit, f"{url}/{name}")
 
 
+def test_a_segment_missing_from_the_bucket_is_reported_as_on_disk(tmp_path, bucket):
+    local, url = remote_copy(tmp_path, bucket)
+    name = "trace/000000000014.seg"
+    (local / name).unlink()
+    store, key = storage.open_store(f"{url}/{name}")
+    store.delete(key)
+    here, there = invoke("show", str(local)), invoke("show", url)
+    assert here.exit_code == there.exit_code == 2
+    assert_one_line_error(there, f"{url}/trace/")
+    assert there.stderr.replace(url, str(local)) == here.stderr
+
+
 def test_a_missing_remote_run_is_one_line(bucket):
     result = invoke("show", f"{bucket}/no/such/run")
     assert_one_line_error(result, f"{bucket}/no/such/run: no such run")

@@ -47,7 +47,10 @@ manifest's segments say which world size fed which steps). The recorded metrics 
 over the ranks as OLMo-core reduces them for its logs (the CE loss averaged); the layers' and
 gradients' fingerprints are rank 0's (its slice's activations), so a run on two ranks differs
 from one on one rank in numbers, never in data. Tensor, context or pipeline parallel (a process
-group larger than the data-parallel world) is refused in one line.
+group larger than the data-parallel world) is refused in one line. Rank 0 failing to open the run
+ends every rank with its reason (before the first step); an error in rank 0's recording of a step
+stops the recording, logged, rather than end rank 0 alone while the others wait for it in a
+collective. The gather and the reduction are in replay/torch/olmo_core_ranks.py.
 
 Never imported by `import replay` or `import replay.torch`: it imports olmo_core.
 """
@@ -68,8 +71,8 @@ from olmo_core.train.callbacks import Callback
 
 from replay.torch.errors import TorchRecordError
 from replay.torch.hashing import example_hashes
+from replay.torch.olmo_core_ranks import GlobalStep, data_parallel_group, gather_rows, reduce_metrics
 from replay.torch.run import TorchRun
-from replay.torch.step import StepRecording, rng_words
 from traces.errors import ResumeDivergedError
 from traces.sketch import DEFAULT_WIDTH
 from importlib.metadata import PackageNotFoundError, version
@@ -143,7 +146,7 @@ class ReplayCallback(Callback):
         if not self.path:
             raise TorchRecordError("ReplayCallback(path): name the folder to record the run into")
         tr = self.trainer
-        self._group, self._recording = _data_parallel_group(tr), False
+        self._group, self._recording = data_parallel_group(tr), False
         if self._group is not None and not self._writer_rank:
             self._open_elsewhere()
             return
@@ -194,43 +197,49 @@ class ReplayCallback(Callback):
         if not self._recording:
             return
         hashes, index = self._global_rows(batch)  # on every rank, also after rank 0 stopped: a collective
+        if self._open():
+            self._alone(self._enter, hashes, index)
+
+    def _enter(self, hashes: np.ndarray, index: torch.Tensor | None) -> None:
         run = self._run
-        if run is None or run.finished:
-            return
         self._write_checkpoints()  # async saves finished since (their callback runs on another thread)
         if run.next_step != self.trainer.global_step - 1:
             raise TorchRecordError(f"trainer step {self.trainer.global_step} does not follow the recorded step "
                                    f"{run.next_step - 1}; every step of a recorded fit is recorded")
         self._index = index
-        self._rec = _GlobalStep(run, hashes)
+        self._rec = GlobalStep(run, hashes)
         self._rec.__enter__()
 
     def _global_rows(self, batch: dict) -> tuple[np.ndarray, torch.Tensor | None]:
-        """The global batch's example hashes and instance indices (None when the batches carry
-        none), in the global order: rank r's row i is the global batch's row i * world + r."""
         hashes = example_hashes(batch["input_ids"])
         index = batch.get("index")
         index = None if index is None else torch.as_tensor(index).detach().to("cpu", torch.int64).reshape(-1)
         if self._group is None:
             return hashes, index
-        rows = torch.stack([torch.from_numpy(hashes.view(np.int64)),
-                            index if index is not None else torch.full((len(hashes),), -1, dtype=torch.int64)], 1)
-        rows = rows.to(_collective_device(self.trainer))
-        world = dist.get_world_size(self._group)
-        parts = [torch.empty_like(rows) for _ in range(world)] if self._writer_rank else None
-        dist.gather(rows, parts, dst=dist.get_global_rank(self._group, 0), group=self._group)
-        if parts is None:
-            return hashes, index
-        rows = torch.stack(parts, 1).reshape(-1, 2).cpu()
-        return rows[:, 0].numpy().view(np.uint64).copy(), None if index is None else rows[:, 1].clone()
+        return gather_rows(self._group, self.trainer, hashes, index)
 
     def post_train_batch(self):
         if not self._recording:
             return
         values = self._metrics()  # on every rank: reduced over the ranks
         rec, self._rec = self._rec, None
-        if rec is None:
-            return
+        if rec is not None:
+            self._alone(self._leave, rec, values)
+
+    def _alone(self, work, *args) -> None:
+        """Rank 0's own part of a step. In a data-parallel fit its error stops the recording (logged,
+        the run left incomplete) rather than end rank 0 alone: the other ranks, and rank 0's own
+        error handling, would wait for it in a collective for ever."""
+        if self._group is None:
+            return work(*args)
+        try:
+            work(*args)
+        except Exception as e:
+            self._rec = None
+            if self._open():
+                self._stop(f"{type(e).__name__}: {e}; the other ranks train on")
+
+    def _leave(self, rec: GlobalStep, values: dict) -> None:
         if "loss" not in values:  # a step in the trainer's steps_to_skip trains nothing
             rec.__exit__(RuntimeError, None, None)
             self._stop(f"step {self.trainer.global_step - 1} trained no batch (steps_to_skip?)")
@@ -253,22 +262,7 @@ class ReplayCallback(Callback):
             v = self.trainer.get_metric(name, namespace=namespace)
             if v is not None:
                 values[ours] = v
-        if self._group is None:
-            return values
-        from olmo_core.train.common import ReduceType
-
-        kinds = self.trainer._metrics_reduce_type
-        world = dist.get_world_size(self._group)
-        for (namespace, name), ours in METRICS:
-            kind = kinds.get(f"{namespace}/{name}")
-            if ours not in values or kind is None:  # None: the same on every rank (the LR, the clipped grad norm)
-                continue
-            v = values[ours].detach().to(_collective_device(self.trainer), torch.float32).clone()
-            if kind == ReduceType.l2_norm:
-                v = v * v
-            dist.all_reduce(v, op=dist.ReduceOp.MAX if kind == ReduceType.max else dist.ReduceOp.SUM, group=self._group)
-            values[ours] = v / world if kind == ReduceType.mean else v.sqrt() if kind == ReduceType.l2_norm else v
-        return values
+        return values if self._group is None else reduce_metrics(self._group, self.trainer, values, METRICS)
 
     def post_checkpoint_saved(self, path):
         m = re.fullmatch(r"step(\d+)", Path(str(path)).name)
@@ -343,42 +337,6 @@ class ReplayCallback(Callback):
         with open(f, "r+b" if f.exists() else "wb") as fh:
             fh.seek((self._run.next_step - 1) * index.numel() * 8)
             fh.write(index.numpy().astype("<i8").tobytes())
-
-
-class _GlobalStep(StepRecording):
-    """A step whose example hashes are given: the global batch's, gathered from every rank."""
-
-    def __init__(self, run: TorchRun, hashes: np.ndarray):
-        super().__init__(run, None)
-        self._hashes = hashes
-
-    def __enter__(self) -> "_GlobalStep":
-        self.hashes, self.rng = self._hashes, rng_words()
-        self._run._begin(self)
-        return self
-
-
-def _data_parallel_group(trainer: Any):
-    """The process group to gather the global batch over (None: the loader feeds it whole), or a
-    one-line refusal when the processes are not all data-parallel ranks of the loader."""
-    world = int(trainer.data_loader.dp_world_size)
-    ready = dist.is_available() and dist.is_initialized()
-    if world == 1 and not (ready and dist.get_world_size() > 1):
-        return None
-    if not ready:
-        raise TorchRecordError(f"ReplayCallback: the data loader's world size is {world} and torch.distributed is "
-                               "not initialized; start the ranks as OLMo-core does (prepare_training_environment)")
-    if world != dist.get_world_size():
-        raise TorchRecordError(f"ReplayCallback records data-parallel runs: the data loader's world size is {world}, "
-                               f"the process group's {dist.get_world_size()} (tensor, context or pipeline "
-                               "parallel); record a run whose ranks are all data-parallel")
-    return trainer.dp_process_group or dist.group.WORLD
-
-
-def _collective_device(trainer: Any) -> torch.device:
-    from olmo_core.distributed.utils import backend_supports_cpu
-
-    return torch.device("cpu") if backend_supports_cpu() else trainer.device
 
 
 def _version() -> str:

@@ -76,7 +76,23 @@ class ContiguousShards(NumpyFSLDataLoader):
         return shard[self.batches_processed * per_rank:]
 
 
-LOADERS = {"contiguous": ContiguousShards, "off_by_one": OffByOneResume}
+class FullDisk(Callback):
+    """Rank 0's recording fails at step `at` (the trace cannot be written), as on a full disk."""
+
+    priority = 3  # before ReplayCallback's pre_step
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def pre_step(self, batch):
+        if self.trainer.global_step - 1 == self.at and torch.distributed.get_rank() == 0:
+            def full(*args):
+                raise OSError(28, "No space left on device")
+            self.trainer.callbacks["replay"]._run.flush = full
+
+
+# What a fit's spec names (launch): the loader class or the callbacks it adds.
+VARIANTS = {"contiguous": lambda: {"loader_class": ContiguousShards}, "full_disk": lambda: {"callbacks": {"full_disk": FullDisk(3)}}}
 
 
 def dataset(root: Path):
@@ -106,7 +122,12 @@ def fit(root: Path, name: str, steps: int, callbacks: dict | None = None, loader
         loader.__class__ = loader_class
     # Checkpoints every SAVE_EVERY steps: OLMo-core saves them in post_train_batch, where the save also
     # logs (and clears) the step's metrics.
-    callbacks = {"checkpointer": CheckpointerCallback(save_interval=SAVE_EVERY), **(callbacks or {})}
+    # On several ranks the saves are synchronous: OLMo-core 3.0.0 records an async save's duration as a
+    # metric at the step each rank's save happens to finish, so ranks a step apart reduce different
+    # metric sets in its bookkeeping all-reduce, and gloo aborts the fit ("collective mismatch", seen
+    # once in three 2-rank runs here).
+    callbacks = {"checkpointer": CheckpointerCallback(save_interval=SAVE_EVERY, save_async=None if world == 1 else False),
+                 **(callbacks or {})}
     config = TrainerConfig(save_folder=str(root / "olmo" / name), max_duration=Duration.steps(steps),
                            metrics_collect_interval=1000, callbacks=callbacks)
     # The user's side: the two lines the README shows.
@@ -157,16 +178,18 @@ class Logged(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def launch(root: Path, fits: list[tuple[str, int, str | None]], world: int, timeout: float = 600) -> None:
-    """Runs `fits` ((run name, steps, loader name or None), one after the other) on `world` ranks, one
+def launch(root: Path, fits: list[tuple[str, int, str | None]], world: int, timeout: float = 600,
+           grace: float = 30) -> None:
+    """Runs `fits` ((run name, steps, VARIANTS name or None), one after the other) on `world` ranks, one
     process each (torchrun's environment; gloo on 127.0.0.1): a fit of a name fitted before resumes
     from OLMo-core's checkpoint, on any world size. Raises RuntimeError with a failed rank's output
-    tail. One process for several fits: importing torch and olmo_core costs more than a fit."""
+    tail and every rank's exit code; the ranks still running `grace` seconds after one failed are
+    killed (-9). One process for several fits: importing torch and olmo_core costs more than a fit."""
     with socket.socket() as s:  # a free port for the rendezvous
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     repo = Path(__file__).resolve().parents[2]
-    argv = [sys.executable, "-m", "tests.torch.olmo_core_runs", str(root)] + [f"{n}:{k}:{ld or ''}" for n, k, ld in fits]
+    argv = [sys.executable, "-m", "tests.torch.olmo_core_runs", str(root)] + [f"{n}:{k}:{v or ''}" for n, k, v in fits]
     procs, logs = [], [root / f"{fits[0][0]}.{len(fits)}fits.rank{r}of{world}.log" for r in range(world)]
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
@@ -176,9 +199,9 @@ def launch(root: Path, fits: list[tuple[str, int, str | None]], world: int, time
             procs.append(subprocess.Popen(argv, cwd=repo, env=env, stdout=out, stderr=subprocess.STDOUT))
     deadline = time.monotonic() + timeout
     try:
-        while any(p.poll() is None for p in procs):
-            if time.monotonic() > deadline or any(p.returncode not in (None, 0) for p in procs):
-                break  # a rank that died leaves the others waiting in a collective
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if any(p.returncode not in (None, 0) for p in procs):  # the others may wait in a collective forever
+                deadline = min(deadline, time.monotonic() + grace)
             time.sleep(0.2)
     finally:
         for p in procs:
@@ -188,19 +211,23 @@ def launch(root: Path, fits: list[tuple[str, int, str | None]], world: int, time
     failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
     if failed:
         rank, code = failed[0]
-        raise RuntimeError(f"{[f[0] for f in fits]} on {world} ranks: rank {rank} exited {code}:\n"
+        codes = ", ".join(f"rank {r} {p.returncode}" for r, p in enumerate(procs))
+        raise RuntimeError(f"{[f[0] for f in fits]} on {world} ranks exited {codes}; rank {rank}'s output:\n"
                            f"{logs[rank].read_text()[-3000:]}")
 
 
-def seed_runs(root: Path, injected: bool = False) -> dict[str, Path]:
+def seed_runs(root: Path, checks: bool = False) -> dict[str, Path]:
     """The seed scenario under OLMo-core: trained to step K on one rank (OLMo-core checkpoints at K),
     then resumed from that checkpoint on two ranks ("1->2") or on one ("1->1"), each recording into
-    one replay run. injected: also "1->2 contiguous", the same with ContiguousShards' loader."""
-    first = [("seed_1to2", K, None), ("seed_1to1", K, None)] + ([("seed_bad", K, "contiguous")] if injected else [])
+    one replay run. checks: also the runs that show failures are caught (in the same processes):
+    "1->2 contiguous", the scenario with ContiguousShards' loader, and "full disk", a fit on two
+    ranks from step 0 whose rank 0 cannot write its trace from step 3 on (FullDisk)."""
+    first = [("seed_1to2", K, None), ("seed_1to1", K, None)] + ([("seed_bad", K, "contiguous")] if checks else [])
     launch(root, first + [("seed_1to1", STEPS, None)], 1)
-    launch(root, [("seed_1to2", STEPS, None)] + ([("seed_bad", STEPS, "contiguous")] if injected else []), 2)
+    second = [("seed_bad", STEPS, "contiguous"), ("full_disk", STEPS, "full_disk")] if checks else []
+    launch(root, [("seed_1to2", STEPS, None)] + second, 2)
     runs = {"1->2": root / "seed_1to2", "1->1": root / "seed_1to1"}
-    return {**runs, "1->2 contiguous": root / "seed_bad"} if injected else runs
+    return {**runs, "1->2 contiguous": root / "seed_bad", "full disk": root / "full_disk"} if checks else runs
 
 
 def _rank_main(root: str, *fits: str) -> None:
@@ -212,10 +239,10 @@ def _rank_main(root: str, *fits: str) -> None:
     logging.getLogger("c10d-NullHandler-dcp_logger").propagate = False
     try:
         for spec in fits:
-            name, steps, loader = spec.split(":")
+            name, steps, variant = spec.split(":")
             # OLMo-core builds its device mesh once per process (a job is one fit); each fit here builds one
             olmo_core.distributed.parallel._WORLD_MESH = None
-            fit(Path(root), name, int(steps), loader_class=LOADERS[loader] if loader else None)
+            fit(Path(root), name, int(steps), **(VARIANTS[variant]() if variant else {}))
     finally:
         teardown_training_environment()
 

@@ -7,7 +7,8 @@ One module fixture (tests/torch/olmo_core_runs.py `seed_runs`, three processes, 
     seed_1to2   the same 5 steps on one rank, resumed from its step-5 checkpoint on two ranks
     seed_bad    as seed_1to2, with MaxText's sharding injected into OLMo-core's loader
                 (olmo_core_runs.ContiguousShards: each rank a contiguous half of the epoch, resumed at
-                step * per-rank batch): the check must be able to fail"""
+                step * per-rank batch): the check must be able to fail
+    full_disk   10 steps on two ranks from step 0; rank 0 cannot write its trace from step 3 on"""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def seed(tmp_path_factory):
     from tests.torch import olmo_core_runs
 
     assert (olmo_core_runs.BATCH, olmo_core_runs.STEPS, olmo_core_runs.K) == (BATCH, STEPS, K)
-    return olmo_core_runs.seed_runs(tmp_path_factory.mktemp("olmo_core_dp"), injected=True)
+    return olmo_core_runs.seed_runs(tmp_path_factory.mktemp("olmo_core_dp"), checks=True)
 
 
 def _segments(run: Path) -> list[tuple[int, int]]:
@@ -109,3 +110,37 @@ def test_maxtexts_sharding_injected_into_olmo_cores_loader_is_flagged(seed):
     refed = (STEPS - K) * BATCH // WORLD
     assert (row["refed_examples"], row["refed_share"], row["bisect"]["data_identical"]) == (
         refed, refed / ((STEPS - K) * BATCH), False), row
+
+
+@pytest.mark.slow
+def test_rank_0_failing_to_open_the_run_ends_every_rank_with_its_reason(tmp_path):
+    """Rank 0 alone opens the run; when it cannot, the other ranks learn why before the first step
+    and end too, rather than wait in the step's gather for a rank that is gone."""
+    from tests.torch import olmo_core_runs
+
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("not a run")
+    with pytest.raises(RuntimeError, match="ranks exited rank 0 1, rank 1 1;"):
+        olmo_core_runs.launch(tmp_path, [("taken", 2, None)], WORLD, timeout=120)
+    said = [(tmp_path / f"taken.1fits.rank{r}of{WORLD}.log").read_text() for r in range(WORLD)]
+    assert "taken: exists and is not empty" in said[0], said[0][-2000:]
+    assert "rank 0 could not open" in said[1] and "exists and is not empty" in said[1], said[1][-2000:]
+    assert not (tmp_path / "taken" / "run.json").exists()
+
+
+@pytest.mark.slow
+def test_rank_0_failing_to_record_stops_the_recording_and_every_rank_trains_on(seed):
+    """An error in rank 0's recording of a step (here the trace's write, as on a full disk) ends the
+    recording, logged, with the steps before it intact and the run incomplete; raising it would end
+    rank 0 alone and leave the other ranks waiting in a collective for ever. The fit ends normally."""
+    from tests.torch import olmo_core_runs
+
+    at = olmo_core_runs.VARIANTS["full_disk"]()["callbacks"]["full_disk"].at
+    run, one = traces.Run.open(seed["full disk"]), traces.Run.open(seed["1->1"])
+    assert run.status != "complete" and 0 < run.trace.end <= at, (run.status, run.trace.end)
+    for k in range(run.trace.end):  # recorded on two ranks from step 0: the global batches
+        np.testing.assert_array_equal(run.trace.read(k).example_hashes, one.trace.read(k).example_hashes)
+    root = seed["full disk"].parent
+    said = (root / f"seed_1to2.3fits.rank0of{WORLD}.log").read_text()
+    assert "No space left on device" in said and f"{seed['full disk']} stops here" in said, said[-3000:]
+    assert (root / "olmo" / "full_disk" / f"step{STEPS}").is_dir()  # OLMo-core trained and saved to the end

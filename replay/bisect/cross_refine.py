@@ -81,8 +81,8 @@ def refine_op(torch_run: Run, jax_run: Run, step: int, layer: str, notes: list[s
             raise
         notes.append(f"the op inside {layer} is not named: {str(e).splitlines()[0]}")
         return None
-    if block is None:  # embed, final_norm, logits: a layer that is one op
-        return OpFinding(name=layer, text=_text(ref, layer) if ref is not None else layer)
+    if block is None:  # embed, final_norm, logits: a layer that is one op (as the run's reference names it)
+        return OpFinding(name=layer, text=_text(ref, layer)) if ref is not None else None
     if ref is None or getattr(ref, CAPABILITY, None) is None:
         notes.append(f"{torch_run.path}: cannot re-run its step {step} with the points inside {layer} captured (no "
                      f"installed replay plugin gives its reference model with {CAPABILITY}); the answer stays the layer")

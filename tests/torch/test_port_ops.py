@@ -117,3 +117,19 @@ def test_a_layer_inside_a_block_and_one_outside():
     names = ["embed", "block_00.attn", "block_00.mlp", "block_00", "final_norm", "logits"]
     assert block_of("block_00.attn", names) == "block_00"
     assert block_of("final_norm", names) is None and block_of("block_00", names) is None
+
+
+def test_a_layer_outside_the_blocks_is_its_own_op():
+    notes: list[str] = []
+    finding = refine_op(Run.open(demo()["reference"]), Run.open(demo()["jax"]), 0, "final_norm", notes)
+    assert (finding.name, finding.text, finding.points, notes) == ("final_norm", "final norm", {}, [])
+
+
+@pytest.mark.slow
+def test_a_step_without_a_torch_checkpoint_runs_both_sides_on_the_jax_weights():
+    """Step 1 of a held-out pair: the torch run saved checkpoints 0 and 2 only, so the reference
+    re-runs step 1 from the JAX run's replayed parameters, and still names the mistake's op."""
+    notes: list[str] = []
+    finding = refine_op(Run.open(variant_run("head_merge")), Run.open(demo()["jax"]), 1, "block_00.attn", notes)
+    assert finding.weights.startswith("the JAX run's parameters at step 1"), finding
+    assert finding.name == REFERENCE_BUGS["head_merge"].op, (finding, notes)

@@ -122,7 +122,10 @@ class SegmentFile:
 
     def read(self, offset: int, size: int) -> bytes:
         if self.fd is None:
-            return self.path.read_range(offset, size)
+            try:
+                return self.path.read_range(offset, size)
+            except FileNotFoundError as e:  # deleted since the folder was listed
+                raise unreadable(self.path, e, self.step) from None
         try:
             data = os.pread(self.fd, size, offset)
             while len(data) < size:  # pread may return short on some filesystems; EOF returns b""

@@ -218,3 +218,12 @@ def test_a_remote_file_opened_reads_by_ranges(tmp_path, bucket):
     assert (head, tail) == (data[:10], data[-16:])
     assert storage.request_counts()["bytes"] == 26  # what was asked for, not the object
     assert storage.as_path(f"{url}/run.json").open("r").read() == (local / "run.json").read_text()
+
+
+def test_an_object_deleted_after_opening_is_named_damage_not_a_crash(tmp_path, bucket):
+    local, url = remote_copy(tmp_path, bucket)
+    reader = traces.Run.open(url).trace
+    store, key = storage.open_store(f"{url}/trace/000000000007.seg")
+    store.delete(key)
+    with pytest.raises(traces.TraceCorruptError, match=f"{url}/trace/000000000007.seg: cannot be read"):
+        reader.read(9)

@@ -49,10 +49,17 @@ class View:
         todo = [r for r in ranges if r[2] > 0 and r not in self._ranges]
         if not todo:
             return
+        def get(r):
+            try:
+                return self.store.read_range(*r)
+            except Exception:  # noqa: BLE001 - not kept: the reader's own read of it raises, where it is handled
+                return None
+
         with ThreadPoolExecutor(min(PARALLEL, len(todo))) as pool:
-            for r, data in zip(todo, pool.map(lambda r: self.store.read_range(*r), todo)):
-                with self._lock:
-                    self._ranges[r] = data
+            for r, data in zip(todo, pool.map(get, todo)):
+                if data is not None:
+                    with self._lock:
+                        self._ranges[r] = data
 
     def read_range(self, key: str, offset: int, size: int) -> bytes:
         with self._lock:  # a prefetched range is read once: later reads go to the store

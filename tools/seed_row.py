@@ -67,4 +67,5 @@ if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] != "olmo-core":
         sys.exit("usage: python tools/seed_row.py olmo-core [DIR]")
     out = Path(sys.argv[2]) if len(sys.argv) > 2 else Path(tempfile.mkdtemp(prefix="seed-olmo-core-"))
+    out.mkdir(parents=True, exist_ok=True)
     print(json.dumps(olmo_core_row(out)))

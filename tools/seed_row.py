@@ -65,7 +65,8 @@ def olmo_core_row(root: Path) -> dict:
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ is imported from the checkout
     if len(sys.argv) < 2 or sys.argv[1] != "olmo-core":
-        sys.exit("usage: python tools/seed_row.py olmo-core [DIR]")
+        print("error: name the framework whose row to make: python tools/seed_row.py olmo-core [DIR]", file=sys.stderr)
+        sys.exit(2)
     out = Path(sys.argv[2]) if len(sys.argv) > 2 else Path(tempfile.mkdtemp(prefix="seed-olmo-core-"))
     out.mkdir(parents=True, exist_ok=True)
     print(json.dumps(olmo_core_row(out)))

@@ -113,7 +113,8 @@ def _loader_state(trainer: Any) -> dict:
 
 @dataclass
 class ReplayCallback(Callback):
-    """Add to a `TrainerConfig`'s callbacks: `config.with_callback("replay", ReplayCallback(PATH))`.
+    """Add to a `TrainerConfig`'s callbacks: `config.with_callback("replay", ReplayCallback(PATH))`
+    (on every rank of a data-parallel fit, with the same PATH: rank 0 writes the run).
 
     path: the replay run's folder (new, or the run this training resumes). config: a JSON dict
       stored as the run's config (checked equal on a resume). level, sketch_width: replay.torch.init's."""

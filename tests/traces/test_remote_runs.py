@@ -201,7 +201,8 @@ def test_spike_and_a_lite_pack_read_a_remote_run_and_replaying_one_is_refused_in
     assert packed.exit_code == 0, packed.output
     shown = json.loads(invoke("show", "--json", str(tmp_path / "lite.rpk")).stdout)
     assert shown["steps"]["start"] == 3 and shown["steps"]["end"] == 10 and shown["damage"] == []
-    for args in (("run", url, "--steps", "3:5"), ("pack", url, "--steps", "3:5", "-o", str(tmp_path / "b.rpk"))):
+    for args in (("run", url, "--steps", "3:5"), ("pack", url, "--steps", "3:5", "-o", str(tmp_path / "b.rpk")),
+                 ("spike", url, "--step", "20", "--window", "5")):
         assert_one_line_error(invoke(*args), f"{url}: its checkpoints are on object storage")
     assert_one_line_error(invoke("compare", url, str(local), "--eval"), f"{url}: compare --eval evaluates checkpoints")
 

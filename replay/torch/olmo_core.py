@@ -136,6 +136,7 @@ class ReplayCallback(Callback):
         self._completed = False
         self._group = None  # the data-parallel process group when the loader's world size is above 1
         self._recording = False  # every rank alike: the collectives of a step run on all ranks or none
+        self._failed = False  # rank 0's recording raised in a data-parallel fit: never touched again
 
     @property
     def _writer_rank(self) -> bool:
@@ -147,7 +148,7 @@ class ReplayCallback(Callback):
         if not self.path:
             raise TorchRecordError("ReplayCallback(path): name the folder to record the run into")
         tr = self.trainer
-        self._group, self._recording = data_parallel_group(tr), False
+        self._group, self._recording, self._failed = data_parallel_group(tr), False, False
         if self._group is not None and not self._writer_rank:
             self._open_elsewhere()
             return
@@ -236,9 +237,12 @@ class ReplayCallback(Callback):
         try:
             work(*args)
         except Exception as e:
-            self._rec = None
-            if self._open():
-                self._stop(f"{type(e).__name__}: {e}; the other ranks train on")
+            self._rec, was_open, self._failed = None, self._open(), True
+            if was_open:
+                try:
+                    self._stop(f"{type(e).__name__}: {e}; the other ranks train on")
+                except Exception as closing:  # the same full disk, say: said once, and the training goes on
+                    log.error("replay: closing %s failed too: %s", self.path, closing)
 
     def _leave(self, rec: GlobalStep, values: dict) -> None:
         if "loss" not in values:  # a step in the trainer's steps_to_skip trains nothing
@@ -300,7 +304,7 @@ class ReplayCallback(Callback):
             self._run.finish() if self._completed else self._run.close()
 
     def _open(self) -> bool:
-        return self._run is not None and not self._run.finished
+        return self._run is not None and not self._run.finished and not self._failed
 
     def _stop(self, why: str) -> None:
         """Stops recording (the run stays INCOMPLETE, its trace up to here intact); training goes on."""

@@ -77,7 +77,8 @@ class ContiguousShards(NumpyFSLDataLoader):
 
 
 class FullDisk(Callback):
-    """Rank 0's recording fails at step `at` (the trace cannot be written), as on a full disk."""
+    """Rank 0's recording fails at step `at` (the trace can be neither written nor closed), as on a
+    full disk."""
 
     priority = 3  # before ReplayCallback's pre_step
 
@@ -88,7 +89,8 @@ class FullDisk(Callback):
         if self.trainer.global_step - 1 == self.at and torch.distributed.get_rank() == 0:
             def full(*args):
                 raise OSError(28, "No space left on device")
-            self.trainer.callbacks["replay"]._run.flush = full
+            run = self.trainer.callbacks["replay"]._run
+            run.flush = run._run.close = full
 
 
 # What a fit's spec names (launch): the loader class or the callbacks it adds.

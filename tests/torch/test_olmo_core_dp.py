@@ -8,7 +8,7 @@ One module fixture (tests/torch/olmo_core_runs.py `seed_runs`, three processes, 
     seed_bad    as seed_1to2, with MaxText's sharding injected into OLMo-core's loader
                 (olmo_core_runs.ContiguousShards: each rank a contiguous half of the epoch, resumed at
                 step * per-rank batch): the check must be able to fail
-    full_disk   10 steps on two ranks from step 0; rank 0 cannot write its trace from step 3 on"""
+    full_disk   10 steps on two ranks from step 0; rank 0 can neither write nor close its trace from step 3 on"""
 
 from __future__ import annotations
 
@@ -131,8 +131,9 @@ def test_rank_0_failing_to_open_the_run_ends_every_rank_with_its_reason(tmp_path
 @pytest.mark.slow
 def test_rank_0_failing_to_record_stops_the_recording_and_every_rank_trains_on(seed):
     """An error in rank 0's recording of a step (here the trace's write, as on a full disk) ends the
-    recording, logged, with the steps before it intact and the run incomplete; raising it would end
-    rank 0 alone and leave the other ranks waiting in a collective for ever. The fit ends normally."""
+    recording, logged, with the steps before it intact and the run incomplete (closing it fails
+    too: logged once, never retried); raising it would end rank 0 alone, the other ranks waiting
+    for it in a collective. The fit ends normally."""
     from tests.torch import olmo_core_runs
 
     at = olmo_core_runs.VARIANTS["full_disk"]()["callbacks"]["full_disk"].at
@@ -143,4 +144,5 @@ def test_rank_0_failing_to_record_stops_the_recording_and_every_rank_trains_on(s
     root = seed["full disk"].parent
     said = (root / f"seed_1to2.3fits.rank0of{WORLD}.log").read_text()
     assert "No space left on device" in said and f"{seed['full disk']} stops here" in said, said[-3000:]
+    assert f"closing {seed['full disk']} failed too" in said and said.count("No space left on device") == 2, said[-3000:]
     assert (root / "olmo" / "full_disk" / f"step{STEPS}").is_dir()  # OLMo-core trained and saved to the end

@@ -1,7 +1,8 @@
 """OLMo-core's Trainer recorded on two data-parallel ranks (gloo, two local processes started as
 torchrun starts them): the seed scenario under OLMo-core's own loader (issue 33 part 3b).
 
-One module fixture (tests/torch/olmo_core_runs.py `seed_runs`, three processes, ~25 CPU-s) makes:
+One module fixture (tests/torch/olmo_core_runs.py `seed_runs`, three processes, ~30 CPU-s; the module ~35
+CPU-s, 65-80 s on the shared 2 cores) makes:
 
     seed_1to1   10 steps on one rank: 5, then resumed from OLMo-core's step-5 checkpoint on one rank
     seed_1to2   the same 5 steps on one rank, resumed from its step-5 checkpoint on two ranks

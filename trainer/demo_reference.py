@@ -74,7 +74,7 @@ class ReferenceDemoResult:
             "clean": {"within_noise": c.within_noise, "steps_examined": len(c.distances),
                       "max_ratio_to_floor": c.max_ratio, "inputs": c.inputs},
             "buggy": {"within_noise": b.within_noise, "first_step": b.first_step, "first_layer": b.first_layer,
-                      "cause": b.cause, "ratio_to_floor": b.ratio},
+                      "cause": b.cause, "ratio_to_floor": b.ratio, "first_op": getattr(b, "first_op", None)},
             "expected": self.expected, "found_as_expected": self.found_as_expected,
             "eval": None if self.eval is None else self.eval.to_json(),
             "seconds": self.seconds,

@@ -12,7 +12,8 @@ sketches: tests/replay/test_bisect_cross.py; the two sources agree: tests/torch/
 z-loss (1e-4), so "z-loss left out" is a JAX side with optimizer.z_loss=0 (trainer/port_bugs.py).
 The bugs' expected places are trainer.port_bugs.PORT_BUGS; the step is 0 except where the bug
 cannot act at step 0: AdamW's epsilon changes nothing while the learning rate is 0 (the warmup's
-first step)."""
+first step). Each row's op inside the layer (trainer.port_bugs.PORT_BUG_OPS) is checked here too:
+the known bugs' share of issue 33 part 4 (the held-out mistakes: tests/torch/test_port_ops.py)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from tests.torch.reference_pair import demo, demo_config, port_run  # noqa: E402
-from trainer.port_bugs import PORT_BUGS  # noqa: E402
+from trainer.port_bugs import PORT_BUG_OPS, PORT_BUGS  # noqa: E402
 
 FROM_THE_DEMO = ("clean", "rope")  # rows the demo's own bisects report
 READS_SHARED_RUNS = True  # tests/conftest.py orders this file after the one that makes them
@@ -56,12 +57,14 @@ def found(name: str) -> tuple[tuple[int | None, str | None, str | None], bool]:
             within = j["clean"]["within_noise"]
             return ((None, None, None) if within else ("above the floor", None, None)), within
         b = j["buggy"]
+        assert b["first_op"] == PORT_BUG_OPS[name], b  # the op inside the layer (tests/torch/test_port_ops.py)
         return (b["first_step"], b["first_layer"], b["cause"]), b["within_noise"]
     from replay.bisect import bisect
     from traces import Run
 
     report = bisect(Run.open(demo()["reference"]), Run.open(port_run(name)))
     assert report.source == "traces", report.source
+    assert report.first_op == PORT_BUG_OPS[name], report.to_json()  # the op inside the layer
     return (report.first_step, report.first_layer, report.cause), report.within_noise
 
 

@@ -25,12 +25,14 @@ if [ "${1:-}" = "--suite" ]; then
 fi
 # The results as one JSON line last (what the issue's notes quote): each test's outcome, the versions.
 REPORT="$(mktemp -d)/maxtext-junit.xml"
+# tests/maxtext/test_maxtext_seed.py writes the seed table's MaxText row there (the 1 -> 2 process resume)
+export REPLAY_MAXTEXT_SEED="$(dirname "$REPORT")/seed.json"
 set +e
 "$VENV/bin/python" -m pytest -n 0 -q -p no:cacheprovider --junitxml="$REPORT" tests/maxtext "$@"
 rc=$?
 set -e
-"$VENV/bin/python" - "$REPORT" <<'PY' || true
-import json, sys, xml.etree.ElementTree as ET
+"$VENV/bin/python" - "$REPORT" "$REPLAY_MAXTEXT_SEED" <<'PY' || true
+import json, os, sys, xml.etree.ElementTree as ET
 from importlib.metadata import version
 suite = ET.parse(sys.argv[1]).getroot()
 suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
@@ -39,7 +41,8 @@ for case in suite.iter("testcase"):
     kinds = {child.tag for child in case}
     tests[case.get("name")] = next((k for k in ("failure", "error", "skipped") if k in kinds), "passed")
 counts = {k: sum(v == k for v in tests.values()) for k in ("passed", "failure", "error", "skipped")}
+seed = json.loads(open(sys.argv[2]).read()) if os.path.exists(sys.argv[2]) else None
 print(json.dumps({"maxtext": version("maxtext"), "jax": version("jax"), **counts,
-                  "seconds": round(float(suite.get("time", 0)), 1), "tests": tests}))
+                  "seconds": round(float(suite.get("time", 0)), 1), "tests": tests, "seed": seed}))
 PY
 exit $rc

@@ -105,8 +105,10 @@ def _config_dict(config: Any) -> dict:
 class RecordedMaxTextStep:
     """MaxText's jitted step `(state, batch) -> (state, metrics)`, recorded into `run_dir`."""
 
-    def __init__(self, jitted: Any, run_dir: Path, config: Any, argv: list[str]):
+    def __init__(self, jitted: Any, run_dir: Path, config: Any, argv: list[str], stop_at: int | None = None,
+                 stop: Any = None):
         self.jitted, self.run_dir, self.config, self.argv = jitted, run_dir, config, list(argv)
+        self.stop_at, self.stop = stop_at, stop
         self.every = int(getattr(config, "checkpoint_period", 0) or 0) if getattr(
             config, "enable_checkpointing", False) else DEFAULT_EVERY
         self.run: Any = None
@@ -117,17 +119,10 @@ class RecordedMaxTextStep:
             raise MaxTextError("this MaxText step takes a per-step key (DiLoCo): not recorded yet; "
                                "run without enable_diloco")
         if self.run is None:
-            import jax
-
-            # Each process holds only its rows of a batch: stored examples (a replay without code) are
-            # one process's only; with several, the trace (bisect, audit, show) is what is recorded.
-            single = jax.process_count() == 1
-            config = dict(_config_dict(self.config), **{ARGV_KEY: self.argv, PROCESSES_KEY: jax.process_count()})
-            self.run = replay.init(self.run_dir, config=config, store_examples=single,
-                                   entrypoint="replay.maxtext:make",
-                                   manifest={"loop": "maxtext", "maxtext_version": _maxtext_version()})
-            self.step = self.run.step(self.jitted, batch_axis=0, loss=LOSS)
+            self._open(maxtext_step(state))
         k = self.run.next_step
+        if self.stop_at is not None and k >= self.stop_at:
+            self.stop()  # before step k runs: MaxText has saved its checkpoints of the steps before it
         if self.every and k % self.every == 0:
             self.run.save(k, state)
         _live[:] = [state, batch, self.jitted]
@@ -135,6 +130,30 @@ class RecordedMaxTextStep:
             return self.step(state, batch)
         finally:
             _live.clear()
+
+    def _open(self, start: int) -> None:
+        """The run opened at MaxText's first step: a new one, or, when MaxText resumed from its own
+        checkpoint (`start` > 0) and the folder holds the run, that run resumed where its trace ends."""
+        import jax
+
+        # Each process holds only its rows of a batch: stored examples (a replay without code) are
+        # one process's only; with several, the trace (bisect, audit, show) is what is recorded.
+        single = jax.process_count() == 1
+        if start and (self.run_dir / "run.json").exists():
+            self.run = replay.init(self.run_dir, resume=True, store_examples=single)
+            if self.run.next_step != start:  # a trace with a gap or an overlap would misname every later step
+                raise MaxTextError(f"MaxText resumed at step {start} from its checkpoint, but the run {self.run_dir} "
+                                   f"was recorded up to step {self.run.next_step - 1}; resume from the checkpoint "
+                                   "the run ends at, or record into a new folder")
+        elif start:
+            raise MaxTextError(f"MaxText resumed at step {start} from its own checkpoint, and {self.run_dir} holds no "
+                               "run to continue: give the folder the run was recorded in")
+        else:
+            config = dict(_config_dict(self.config), **{ARGV_KEY: self.argv, PROCESSES_KEY: jax.process_count()})
+            self.run = replay.init(self.run_dir, config=config, store_examples=single,
+                                   entrypoint="replay.maxtext:make", dataset_size=_dataset_size(self.config),
+                                   manifest={"loop": "maxtext", "maxtext_version": _maxtext_version()})
+        self.step = self.run.step(self.jitted, batch_axis=0, loss=LOSS)
 
     def __getattr__(self, name: str) -> Any:
         # MaxText also lowers its step ahead of time (memory stats, `compiled_trainstep_file`):
@@ -146,6 +165,42 @@ class RecordedMaxTextStep:
             self.run.finish()
 
 
+def maxtext_step(state: Any) -> int:
+    """MaxText's own step counter in the state its step is given (the optimizer's count: MaxText starts
+    its loop there, `train.get_first_step`); 0 where the state has none."""
+    import jax
+    import numpy as np
+
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        if jax.tree_util.keystr(path).startswith("['optimizer']['step']"):
+            shards = getattr(leaf, "addressable_shards", None)  # replicated: every process holds the value
+            return int(np.asarray(shards[0].data if shards else leaf))
+    return 0
+
+
+def _dataset_size(config: Any) -> int | None:
+    """The instances of an olmo_grain run's data (its index's `total_instances`), so `replay audit` counts
+    epochs by the data, not by what the trace shows; None for other pipelines."""
+    if getattr(config, "dataset_type", "") != "olmo_grain":
+        return None
+    try:
+        from maxtext.input_pipeline.olmo_data import load_index
+
+        return int(load_index(config.olmo_index_path).total_instances)
+    except (OSError, ValueError, KeyError):  # MaxText's own loader says what is wrong with the index
+        return None
+
+
+def absl_flags_parsed() -> None:
+    """absl's flags marked parsed (their defaults), as MaxText's `app.run(main)` leaves them: `main` called
+    directly leaves them unparsed, and Grain's loader (dataset_type=grain or olmo_grain) reads one in its
+    first `next`, which fails; MaxText's loop then stops quietly before its first step."""
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+
+
 def _maxtext_version() -> str:
     try:
         from importlib.metadata import version
@@ -155,8 +210,13 @@ def _maxtext_version() -> str:
         return "unknown"
 
 
-def record(run_dir: str | Path, argv: list[str]) -> Path:
-    """Runs MaxText's training `main(argv)` (argv without the program name) recording into `run_dir`."""
+def record(run_dir: str | Path, argv: list[str], stop_at: int | None = None) -> Path:
+    """Runs MaxText's training `main(argv)` (argv without the program name) recording into `run_dir`.
+
+    stop_at: MaxText's loop stopped before step `stop_at`, as a preemption stops it (its own checkpoints
+    of the earlier steps written, the run recorded up to step stop_at - 1); MaxText started again with
+    the same argv then resumes from its checkpoint, and the recording continues this run. Its config
+    (`steps` included: its learning-rate schedule is part of the step's program) stays the same."""
     try:
         from maxtext.trainers.pre_train import train
         from maxtext.utils import train_utils
@@ -167,14 +227,23 @@ def record(run_dir: str | Path, argv: list[str]) -> Path:
     original = train_utils.jit_train_step
     recorded: list[RecordedMaxTextStep] = []
 
+    class Stopped(Exception):
+        """Raised from the wrapped step at `stop_at`, caught below: a signal that never leaves this function."""
+
+    def stop() -> None:
+        raise Stopped
+
     def jit_train_step(config, *args, **kwargs):
-        wrapped = RecordedMaxTextStep(original(config, *args, **kwargs), run_dir, config, argv)
+        wrapped = RecordedMaxTextStep(original(config, *args, **kwargs), run_dir, config, argv, stop_at, stop)
         recorded.append(wrapped)
         return wrapped
 
     train_utils.jit_train_step = jit_train_step
+    absl_flags_parsed()
     try:
         train.main(["train", *argv])
+    except Stopped:
+        pass
     finally:
         train_utils.jit_train_step = original
     if not recorded or recorded[0].run is None:
@@ -185,11 +254,18 @@ def record(run_dir: str | Path, argv: list[str]) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    stop_at = None
+    if len(argv) > 2 and argv[1] == "--stop-at":
+        if not argv[2].isdigit():
+            print(f"error: --stop-at {argv[2]}: the step to stop before, an integer >= 0", file=sys.stderr)
+            return 2
+        stop_at, argv = int(argv[2]), [argv[0], *argv[3:]]
     if len(argv) < 2 or argv[0].startswith("-"):
-        print("usage: python -m replay.maxtext RUN <MaxText config.yml> [key=value ...]", file=sys.stderr)
+        print("usage: python -m replay.maxtext RUN [--stop-at STEP] <MaxText config.yml> [key=value ...]",
+              file=sys.stderr)
         return 2
     try:
-        record(argv[0], argv[1:])
+        record(argv[0], argv[1:], stop_at)
     except MaxTextError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

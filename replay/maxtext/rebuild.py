@@ -116,6 +116,8 @@ def _run_until_first_step(argv: list[str]) -> Rebuilt:
     from maxtext.trainers.pre_train import train
     from maxtext.utils import train_utils
 
+    from replay.maxtext import absl_flags_parsed
+
     class _Captured(Exception):
         """Raised from the first call of MaxText's jitted step: the rebuild has what it needs. A signal
         that never leaves this function (caught below), so not one of the package's error classes."""
@@ -148,6 +150,7 @@ def _run_until_first_step(argv: list[str]) -> Rebuilt:
     # must not start it (the run's own argv may ask it to, from environment variables a replay lacks).
     alone = () if jax.distributed.is_initialized() else ("skip_jax_distributed_system=true",)
     train_utils.setup_train_loop, train_utils.jit_train_step = setup_train_loop, jit_train_step
+    absl_flags_parsed()
     try:
         with tempfile.TemporaryDirectory(prefix="replay-maxtext-") as out:
             train.main(["train", *argv, *OVERRIDES, *alone, f"base_output_directory={out}"])

@@ -17,6 +17,8 @@ from replay.record.entry_check import check_entrypoint
 from replay.record.errors import RecordError
 from replay.record.run_open import process_index, processes
 
+RESUMED_KEY = "resumed_programs"  # run.json: the programs of resumes on another process count
+
 
 def start(run: Any, program: Any) -> None:
     """The wrapped step's first call was traced: its schema, program and options into the
@@ -27,8 +29,7 @@ def start(run: Any, program: Any) -> None:
             raise RecordError(f"{run.path}: the step records different options than the run did; resume with "
                               "the same step, config and run.step(...) arguments")
         if recorded is not None and run._run.manifest.get("program_hash") != program.program_hash:
-            raise RecordError(f"{run.path}: the step compiles to a different program than the run recorded; "
-                              "resume with the same code and config")
+            _resumed_on_other_processes(run, program)
     resuming = run._recorded_schema() is not None
     if not resuming and run._entrypoint is not None:  # make() checked here, not on another machine at replay
         check_entrypoint(run._entrypoint, run.manifest.get("config"), program, run.next_step)
@@ -46,6 +47,23 @@ def start(run: Any, program: Any) -> None:
     _open_examples(run, program, resume=resuming)
 
 
+def _resumed_on_other_processes(run: Any, program: Any) -> None:
+    """A resume on another process count compiles another program (its mesh spans other hosts): kept,
+    said in run.json (`resumed_programs`: the step it starts at, its process count and program hash),
+    and its records say whether it computes the same bits. On the same process count a different
+    program is a different loop: refused."""
+    resumes = list(run._run.manifest.get(RESUMED_KEY, []))
+    latest = resumes[-1] if resumes else {"process_count": run._run.manifest.get("environment", {}).get(
+        "process_count"), "program_hash": run._run.manifest.get("program_hash")}
+    if latest["program_hash"] == program.program_hash:  # resumed again on the processes it last ran on
+        return
+    if latest["process_count"] == processes():
+        raise RecordError(f"{run.path}: the step compiles to a different program than the run recorded; "
+                          "resume with the same code and config")
+    resumes.append({"step": run.next_step, "process_count": processes(), "program_hash": program.program_hash})
+    run._run.update_manifest(**{RESUMED_KEY: resumes})
+
+
 def _record_exported(run: Any, program: Any) -> None:
     """The step as a jax.export program and the example store's layout, into the manifest, so
     replay needs no user code (replay/record/export.py, examples_store.py; the manifest says
@@ -61,5 +79,9 @@ def _record_exported(run: Any, program: Any) -> None:
 
 def _open_examples(run: Any, program: Any, resume: bool) -> None:
     store = run.manifest.get(examples_store.KEY)
+    if processes() > 1 and run._run is not None and isinstance(store, dict) and store.get("leaves"):
+        # a one-process run resumed on several: no process holds the whole batch; the store ends here
+        run._run.update_manifest(**{examples_store.KEY: dict(store, until_step=run.next_step)})
+        return
     if run._run is not None and isinstance(store, dict) and store.get("leaves"):
         run._examples = examples_store.ExampleWriter(run.path, program.options.batch_axis, resume=resume)

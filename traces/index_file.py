@@ -103,8 +103,8 @@ class FileIndex:
         if self._cols is not None or not self.column_crc:
             return getattr(self.columns(), name)
         if name not in self._column:
-            dtype, shape, pos, size = column_spans(self.schema, self.count)[name]
-            data = self._read(self.header_size + pos, size)
+            dtype, shape, _, _ = column_spans(self.schema, self.count)[name]
+            data = self._read(*self.column_span(name))
             if zlib.crc32(data) != self.column_crc[name]:
                 raise IndexUnusable(f"its {name} column's checksum does not match")
             self._column[name] = np.frombuffer(data, dtype, int(np.prod(shape))).reshape(shape)
@@ -144,7 +144,7 @@ class FileIndex:
 
     def _heads(self) -> tuple[np.ndarray, np.ndarray]:
         if self._fence is None:
-            data = self._read(self.header_size + self._columns_size, self._heads_size)
+            data = self._read(*self.heads_span())
             if zlib.crc32(data) != self._heads_crc:
                 raise IndexUnusable("its block heads' checksum does not match")
             self._fence = np.frombuffer(data, "<u8", self.blocks)
@@ -183,6 +183,25 @@ class FileIndex:
             hashes, slots = hashes[: hashes.size - pad], slots[: slots.size - pad]
         return hashes, slots
 
+    # Where each part lies, (offset, size) as _read asks for it: a remote scan requests the parts
+    # of several segments at once (View.prefetch matches a read by its exact range).
+    def column_span(self, name: str) -> tuple[int, int]:
+        _, _, pos, size = column_spans(self.schema, self.count)[name]
+        return self.header_size + pos, size
+
+    def heads_span(self) -> tuple[int, int]:
+        return self.header_size + self._columns_size, self._heads_size
+
+    def _table_blocks(self, lo: int, hi: int | None) -> tuple[int, int]:
+        fence = self._heads()[0]
+        first = max(int(np.searchsorted(fence, np.uint64(lo), "left")) - 1, 0)
+        return first, self.blocks if hi is None else max(int(np.searchsorted(fence, np.uint64(hi), "left")), first + 1)
+
+    def table_span(self, lo: int, hi: int | None) -> tuple[int, int]:
+        """The bytes table(lo, hi) reads (its block heads read first, to know them)."""
+        first, stop = self._table_blocks(lo, hi) if self.blocks else (0, 0)
+        return self._table_at + first * 12 * self.K, (stop - first) * 12 * self.K
+
     def sample(self) -> np.ndarray:
         """Every block's first hash (every BLOCK_ENTRIES-th sorted hash)."""
         return self._heads()[0] if self.blocks else np.zeros(0, np.uint64)
@@ -218,9 +237,7 @@ class FileIndex:
         """The (hash, slot) entries with lo <= hash < hi (hi None: no upper bound), sorted."""
         if not self.blocks:
             return np.zeros(0, np.uint64), np.zeros(0, np.int64)
-        fence = self._heads()[0]
-        first = max(int(np.searchsorted(fence, np.uint64(lo), "left")) - 1, 0)
-        stop = self.blocks if hi is None else max(int(np.searchsorted(fence, np.uint64(hi), "left")), first + 1)
+        first, stop = self._table_blocks(lo, hi)
         hs, slots = self._blocks(list(range(first, stop)))
         a = np.searchsorted(hs, np.uint64(lo), "left")
         b = hs.size if hi is None else np.searchsorted(hs, np.uint64(hi), "left")

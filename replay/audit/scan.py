@@ -27,8 +27,10 @@ import numpy as np
 
 import traces
 from traces import columns
-from traces.index import examples_key
+from traces.index import IndexUnusable, examples_key
 from traces.sorting import stable_argsort
+from traces.storage import is_remote
+from traces.trace import READ_AHEAD
 
 PARTITION_ENTRIES = 1 << 22  # ~0.5 GB of working arrays a range
 _EMPTY = np.zeros(0, np.int64)
@@ -208,6 +210,8 @@ def _ranges(reader: traces.TraceReader, segments: list[int], entries: int) -> li
     parts = max(1, -(-entries // PARTITION_ENTRIES))
     if parts == 1:
         return [(0, None)]
+    for k in range(0, len(segments), READ_AHEAD):
+        _ahead(reader, segments[k : k + READ_AHEAD], lambda index: index.heads_span())
     sample = np.sort(np.concatenate([reader.with_index(i, lambda index: index.sample()) for i in segments]))
     if sample.size >= 8 * parts:
         cuts = [int(c) for c in np.unique(sample[(np.arange(1, parts) * sample.size) // parts]) if int(c) > 0]
@@ -268,7 +272,11 @@ def trace_pieces(reader: traces.TraceReader, start: int, stop: int):
     entries = sum(reader.segments[i].count for i in segments) * B
     for lo, hi in _ranges(reader, segments, entries):
         pieces = []
-        for i in segments:
+        for k, i in enumerate(segments):
+            if k % READ_AHEAD == 0:  # remote: a window's block heads, then the window's tables, at once
+                window = segments[k : k + READ_AHEAD]
+                _ahead(reader, window, lambda index: index.heads_span())
+                _ahead(reader, window, lambda index: index.table_span(lo, hi))
             seg = reader.segments[i]
             hs, slots = reader.with_index(i, lambda index: index.table(lo, hi))
             slots += seg.first_step * B  # in place: table() returns a fresh int64 array
@@ -277,6 +285,24 @@ def trace_pieces(reader: traces.TraceReader, start: int, stop: int):
                 hs, slots = hs[keep], slots[keep]
             pieces.append((hs, slots))
         yield pieces
+
+
+def _ahead(reader: traces.TraceReader, segments: list[int], span) -> None:
+    """On object storage, requests the part `span(index)` of these segments' index files at once
+    (one round trip for the window instead of one a segment); what cannot be planned (no index
+    file, a damaged one) is left to the reader's own read, where it is handled."""
+    if not is_remote(reader.dir):
+        return
+    ranges = []
+    for i in segments:
+        try:
+            index = reader._file_index(i)
+            part = None if index is None else span(index)
+            if part is not None:
+                ranges.append((index.path.key, *part))
+        except IndexUnusable:
+            pass
+    reader.dir.view.prefetch(ranges)
 
 
 class BytesCheck:
@@ -310,16 +336,45 @@ class BytesCheck:
             raise self._error
 
 
+def _examples_key_span(index):
+    return index.column_span("examples_key") if index.column_crc else None  # version 1: all columns at once
+
+
 def trace_keys(reader: traces.TraceReader, start: int, stop: int) -> np.ndarray:
-    return np.concatenate([c.examples_key for c in columns.step_columns(reader, start, stop)] or [_EMPTY]).astype(
-        np.uint64)
+    """Each step's examples key, from the one column (remote: a window of segments' at once)."""
+    spans = list(columns.segment_ranges(reader, start, stop))
+    keys = []
+    for k, (i, lo, hi) in enumerate(spans):
+        if k % READ_AHEAD == 0:
+            _ahead(reader, [j for j, _, _ in spans[k : k + READ_AHEAD]], _examples_key_span)
+        keys.append(reader.column(i, "examples_key")[lo:hi])
+    return np.concatenate(keys or [_EMPTY]).astype(np.uint64)
 
 
 def trace_rows(reader: traces.TraceReader, start: int):
     """rows(steps): the example hashes of steps start + s for each s, read from the records."""
     def rows(offsets: np.ndarray) -> np.ndarray:
         out = np.empty((offsets.size, reader.schema.examples_per_step), np.uint64)
-        for k, s in enumerate(offsets.tolist()):
-            out[k] = reader.read(start + s).example_hashes
+        steps = (start + offsets).tolist()
+        for k, step in enumerate(steps):
+            if k % READ_AHEAD == 0:
+                _frames_ahead(reader, steps[k : k + READ_AHEAD])
+            out[k] = reader.read(step).example_hashes
         return out
     return rows
+
+
+def _frames_ahead(reader: traces.TraceReader, steps: list[int]) -> None:
+    """On object storage, the frames of these steps at once (their segments' offsets first)."""
+    if not is_remote(reader.dir):
+        return
+    where = {s: reader._segment_index(s) for s in steps if s in reader}
+    unknown = sorted({i for i in where.values() if reader.segments[i].offsets is None})
+    _ahead(reader, unknown, lambda index: index.column_span("offsets") if index.column_crc else None)
+    ranges = []
+    for step, i in where.items():
+        seg = reader.segments[i]
+        offsets = reader.offsets(i)
+        at, end = int(offsets[step - seg.first_step]), int(offsets[step - seg.first_step + 1])
+        ranges.append((seg.path.key, at, end - at))
+    reader.dir.view.prefetch(ranges)

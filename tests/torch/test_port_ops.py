@@ -55,6 +55,8 @@ def test_each_held_out_mistake_is_named_at_its_op(bug):
     assert report.op.weights == "torch checkpoint 0"  # re-run from the torch run's own state, checked
     _above_only_from(report)
     assert expected.op in report.cause_text
+    # the scores before softmax are the JAX side's only: said when they precede the op named
+    assert any("attn.logits" in n and "one side only" in n for n in report.notes) == expected.op.endswith(".probs")
 
 
 def test_the_expected_ops_are_not_one_answer():

@@ -1,6 +1,6 @@
 """Record MaxText's own training loop: `python -m replay.maxtext RUN <MaxText's train argv>`.
 
-    python -m replay.maxtext runs/mt maxtext/configs/base.yml hardware=cpu steps=20 ...
+    python -m replay.maxtext runs/mt [--stop-at K] maxtext/configs/base.yml hardware=cpu steps=20 ...
     replay run runs/mt --steps 10:19          # restore checkpoint 10, re-run 10..19, compare bits
 
 MaxText (`pip install "maxtext[tpu]==0.2.5"`, Python >= 3.12; tools/maxtext-env.sh builds a cached
@@ -14,14 +14,22 @@ after MaxText has started `jax.distributed` (several processes write one run). T
 step k is saved into the run every `checkpoint_period` steps (MaxText's own option; every 10 steps
 when MaxText's checkpointing is off), through replay's checkpoints, not MaxText's manager.
 
+Resuming: MaxText started again with its checkpointing on restores its own latest checkpoint; its
+checkpoint s holds the state after step s (optimizer count s + 1, where its loop restarts), replay's
+checkpoint k the state entering step k. The recording continues the run in RUN when MaxText restarts at
+the step its trace ends at (one line otherwise), on the same or another process count (another count
+compiles another program: run.json's `resumed_programs`). `--stop-at K` stops MaxText's loop before
+step K as a preemption would (its checkpoints of the earlier steps written), for such a resume.
+
 The run's config is MaxText's plus its argv and process count: `make` (the run's entry point)
 rebuilds MaxText's loop from them (replay/maxtext/rebuild.py), so `replay run` and `replay bisect`
 replay with MaxText's code (the recorded program, first ops named), on as many processes as trained;
 where MaxText is not installed it declines and the exported program (with the stored examples of a
 one-process run) replays instead.
 
-Not yet: gradient taps inside MaxText's step, checkpoints through MaxText's own manager, the grain
-iterator's state, and DiLoCo (whose step takes a per-step key as a third argument): refused in one line.
+Not yet: gradient taps inside MaxText's step, a replay restored from MaxText's own checkpoint (replay's
+are used), Grain's iterator state (olmo_grain saves none: its sampler restarts at the checkpoint's
+step), and DiLoCo (whose step takes a per-step key as a third argument): refused in one line.
 
 Cost at a million steps: what recording costs any loop (one record a step, streamed to disk).
 """
@@ -34,7 +42,7 @@ from typing import Any
 
 import replay
 from replay.engine.code import EntrypointNotFound
-from replay.errors import InputError, ReplayUnavailable
+from replay.errors import InputError, ReplayUnavailable, message, user_error_code
 from replay.record.loop import entrypoint
 
 LOSS = "scalar/learning/loss"  # MaxText's metrics: {"scalar": {"learning/loss": ..., ...}}
@@ -139,7 +147,12 @@ class RecordedMaxTextStep:
         # Each process holds only its rows of a batch: stored examples (a replay without code) are
         # one process's only; with several, the trace (bisect, audit, show) is what is recorded.
         single = jax.process_count() == 1
-        if start and (self.run_dir / "run.json").exists():
+        held = (self.run_dir / "run.json").exists()
+        if held and not start:  # replay.init would refuse the folder naming its own API, not MaxText's
+            raise MaxTextError(f"{self.run_dir} holds a run, and MaxText starts at step 0 (no checkpoint of its own "
+                               "under base_output_directory/run_name/checkpoints): resume with the output folder "
+                               "and run_name it trained with, or record into a new folder")
+        if start and held:
             self.run = replay.init(self.run_dir, resume=True, store_examples=single)
             if self.run.next_step != start:  # a trace with a gap or an overlap would misname every later step
                 raise MaxTextError(f"MaxText resumed at step {start} from its checkpoint, but the run {self.run_dir} "
@@ -266,9 +279,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         record(argv[0], argv[1:], stop_at)
-    except MaxTextError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except Exception as exc:
+        code = user_error_code(exc)  # replay's user errors (replay/errors.py); anything else is a bug
+        if code is None:
+            raise
+        print(f"error: {message(exc)}", file=sys.stderr)
+        return code
     print(f"recorded {argv[0]}; verify it with: replay run {argv[0]} --steps A:B", file=sys.stderr)
     return 0
 

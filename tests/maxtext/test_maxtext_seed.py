@@ -105,10 +105,13 @@ def test_the_recording_resumes_the_same_run_from_maxtexts_own_checkpoint(seed):
         assert shown["status"] == "complete" and shown["steps"] == {"start": 0, "end": STEPS, "last": STEPS - 1,
                                                                     "count": STEPS}, shown["steps"]
         assert shown["schema"]["examples_per_step"] == 4, shown["schema"]
-        resumed = json.loads((seed[name] / "run.json").read_text()).get("resumed_programs")
+        manifest = json.loads((seed[name] / "run.json").read_text())
+        resumed = manifest.get("resumed_programs")
         # two processes compile another program (their mesh spans two hosts): kept, and said where it starts
         assert ([(r["step"], r["process_count"]) for r in resumed] if resumed else None) == (
             [(STOP, 2)] if processes else None), resumed
+        # the one-process run stored its examples; no process of two holds a whole batch: the store ends at 4
+        assert manifest["example_store"].get("until_step") == (STOP if processes else None), manifest["example_store"]
 
 
 def _refed(audit: dict) -> list[dict]:

@@ -133,7 +133,7 @@ def _open_segment(reader: TraceReader, path: Path, expected: int | None, is_last
             try:
                 digest, first = read_header(path, head)
             except TraceCorruptError as e:
-                return damaged(0, expected, str(e).split(": ", 1)[-1], tail=True)
+                return damaged(0, expected, _joined_damage(path) or str(e).split(": ", 1)[-1], tail=True)
             if digest != reader._digest:
                 raise SchemaError(f"{path}: segment was written with a different schema than run.json declares")
             if path.name != segment_name(first) or (expected is not None and first != expected):
@@ -150,6 +150,7 @@ def _open_segment(reader: TraceReader, path: Path, expected: int | None, is_last
     reason = walk.damage or (_last_frame_problem(reader, seg, walk.last_body) if n else None)
     if reason is not None and walk.damage is None:  # the last frame's step is wrong: it is the torn one
         seg.count, seg.offsets = n - 1, seg.offsets[:-1]
+    reason = reason or _joined_damage(path)  # a damaged tail object: the frames before it are whole
     if side is not None and 0 < seg.count - side.count <= _EXTEND_MAX:  # a kill between a frame and its entry
         side = _extend(reader, seg, side)
     if side is not None and side.count == seg.count:
@@ -160,6 +161,12 @@ def _open_segment(reader: TraceReader, path: Path, expected: int | None, is_last
     if not is_last:
         return damaged(int(seg.offsets[-1]), first + n, "segment is not sealed", tail=False)
     return False
+
+
+def _joined_damage(path: Path) -> str | None:
+    """What ended a segment joined from tail objects early (traces/storage/tails.py), if anything."""
+    found = path.view.tail_damage.get(path.key) if is_remote(path) else None
+    return None if found is None else found[0]
 
 
 def _last_frame_problem(reader: TraceReader, seg: _Segment, body: bytes) -> str | None:

@@ -24,7 +24,7 @@ from traces.manifest import (  # noqa: F401  (re-exported: the run format's name
     MANIFEST, MANIFEST_CHECKSUM, TRACE_FIRST_STEP, TRUST_FLAG, manifest_checksum, read_manifest, write_json_atomic, write_manifest,
 )
 from traces.schema import Schema
-from traces.storage import StorageError, as_path, is_remote, is_url
+from traces.storage import as_path, is_remote, is_url
 from traces.trace import DEFAULT_SEGMENT_RECORDS, FORMAT_VERSION, Damage, TraceReader
 from traces.writer import TraceWriter
 
@@ -50,6 +50,7 @@ class Run:
         except TraceError as e:
             raise ManifestCorruptError(f"{path / MANIFEST}: {e}", str(path / MANIFEST)) from None
         self._lock_fd = lock_fd
+        self.mirror = None  # a run written to object storage: its uploads (traces/storage/mirror.py)
         self._writer: TraceWriter | None = None
         self._reader: TraceReader | None = None
         if TRACE_FIRST_STEP not in manifest and not any(TRUST_FLAG in note for note in self.notes):
@@ -59,14 +60,21 @@ class Run:
     # Opening ----------------------------------------------------------------------------
     @classmethod
     def open(cls, path: str | os.PathLike) -> "Run":
-        path = as_path(path)  # a folder, or a gs:// / s3:// URL (read-only: traces/storage)
+        path = as_path(path)  # a folder, or a gs:// / s3:// URL (traces/storage)
         notes: list[str] = []
-        return cls(path, read_manifest(path, notes), notes=notes)
+        run = cls(path, read_manifest(path, notes), notes=notes)
+        if is_remote(path) and (path / INCOMPLETE).is_file() and not _is_locked(path):
+            from traces.storage.mirror import stopped_note
+            run.notes.append(stopped_note(path))
+        return run
 
     @classmethod
     def create(cls, path: str | os.PathLike, schema: Schema, manifest: dict, first_step: int = 0) -> "Run":
         """Starts a new run whose trace starts at `first_step`. The directory must not exist, or be empty."""
-        path = _writable(path)
+        if is_url(path):  # written to a local staging folder and uploaded (traces/storage/mirror.py)
+            from traces.storage import mirror
+            return mirror.create(cls, path, schema, manifest, first_step)
+        path = Path(path)
         if not holds_nothing(path):
             raise NotARunError(f"{path}: already exists and is not empty; choose a new --out or resume it with --resume")
         path.mkdir(parents=True, exist_ok=True)
@@ -82,7 +90,10 @@ class Run:
         """Reopens a run for appending: takes the lock and marks it incomplete again. mark=False
         only takes the lock (a second writer is refused from now on) and leaves the run as it
         was until `mark_incomplete()`, so a resume refused before it writes changes nothing."""
-        path = _writable(path)
+        if is_url(path):
+            from traces.storage import mirror
+            return mirror.resume(cls, path, mark)
+        path = Path(path)
         notes: list[str] = []
         manifest = read_manifest(path, notes)
         lock_fd = take_lock(path)
@@ -95,6 +106,8 @@ class Run:
         """From now until `finish()` the run is incomplete (a crash leaves it so)."""
         (self.path / INCOMPLETE).touch()
         (self.path / COMPLETE).unlink(missing_ok=True)
+        if self.mirror is not None:
+            self.mirror.mark(complete=False)
 
     # Contents ---------------------------------------------------------------------------
     @property
@@ -156,6 +169,10 @@ class Run:
     def writer(self, segment_records: int = DEFAULT_SEGMENT_RECORDS) -> TraceWriter:
         if self._lock_fd is None:
             raise RunLockedError(f"{self.path}: opened read-only; use Run.create or Run.resume to write")
+        if self._writer is None and self.mirror is not None:
+            from traces.storage.mirror import MirroredTraceWriter
+            self._writer = MirroredTraceWriter(self.trace_dir, self.schema, segment_records, self.first_step,
+                                               self.mirror, self.mirror.tails_found)
         if self._writer is None:
             self._writer = TraceWriter(self.trace_dir, self.schema, segment_records, first_step=self.first_step)
             self._reader = None
@@ -170,6 +187,9 @@ class Run:
         if self._lock_fd is None:
             raise RunLockedError(f"{self.path}: opened read-only; cannot change its manifest")
         self.manifest = write_manifest(self.path / MANIFEST, {**self.manifest, **fields}, self._last_recorded())
+        if self.mirror is not None:  # checkpoints first: a manifest never names one not uploaded
+            self.mirror.checkpoints()
+            self.mirror.manifest()
 
     def finish(self) -> None:
         """Marks the run complete (the only way to) and releases the lock."""
@@ -181,6 +201,9 @@ class Run:
         writer.close()
         write_json_atomic(self.path / COMPLETE, {"end": end}, self._last_recorded())
         (self.path / INCOMPLETE).unlink(missing_ok=True)
+        if self.mirror is not None:
+            self.mirror.checkpoints()
+            self.mirror.mark(complete=True)
         self.close()
 
     def close(self) -> None:
@@ -191,6 +214,9 @@ class Run:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+        if self.mirror is not None:
+            mirror, self.mirror = self.mirror, None
+            mirror.close()
 
     def __enter__(self) -> "Run":
         return self
@@ -235,16 +261,10 @@ def take_lock(path: Path, create: bool = True) -> int | None:
     return fd
 
 
-def _writable(path: str | os.PathLike) -> Path:
-    if is_url(path):
-        raise StorageError(f"{path}: runs on object storage can be read (show, audit, bisect) but not yet written; "
-                           "record to a local folder and copy it to the bucket")
-    return Path(path)
-
-
 def _is_locked(path: Path) -> bool:
-    if is_remote(path):  # no flock on an object store: a remote run's writer is not seen (read-only for now)
-        return False
+    if is_remote(path):  # no flock on an object store: a live lease (traces/storage/lease.py) is a writer
+        from traces.storage.lease import live
+        return (path / LOCK).is_file() and live(path.view.store, (path / LOCK).key)
     try:
         fd = os.open(path / LOCK, os.O_RDONLY)
     except FileNotFoundError:

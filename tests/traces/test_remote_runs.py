@@ -133,14 +133,6 @@ def test_a_missing_remote_run_is_one_line(bucket):
     assert_one_line_error(result, f"{bucket}/no/such/run: no such run")
 
 
-def test_writing_to_object_storage_is_refused_until_the_write_path_lands(bucket):
-    with pytest.raises(traces.TraceError, match="can be read .* but not yet written"):
-        traces.Run.create(f"{bucket}/new", make_schema(), {"config": {}})
-    from replay.errors import EXIT_BAD_INPUT, EXIT_CODES
-
-    assert EXIT_CODES["traces.errors.TraceError"] == EXIT_BAD_INPUT  # StorageError is one
-
-
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_conditional_writes_refuse_a_second_writer(tmp_path, request, where):
     """What the next slice's writer lock and COMPLETE marker stand on. gcp-storage-emulator does not

@@ -15,6 +15,7 @@ import io
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from traces.storage import tails
 from traces.storage.base import Store
 
 PARALLEL = 16  # ranges requested at once when opening (each ~20 ms from a VM to its region's bucket)
@@ -26,11 +27,57 @@ class View:
         self._listings: dict[str, tuple[dict[str, int], list[str]]] = {}
         self._ranges: dict[tuple[str, int, int], bytes] = {}
         self._lock = threading.Lock()
+        self._joined: dict[str, bytes] = {}  # an unsealed segment's bytes, joined from its tail objects
+        self.tail_damage: dict[str, tuple[str, int]] = {}  # such a segment's key -> (what ended it, at byte)
+        self.tail_objects: dict[str, int] = {}  # such a segment's key -> how many tail objects it has (numbered)
 
     def listing(self, folder: str) -> tuple[dict[str, int], list[str]]:
         if folder not in self._listings:
-            self._listings[folder] = self.store.list(folder + "/" if folder else "")
+            files, dirs = self.store.list(folder + "/" if folder else "")
+            self._listings[folder] = self._join_tails(folder, files), dirs
         return self._listings[folder]
+
+    def _join_tails(self, folder: str, files: dict[str, int]) -> dict[str, int]:
+        """A segment still being written (or left by a crash) is its tail objects joined
+        (traces/storage/tails.py); tails beside a segment's own object were sealed into it."""
+        groups: dict[str, list[str]] = {}
+        for name in files:
+            parsed = tails.parse_name(name)
+            if parsed is not None:
+                groups.setdefault(parsed[0], []).append(name)
+        if not groups:
+            return files
+        kept = {n: size for n, size in files.items() if tails.parse_name(n) is None}
+        for segment, names in groups.items():
+            if segment in kept:
+                continue
+            names.sort(key=lambda n: tails.parse_name(n)[1])
+            keys = [f"{folder}/{n}" if folder else n for n in names]
+            with ThreadPoolExecutor(min(PARALLEL, len(keys))) as pool:
+                datas = list(pool.map(self._read_or_none, keys))
+            key = f"{folder}/{segment}" if folder else segment
+            if None in datas:  # a tail deleted since the listing: the writer sealed the segment meanwhile
+                sealed = self.store.stat(key)
+                if sealed is not None:
+                    kept[segment] = sealed.size
+                    continue
+            data, why, stop = tails.join(list(zip(names, datas)))
+            self.tail_objects[key] = tails.parse_name(names[-1])[1] + 1
+            self._joined[key] = data
+            kept[segment] = len(data)
+            if why is not None:
+                self.tail_damage[key] = (why, stop)
+        return kept
+
+    def _read_or_none(self, key: str) -> bytes | None:
+        try:
+            return self.store.read(key)
+        except FileNotFoundError:  # deleted since the listing: sealed meanwhile (the next open sees the segment)
+            return None
+
+    def read(self, key: str) -> bytes:
+        joined = self._joined.get(key)
+        return self.store.read(key) if joined is None else joined
 
     def listed(self, folder: str) -> tuple[dict[str, int], list[str]] | None:
         return self._listings.get(folder)
@@ -46,7 +93,7 @@ class View:
         return None if found is None else found.size
 
     def prefetch(self, ranges: list[tuple[str, int, int]]) -> None:
-        todo = [r for r in ranges if r[2] > 0 and r not in self._ranges]
+        todo = [r for r in ranges if r[2] > 0 and r not in self._ranges and r[0] not in self._joined]
         if not todo:
             return
         def get(r):
@@ -62,6 +109,9 @@ class View:
                         self._ranges[r] = data
 
     def read_range(self, key: str, offset: int, size: int) -> bytes:
+        joined = self._joined.get(key)
+        if joined is not None:
+            return joined[offset : offset + max(size, 0)]
         with self._lock:  # a prefetched range is read once: later reads go to the store
             data = self._ranges.pop((key, offset, size), None)
         return self.store.read_range(key, offset, size) if data is None else data
@@ -158,7 +208,7 @@ class RemotePath:
 
     # contents
     def read_bytes(self) -> bytes:
-        return self.view.store.read(self.key)
+        return self.view.read(self.key)
 
     def read_text(self, encoding: str | None = "utf-8", errors: str | None = None) -> str:
         return self.read_bytes().decode(encoding or "utf-8", errors or "strict")

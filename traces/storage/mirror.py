@@ -1,0 +1,288 @@
+"""Writing a run to object storage: a local staging folder in the local format, mirrored up.
+
+Object stores have no append and no rename, so a run created at a gs:// or s3:// URL is written
+as today to a local staging folder (`REPLAY_STAGING`, else the system's temporary folder) by the
+unchanged local code, and every piece is uploaded as an immutable object once it is final:
+
+- sealed segments whole (write-if-absent), their indexes when built; then the segment's tail
+  objects are deleted;
+- the unsealed tail as tail objects (traces/storage/tails.py) of the bytes appended since the
+  last upload, after every TAIL_RECORDS records or TAIL_SECONDS seconds (checked at each append),
+  at `flush()` and at close: a writer killed or preempted loses only the records appended since
+  its last tail object, fewer than TAIL_RECORDS and appended within TAIL_SECONDS of its last append;
+- run.json with write-if-generation (its generation held from creation or resume), so a second
+  writer's manifest never silently replaces it; INCOMPLETE at creation and resume, COMPLETE
+  (write-if-absent) at finish, then INCOMPLETE deleted;
+- checkpoints (files under the staging folder's checkpoints/, orbax's temporary folders
+  excepted) when the manifest is updated and at close;
+- the writer lock is a lease object (traces/storage/lease.py), renewed as records are appended.
+
+Resuming downloads the run's trace (sealed segments and the joined tail) and checkpoints to a
+fresh staging folder first: the cost of a resume is the run's size, not O(1).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from traces.errors import NotARunError
+from traces.storage import PreconditionFailed, RemotePath, as_path, open_store, tails
+from traces.storage.lease import Lease
+from traces.writer import TraceWriter
+
+TAIL_RECORDS = int(os.environ.get("REPLAY_TAIL_RECORDS", "256"))
+TAIL_SECONDS = float(os.environ.get("REPLAY_TAIL_SECONDS", "10"))
+MARKERS = ("INCOMPLETE", "COMPLETE")
+
+
+class Mirror:
+    """Uploads a staging folder's run to `url` as its pieces become final."""
+
+    def __init__(self, url: str, staging: Path, lease: Lease):
+        self.store, self.key = open_store(url)
+        self.url, self.staging, self.lease = str(as_path(url)), staging, lease
+        self.manifest_generation: str | None = None
+        self._sent: dict[str, int] = {}  # checkpoint files uploaded: relative path -> size
+        self.tails_found: dict = {}  # from a resume's download: unsealed segment -> (bytes, tail objects)
+
+    def _key(self, rel: str) -> str:
+        return f"{self.key}/{rel}" if self.key else rel
+
+    def put(self, rel: str, data: bytes, replace: bool = False) -> str:
+        try:
+            return self.store.write_if_absent(self._key(rel), data)
+        except PreconditionFailed:
+            if not replace:
+                raise
+            found = self.store.stat(self._key(rel))
+            return self.store.write_if_generation(self._key(rel), data, found.generation)
+
+    def delete(self, rel: str) -> None:
+        try:
+            self.store.delete(self._key(rel))
+        except FileNotFoundError:
+            pass
+
+    def manifest(self) -> None:
+        # S3's generation is the ETag, a hash of the content: two writers' equal manifests look the
+        # same to it. The lease's body never repeats (its expiry), so renewing it first, by its
+        # generation, is what refuses a writer that lost the run.
+        self.lease.renew(force=True)
+        data = (self.staging / "run.json").read_bytes()
+        if self.manifest_generation is None:
+            self.manifest_generation = self.store.write_if_absent(self._key("run.json"), data)
+        else:  # a writer that lost the run (another took over its lease) is refused here
+            self.manifest_generation = self.store.write_if_generation(self._key("run.json"), data,
+                                                                      self.manifest_generation)
+
+    def mark(self, complete: bool) -> None:
+        self.lease.renew(force=True)
+        if complete:
+            self.put("COMPLETE", (self.staging / "COMPLETE").read_bytes(), replace=True)
+            self.delete("INCOMPLETE")
+        else:
+            self.put("INCOMPLETE", b"", replace=True)
+            self.delete("COMPLETE")
+
+    def checkpoints(self) -> None:
+        root = self.staging / "checkpoints"
+        for p in sorted(root.rglob("*")) if root.is_dir() else []:
+            rel = p.relative_to(self.staging).as_posix()
+            if not p.is_file() or "tmp" in rel.lower() or self._sent.get(rel) == p.stat().st_size:
+                continue
+            self.put(rel, p.read_bytes(), replace=True)
+            self._sent[rel] = p.stat().st_size
+
+    def close(self, remove_staging: bool = True) -> None:
+        try:
+            self.checkpoints()
+        finally:
+            self.lease.release()
+            if remove_staging:
+                shutil.rmtree(self.staging.parent, ignore_errors=True)
+
+
+class MirroredTraceWriter(TraceWriter):
+    """The local TraceWriter on the staging folder, uploading as it goes (see the module's notes)."""
+
+    def __init__(self, trace_dir, schema, segment_records, first_step, mirror: Mirror, tails_sent: dict):
+        self.mirror = mirror
+        self._tails = dict(tails_sent)  # unsealed segment name -> (bytes uploaded, next tail number)
+        self._index_due: list[Path] = []  # sealed segments whose index is still to upload
+        self._since, self._sent_at = 0, time.monotonic()
+        super().__init__(trace_dir, schema, segment_records, first_step)
+        self._resync_tail()
+
+    @property
+    def run_path(self):
+        return self.mirror.url  # what the user named, not the staging folder
+
+    def _rel(self, path: Path) -> str:
+        return f"trace/{path.name}"
+
+    def _resync_tail(self) -> None:
+        """After a resume: tail objects past what the staged tail holds (a cut torn record) are
+        replaced by one object of what it holds."""
+        for name, (sent, _) in list(self._tails.items()):
+            path = self.dir / name
+            if self._path == path and self._size >= sent:
+                continue
+            self._drop_tails(name)
+            if self._path == path:
+                self._upload_tail()
+
+    def append(self, rec) -> bool:
+        wrote = super().append(rec)
+        self.mirror.lease.renew()
+        if wrote and self._fd is not None:  # (a record that sealed its segment went up with it)
+            self._since += 1
+            if self._since >= TAIL_RECORDS or time.monotonic() - self._sent_at >= TAIL_SECONDS:
+                self._upload_tail()
+        self._upload_indexes()
+        return wrote
+
+    def _seal(self) -> None:
+        path = self._path
+        super()._seal()  # the seal is written: the file is final (its fsync is the seal thread's)
+        self.mirror.put(self._rel(path), path.read_bytes())
+        self._drop_tails(path.name)
+        self._index_due.append(path)
+        self._since, self._sent_at = 0, time.monotonic()
+
+    def _drop_tails(self, name: str) -> None:
+        sent, number = self._tails.pop(name, (0, 0))
+        for k in range(number):
+            self.mirror.delete(self._rel(self.dir / tails.tail_name(name, k)))
+
+    def _upload_tail(self) -> None:
+        if self._path is None or self._fd is None:
+            return
+        sent, number = self._tails.get(self._path.name, (0, 0))
+        if self._size > sent:
+            with open(self._path, "rb") as f:
+                f.seek(sent)
+                payload = f.read(self._size - sent)
+            name = tails.tail_name(self._path.name, number)
+            self.mirror.put(self._rel(self.dir / name), tails.encode(number, sent, payload))
+            self._tails[self._path.name] = (sent + len(payload), number + 1)
+        self._since, self._sent_at = 0, time.monotonic()
+
+    def _upload_indexes(self, wait: bool = False) -> None:
+        if not self._index_due or (self._sealing is not None and self._sealing.is_alive() and not wait):
+            return
+        self._wait_seal()
+        for seg in self._index_due:
+            idx = seg.with_suffix(".idx")
+            if idx.is_file():  # not written (a full disk) is a note: readers index it in memory
+                self.mirror.put(self._rel(idx), idx.read_bytes(), replace=True)
+        self._index_due = []
+
+    def flush(self) -> None:
+        super().flush()
+        self._upload_tail()
+        self._upload_indexes()
+
+    def close(self) -> None:
+        try:
+            self._upload_tail()
+        finally:
+            super().close()
+            self._upload_indexes(wait=True)
+
+
+def staging_folder() -> Path:
+    return Path(tempfile.mkdtemp(prefix="replay-staging-", dir=os.environ.get("REPLAY_STAGING"))) / "run"
+
+
+def holds_nothing(url: str) -> bool:
+    path = as_path(url)
+    files, dirs = path.view.listing(path.key)
+    return not files and not dirs
+
+
+def download(url: str, staging: Path) -> dict:
+    """The run's trace and checkpoints, copied to `staging` (the unsealed tail joined from its tail
+    objects); returns {unsealed segment: (bytes, tail objects)} for the writer to continue."""
+    root = as_path(url)
+    if not isinstance(root, RemotePath) or not (root / "run.json").is_file():
+        raise NotARunError(f"{root}: no such run (no run.json)")
+    found: dict = {}
+    stack = [root]
+    while stack:
+        folder = stack.pop()
+        files, dirs = folder.view.listing(folder.key)  # a segment's tail objects listed as the segment, joined
+        for name in files:
+            if name in (".lock", *MARKERS) or tails.parse_name(name) is not None:
+                continue
+            target = staging / (folder / name).key[len(root.key):].lstrip("/")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            data = (folder / name).read_bytes()
+            target.write_bytes(data)
+            objects = folder.view.tail_objects.get((folder / name).key)
+            if objects is not None:  # the writer continues after them; damaged ones it rewrites (_resync_tail)
+                damaged = (folder / name).key in folder.view.tail_damage
+                found[name] = (1 << 62 if damaged else len(data), objects)
+        stack += [folder / d for d in dirs]
+    for marker in MARKERS:
+        if (root / marker).is_file():
+            (staging / marker).write_bytes((root / marker).read_bytes())
+    return found
+
+
+def create(cls, url: str, schema, manifest: dict, first_step: int):
+    """Run.create at a URL: refused when the URL holds anything; the lease first, then the run."""
+    shown = str(as_path(url))
+    if not holds_nothing(url):
+        raise NotARunError(f"{shown}: already exists and is not empty; choose a new --out or resume it with --resume")
+    store, key = open_store(url)
+    lease = Lease(store, f"{key}/.lock", shown)
+    lease.take()
+    staging = staging_folder()
+    try:
+        run = cls.create(staging, schema, manifest, first_step)
+        run.mirror = Mirror(url, staging, lease)
+        run.mirror.manifest()
+        run.mirror.mark(complete=False)
+    except BaseException:
+        lease.release()
+        shutil.rmtree(staging.parent, ignore_errors=True)
+        raise
+    return run
+
+
+def resume(cls, url: str, mark: bool):
+    """Run.resume at a URL: the lease, then the run downloaded to a staging folder."""
+    shown = str(as_path(url))
+    store, key = open_store(url)
+    lease = Lease(store, f"{key}/.lock", shown)
+    lease.take()
+    staging = staging_folder()
+    try:
+        found = download(url, staging)
+        run = cls.resume(staging, mark=False)
+        run.mirror = Mirror(url, staging, lease)
+        run.mirror.manifest_generation = store.stat(f"{key}/run.json").generation
+        run.mirror.manifest()  # a new generation: a stalled earlier writer's manifest writes are refused from now on
+        run.mirror.tails_found = found
+        ckpts = staging / "checkpoints"
+        run.mirror._sent = {p.relative_to(staging).as_posix(): p.stat().st_size
+                            for p in (ckpts.rglob("*") if ckpts.is_dir() else []) if p.is_file()}
+        if mark:
+            run.mark_incomplete()
+    except BaseException:
+        lease.release()
+        shutil.rmtree(staging.parent, ignore_errors=True)
+        raise
+    return run
+
+
+def stopped_note(path) -> str:
+    """The one line a crashed remote run is opened with: what its writer may have lost."""
+    return (f"{path}: its writer stopped without finishing (killed, preempted or cut off) and holds no lease; the "
+            f"records it appended after its last upload are not in the bucket: fewer than {TAIL_RECORDS} records, "
+            f"appended within {TAIL_SECONDS:g} s of its last append (REPLAY_TAIL_RECORDS, REPLAY_TAIL_SECONDS); "
+            "resume it to continue from what is here")

@@ -188,7 +188,7 @@ class Run:
             raise RunLockedError(f"{self.path}: opened read-only; cannot change its manifest")
         self.manifest = write_manifest(self.path / MANIFEST, {**self.manifest, **fields}, self._last_recorded())
         if self.mirror is not None:  # checkpoints first: a manifest never names one not uploaded
-            self.mirror.checkpoints()
+            self.mirror.files()
             self.mirror.manifest()
 
     def finish(self) -> None:
@@ -202,7 +202,7 @@ class Run:
         write_json_atomic(self.path / COMPLETE, {"end": end}, self._last_recorded())
         (self.path / INCOMPLETE).unlink(missing_ok=True)
         if self.mirror is not None:
-            self.mirror.checkpoints()
+            self.mirror.files()
             self.mirror.mark(complete=True)
         self.close()
 

@@ -60,6 +60,8 @@ class RecordingRun:
         # _trace_end: a resumed run's, where its trace ended when it was reopened (None: a new run)
         self._run, recorded, self.next_step, self._trace_end = run_open.open_run(
             self.path, resume, config, entrypoint, dataset_size, checkpoints, replayable, manifest)
+        if self._run is not None and self._run.mirror is not None:
+            self.path = self._run.path  # a run on object storage is written in its staging folder (traces/storage/mirror.py)
         where = recorded.get("checkpoint_dir", "checkpoints")
         self._ckpt_dir = (self.path / where) if not Path(where).is_absolute() else Path(where)
         self._checkpoints = RunCheckpoints(self._ckpt_dir, recorded, manager=checkpoints, keep=keep_checkpoints,

@@ -26,8 +26,9 @@ LEASE_S = float(os.environ.get("REPLAY_LEASE_SECONDS", "60"))  # how long a kill
 
 
 class Lease:
-    def __init__(self, store: Store, key: str, url: str, seconds: float | None = None):
+    def __init__(self, store: Store, key: str, url: str, seconds: float | None = None, about: dict | None = None):
         self.store, self.key, self.url = store, key, url
+        self.about = dict(about or {})  # what a reader of a crashed run may want to know of its writer
         self.seconds = LEASE_S if seconds is None else seconds
         self.owner = uuid.uuid4().hex
         self.generation: str | None = None
@@ -36,7 +37,7 @@ class Lease:
     def _body(self) -> bytes:
         self._renewed = time.time()
         return json.dumps({"owner": self.owner, "host": socket.gethostname(), "pid": os.getpid(),
-                           "expires": self._renewed + self.seconds}).encode()
+                           "expires": self._renewed + self.seconds, **self.about}).encode()
 
     def take(self) -> None:
         """Holds the lease, or raises RunLockedError naming the live holder."""

@@ -13,8 +13,10 @@ unchanged local code, and every piece is uploaded as an immutable object once it
 - run.json with write-if-generation (its generation held from creation or resume), so a second
   writer's manifest never silently replaces it; INCOMPLETE at creation and resume, COMPLETE
   (write-if-absent) at finish, then INCOMPLETE deleted;
-- checkpoints (files under the staging folder's checkpoints/, orbax's temporary folders
-  excepted) when the manifest is updated and at close;
+- every other file (checkpoints, the exported program, the example store; orbax's temporary
+  folders excepted) whole, when new or changed, at each manifest update and at close: the
+  manifest never names a checkpoint not uploaded (a growing example store is uploaded whole
+  each time: fine for small runs, to be split like the trace);
 - the writer lock is a lease object (traces/storage/lease.py), renewed as records are appended.
 
 Resuming downloads the run's trace (sealed segments and the joined tail) and checkpoints to a
@@ -46,7 +48,7 @@ class Mirror:
         self.store, self.key = open_store(url)
         self.url, self.staging, self.lease = str(as_path(url)), staging, lease
         self.manifest_generation: str | None = None
-        self._sent: dict[str, int] = {}  # checkpoint files uploaded: relative path -> size
+        self._sent: dict[str, tuple] = {}  # other files uploaded: relative path -> (size, mtime)
         self.tails_found: dict = {}  # from a resume's download: unsealed segment -> (bytes, tail objects)
 
     def _key(self, rel: str) -> str:
@@ -88,18 +90,22 @@ class Mirror:
             self.put("INCOMPLETE", b"", replace=True)
             self.delete("COMPLETE")
 
-    def checkpoints(self) -> None:
-        root = self.staging / "checkpoints"
-        for p in sorted(root.rglob("*")) if root.is_dir() else []:
+    def files(self) -> None:
+        """Everything else the run folder holds (checkpoints, the exported program, the example
+        store), each file uploaded whole when new or changed; orbax's temporary folders wait."""
+        for p in sorted(self.staging.rglob("*")):
             rel = p.relative_to(self.staging).as_posix()
-            if not p.is_file() or "tmp" in rel.lower() or self._sent.get(rel) == p.stat().st_size:
+            if (not p.is_file() or rel.split("/")[0] in ("trace", "run.json", ".lock", *MARKERS)
+                    or "tmp" in rel.lower()):
                 continue
-            self.put(rel, p.read_bytes(), replace=True)
-            self._sent[rel] = p.stat().st_size
+            st = p.stat()
+            if self._sent.get(rel) != (st.st_size, st.st_mtime_ns):
+                self.put(rel, p.read_bytes(), replace=True)
+                self._sent[rel] = (st.st_size, st.st_mtime_ns)
 
     def close(self, remove_staging: bool = True) -> None:
         try:
-            self.checkpoints()
+            self.files()
         finally:
             self.lease.release()
             if remove_staging:
@@ -239,7 +245,7 @@ def create(cls, url: str, schema, manifest: dict, first_step: int):
     if not holds_nothing(url):
         raise NotARunError(f"{shown}: already exists and is not empty; choose a new --out or resume it with --resume")
     store, key = open_store(url)
-    lease = Lease(store, f"{key}/.lock", shown)
+    lease = Lease(store, f"{key}/.lock", shown, about={"tail_records": TAIL_RECORDS, "tail_seconds": TAIL_SECONDS})
     lease.take()
     staging = staging_folder()
     try:
@@ -258,7 +264,7 @@ def resume(cls, url: str, mark: bool):
     """Run.resume at a URL: the lease, then the run downloaded to a staging folder."""
     shown = str(as_path(url))
     store, key = open_store(url)
-    lease = Lease(store, f"{key}/.lock", shown)
+    lease = Lease(store, f"{key}/.lock", shown, about={"tail_records": TAIL_RECORDS, "tail_seconds": TAIL_SECONDS})
     lease.take()
     staging = staging_folder()
     try:
@@ -268,9 +274,8 @@ def resume(cls, url: str, mark: bool):
         run.mirror.manifest_generation = store.stat(f"{key}/run.json").generation
         run.mirror.manifest()  # a new generation: a stalled earlier writer's manifest writes are refused from now on
         run.mirror.tails_found = found
-        ckpts = staging / "checkpoints"
-        run.mirror._sent = {p.relative_to(staging).as_posix(): p.stat().st_size
-                            for p in (ckpts.rglob("*") if ckpts.is_dir() else []) if p.is_file()}
+        run.mirror._sent = {p.relative_to(staging).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns)
+                            for p in staging.rglob("*") if p.is_file()}
         if mark:
             run.mark_incomplete()
     except BaseException:
@@ -281,8 +286,16 @@ def resume(cls, url: str, mark: bool):
 
 
 def stopped_note(path) -> str:
-    """The one line a crashed remote run is opened with: what its writer may have lost."""
+    """The one line a crashed remote run is opened with: what its writer may have lost (its
+    tail settings from its expired lease; this process's when the lease is gone)."""
+    import json
+
+    try:
+        held = json.loads((path / ".lock").read_bytes())
+        records, seconds = int(held["tail_records"]), float(held["tail_seconds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        records, seconds = TAIL_RECORDS, TAIL_SECONDS
     return (f"{path}: its writer stopped without finishing (killed, preempted or cut off) and holds no lease; the "
-            f"records it appended after its last upload are not in the bucket: fewer than {TAIL_RECORDS} records, "
-            f"appended within {TAIL_SECONDS:g} s of its last append (REPLAY_TAIL_RECORDS, REPLAY_TAIL_SECONDS); "
+            f"records it appended after its last upload are not in the bucket: fewer than {records} records, "
+            f"appended within {seconds:g} s of its last append (REPLAY_TAIL_RECORDS, REPLAY_TAIL_SECONDS); "
             "resume it to continue from what is here")

@@ -186,6 +186,7 @@ def build(cfg: Config, source: data.TokenSource | None = None, mesh_cfg: MeshCon
         invariant.check(cfg, int(mesh.size))
     batcher = data.Batcher(source, cfg.model.seq_len, cfg.data.global_batch_size, rng.data_seed(cfg.seed),
                            jax.process_index(), jax.process_count(), sampler=cfg.data.sampler)
+    meshlib.abstract_state(cfg)  # reads an init_from checkpoint's config.json: refused before "compiling"
     sketches.check(cfg)
     schema = make_schema(cfg.data.global_batch_size, cfg.trace.level, tensor_schema(cfg), sketches.width(cfg))
     levels = {cfg.trace.level} | ({"step"} if cfg.trace.level == "layer" and cfg.trace.layer_every > 1 else set())

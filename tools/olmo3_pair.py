@@ -1,0 +1,241 @@
+"""Issue 33 part 3(c): MaxText's OLMo 3 against OLMo-core's OLMo 3, one tiny config, the same initial
+weights, the same token rows, each recorded by its own integration; then `replay bisect` across them.
+
+The two sides need two venvs (MaxText: Python 3.12, jax 0.12, no torch; OLMo-core: /work/venv, torch),
+so each stage runs in the one that has its framework and they meet only as files in DIR:
+
+    python tools/olmo3_pair.py prepare DIR                   # /work/venv: tokens, OLMo-core's init -> DIR/hf
+    $MT/bin/python tools/olmo3_pair.py convert DIR           # MaxText venv: DIR/hf -> DIR/mt_params (orbax)
+    $MT/bin/python tools/olmo3_pair.py maxtext DIR RUN [k=v ...]   # MaxText's train.main, recorded
+    python tools/olmo3_pair.py olmo-core DIR RUN             # OLMo-core's Trainer, recorded (ReplayCallback)
+    replay bisect DIR/RUN_maxtext DIR/RUN_olmo_core
+
+The config both sides express (/work/notes/s19/G_findings.md has the key-by-key mapping): OLMo-core's
+olmo3_1M (4 layers, d_model 12, 4 heads of 4, no GQA, SwiGLU 256, QK-norm over all heads, post-norm
+("reordered") blocks, untied head, RoPE theta 5e5, eps 1e-6) with windows [8, 8, 8, full], vocabulary
+512, sequences of 16, global batch 4, AdamW(1e-3, 0.9, 0.95, 1e-8, wd 0.1), constant LR, no clipping.
+
+Data: MaxText's olmo_grain shuffles the instances with its own seed mix (sha256, not OLMo-core's
+`get_rng(seed + epoch)`), so OLMo-core reads, unshuffled, a second token file whose windows are the
+MaxText file's in MaxText's epoch-0 order: both see the same rows at every step of the first epoch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+VOCAB, SEQ, BATCH, WINDOWS, STEPS = 512, 16, 4, 128, 24
+LAYERS, D_MODEL, HEADS, HEAD_DIM, MLP, WINDOW, THETA, EPS = 4, 12, 4, 4, 256, 8, 500_000, 1e-6
+LR, BETAS, ADAM_EPS, WD = 1e-3, (0.9, 0.95), 1e-8, 0.1
+SEED = 0
+
+
+def maxtext_order(n: int, seed: int = SEED, epoch: int = 0):
+    """MaxText's olmo_grain epoch order (maxtext.input_pipeline.olmo_data_grain.OlmoIndexSampler,
+    shuffle on, one shard): numpy's PCG64 permutation, stable across numpy versions."""
+    import numpy as np
+
+    digest = hashlib.sha256(f"olmo-shuffle:{int(seed)}:{int(epoch)}".encode("utf-8")).digest()
+    return np.random.default_rng(int.from_bytes(digest[:8], "little")).permutation(n)
+
+
+# ---------------------------------------------------------------- OLMo-core side (/work/venv)
+
+def olmo_core_model():
+    import torch
+    from olmo_core.nn.attention import AttentionBackendName, SlidingWindowAttentionConfig
+    from olmo_core.nn.transformer import TransformerConfig
+
+    torch.manual_seed(SEED)
+    return TransformerConfig.olmo3_1M(
+        vocab_size=VOCAB, attn_backend=AttentionBackendName.torch,  # flash_2 (the default) needs a GPU
+        sliding_window=SlidingWindowAttentionConfig(pattern=[WINDOW] * 3 + [-1], force_full_attention_on_first_layer=False,
+                                                    force_full_attention_on_last_layer=True)).build(init_device="cpu")
+
+
+def olmo_core_module():
+    from olmo_core.optim import AdamWConfig
+    from olmo_core.train.train_module import TransformerTrainModuleConfig
+
+    return TransformerTrainModuleConfig(rank_microbatch_size=BATCH * SEQ, max_sequence_length=SEQ,
+                                        optim=AdamWConfig(lr=LR, betas=BETAS, eps=ADAM_EPS, weight_decay=WD)
+                                        ).build(olmo_core_model())
+
+
+def load_hf(module, hf_dir: Path) -> None:
+    """The model's weights set from HF files (config.json + model.safetensors), OLMo-core's converter."""
+    import torch
+    import transformers
+    from olmo_core.nn.hf.convert import convert_state_from_hf
+    from safetensors.numpy import load_file
+
+    config = transformers.Olmo3Config(**json.loads((hf_dir / "config.json").read_text()))
+    state = convert_state_from_hf(config, {k: torch.from_numpy(v) for k, v in load_file(str(hf_dir / "model.safetensors")).items()})
+    module.model.load_state_dict(state, strict=True)
+
+
+def adam_from_zero():
+    """An OLMo-core Callback undoing what torch's optimizer-state materialization does to AdamW before
+    the first step (torch.distributed.checkpoint.state_dict's _init_optim_state: a zero-gradient, zero-LR
+    step, reached through the train module's state_dict()): it advances every parameter's Adam `step`
+    to 1, so the first real update uses step-2 bias correction, 0.735 x the step optax (MaxText) takes.
+    Found by this pair (issue 33, 3c); `--keep-adam-count` records the fit without this fix."""
+    import torch
+    from olmo_core.train.callbacks import Callback
+
+    class AdamFromZero(Callback):
+        priority = 10  # before ReplayCallback's pre_step records the state entering the step
+
+        def pre_step(self, batch):
+            if self.trainer.global_step != 1:
+                return
+            for state in self.trainer.train_module.optim.state.values():
+                step, m, v = state.get("step"), state.get("exp_avg"), state.get("exp_avg_sq")
+                if step is not None and float(step) == 1 and not torch.count_nonzero(m) and not torch.count_nonzero(v):
+                    step.zero_()
+
+    return AdamFromZero()
+
+
+def prepare(root: Path) -> None:
+    """DIR/tokens_maxtext.npy (MaxText's file), DIR/tokens_olmo_core.npy (its windows in MaxText's order,
+    raw uint16 as OLMo-core reads), DIR/hf (config.json + model.safetensors: OLMo-core's initial weights
+    through OLMo-core's own HF converter)."""
+    import numpy as np
+    from olmo_core.nn.hf.config import get_hf_config
+    from olmo_core.nn.hf.convert import convert_state_to_hf
+    from safetensors.numpy import save_file
+
+    root.mkdir(parents=True, exist_ok=True)
+    tokens = np.random.default_rng(SEED).integers(1, VOCAB, size=(WINDOWS, SEQ), dtype=np.uint32)
+    tokens.reshape(-1).tofile(root / "tokens_maxtext.npy")  # raw, no .npy header: see convert()
+    tokens[maxtext_order(WINDOWS)].astype(np.uint16).reshape(-1).tofile(root / "tokens_olmo_core.npy")
+    # The weights OLMo-core trains from: its train module re-initializes the model it is given
+    # (init_weights: std 0.02, not nn.Embedding's N(0, 1)), so export them after that build.
+    model = olmo_core_module().model
+    hf_config = get_hf_config(model)
+    state = convert_state_to_hf(hf_config, {k: v.detach() for k, v in model.state_dict().items()})
+    (root / "hf").mkdir(exist_ok=True)
+    (root / "hf" / "config.json").write_text(hf_config.to_json_string())
+    save_file({k: v.float().numpy().copy() for k, v in state.items()}, str(root / "hf" / "model.safetensors"))
+    print(json.dumps({"hf_tensors": sorted(state), "hf_config": json.loads(hf_config.to_json_string())}))
+
+
+def olmo_core_fit(root: Path, name: str, steps: int = STEPS, keep_adam_count: bool = False) -> Path:
+    """OLMo-core's own Trainer on DIR/tokens_olmo_core.npy, unshuffled, recorded into DIR/NAME."""
+    import torch
+    from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
+    from olmo_core.train import Duration, TrainerConfig
+
+    from replay.torch.olmo_core import ReplayCallback
+
+    torch.set_num_threads(1)
+    module = olmo_core_module()
+    load_hf(module, root / "hf")  # the same initial weights MaxText loads (converted from the same files)
+    tok = TokenizerConfig(vocab_size=VOCAB, eos_token_id=0, pad_token_id=0)
+    ds = NumpyFSLDatasetConfig(tokenizer=tok, paths=[str(root / "tokens_olmo_core.npy")], sequence_length=SEQ,
+                               work_dir=str(root / "work")).build()
+    ds.prepare()
+    loader = NumpyDataLoaderConfig(global_batch_size=BATCH * SEQ, seed=SEED, work_dir=str(root / "work")).build(ds)
+    loader.shuffle = False  # the file is already in MaxText's order
+    config = TrainerConfig(save_folder=str(root / "olmo" / name), max_duration=Duration.steps(steps),
+                           metrics_collect_interval=1000)
+    if not keep_adam_count:
+        config = config.with_callback("adam_from_zero", adam_from_zero())
+    config = config.with_callback("replay", ReplayCallback(str(root / name)))
+    config.build(module, loader).fit()
+    return root / name
+
+
+# ---------------------------------------------------------------- MaxText side (its venv)
+
+def maxtext_argv(root: Path, name: str, *extra: str) -> list[str]:
+    import maxtext
+
+    return [str(Path(maxtext.__file__).parent / "configs" / "base.yml"),
+            "hardware=cpu", "skip_jax_distributed_system=true", "dataset_type=olmo_grain", "olmo_apply_ngram_filter=false",
+            f"olmo_index_path={root / 'index.json'}", f"data_shuffle_seed={SEED}", f"steps={STEPS}",
+            f"per_device_batch_size={BATCH}", f"max_target_length={SEQ}",
+            "model_name=olmo3-7b", "override_model_config=true", f"base_num_decoder_layers={LAYERS}",
+            f"base_emb_dim={D_MODEL}", f"base_num_query_heads={HEADS}", f"base_num_kv_heads={HEADS}",
+            f"head_dim={HEAD_DIM}", f"base_mlp_dim={MLP}", f"vocab_size={VOCAB}", f"sliding_window_size={WINDOW}",
+            "rope_type=default", f"rope_max_timescale={THETA}", f"normalization_layer_epsilon={EPS}",
+            "attention=dot_product", "dtype=float32", "weight_dtype=float32", "matmul_precision=highest",
+            f"learning_rate={LR}", "warmup_steps_fraction=0", "learning_rate_final_fraction=1.0",
+            f"adam_b1={BETAS[0]}", f"adam_b2={BETAS[1]}", f"adam_eps={ADAM_EPS}", f"adam_weight_decay={WD}",
+            "gradient_clipping_threshold=0", "enable_checkpointing=false",
+            f"load_parameters_path={root / 'mt_params' / '0' / 'items'}",
+            f"run_name={name}", f"base_output_directory={root / 'maxtext-out'}", *extra]
+
+
+def convert(root: Path) -> None:
+    """DIR/hf -> DIR/mt_params/0/items with MaxText's own converter (to_maxtext.main, its OLMo 3 param
+    mapping and hooks), told the tiny model's HF config instead of the 7B one it has built in."""
+    import numpy as np
+    import transformers
+    from maxtext.checkpoint_conversion import to_maxtext
+    from maxtext.input_pipeline.olmo_data import build_index, read_raw_metadata_from_path
+    from maxtext.input_pipeline.olmo_data_grain import OlmoIndexSampler
+
+    # Headerless, as AI2's files are: build_index's default reader wants an np.save header, but the
+    # loader memmaps the file from byte 0, so a header-ful file is read 128 bytes (two windows) off.
+    build_index([(str(root / "tokens_maxtext.npy"), "pair")], SEQ, tokenizer="none",
+                header_reader=lambda p: read_raw_metadata_from_path(p, "uint32")).save(str(root / "index.json"))
+    sampler = OlmoIndexSampler(total_instances=WINDOWS, seed=SEED, shard_index=0, shard_count=1)
+    order = np.asarray(sampler.shard_indices(seed=SEED, epoch=0))
+    if not np.array_equal(order, maxtext_order(WINDOWS)):
+        raise SystemExit("error: MaxText's olmo_grain order is not the one tools/olmo3_pair.py reproduces")
+    hf = json.loads((root / "hf" / "config.json").read_text())
+    to_maxtext.HF_MODEL_CONFIGS["olmo3-7b"] = transformers.Olmo3Config(**hf)
+    to_maxtext.save_weights_to_checkpoint = _save_params
+    argv = [a for a in maxtext_argv(root, "convert") if not a.startswith(("load_parameters_path=", "base_output_directory="))]
+    to_maxtext.main(argv + [f"base_output_directory={root / 'mt_params'}"], lazy_load_tensors=True,
+                    hf_model_path=str(root / "hf"), save_dtype="float32", simulated_cpu_devices_count=1)
+
+
+def _save_params(path: str, weights: dict, device_count: int, use_ocdbt: bool, use_zarr3: bool, config=None) -> None:
+    """What maxtext's save_weights_to_checkpoint writes, as a plain dict: MaxText 0.2.5 hands Orbax's v1
+    Checkpointer a flax TrainState, for which it has no handler (NoEntryError), so its converter cannot
+    save. The layout is the one load_parameters_path reads: DIR/0/items/params/params/..."""
+    from maxtext.common import checkpointing
+
+    manager = checkpointing.create_orbax_checkpoint_manager(path, True, False, 1, use_ocdbt=use_ocdbt,
+                                                            use_zarr3=use_zarr3)
+    import jax
+
+    params = weights if isinstance(weights, dict) and "params" in weights else {"params": weights}
+    params = jax.tree_util.tree_map(jax.numpy.asarray, params)  # Orbax's v1 PyTreeHandler takes no numpy leaf
+    checkpointing.save_checkpoint(manager, 0, {"params": params}, config=config)
+    checkpointing.wait_until_finished(manager)
+
+
+def maxtext_fit(root: Path, name: str, *extra: str) -> Path:
+    from replay.maxtext import record
+
+    return record(root / name, maxtext_argv(root, name, *extra))
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2 or argv[0] not in ("prepare", "convert", "maxtext", "olmo-core"):
+        print("usage: tools/olmo3_pair.py prepare|convert DIR | maxtext DIR RUN [k=v ...] | olmo-core DIR RUN",
+              file=sys.stderr)
+        return 2
+    root = Path(argv[1]).resolve()
+    if argv[0] == "prepare":
+        prepare(root)
+    elif argv[0] == "convert":
+        convert(root)
+    elif argv[0] == "maxtext":
+        os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")
+        maxtext_fit(root, argv[2], *argv[3:])
+    else:
+        olmo_core_fit(root, argv[2], keep_adam_count="--keep-adam-count" in argv[3:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -22,7 +22,7 @@ from replay.engine.damage import damage_error
 from replay.bundle.report import render_report
 from traces import Run
 from traces.run import COMPLETE, MANIFEST, TRACE_DIR, write_json_atomic, write_manifest
-from traces.storage import is_url
+from traces.storage import is_url, shown
 from replay import rundata
 from replay.engine.code import OWN_FACTORIES
 from replay.record.exported import pack_refusal, stage_for_bundle
@@ -193,7 +193,7 @@ def _checkpoint_for(run: Run, run_path, first: int) -> int:
     start = latest_checkpoint(have, first)
     if start is None:
         listed = ", ".join(map(str, have)) or "none"
-        raise PackError(f"{run_path} has no checkpoint at or before step {first} (checkpoints: {listed}); pack a range "
+        raise PackError(f"{shown(run_path)} has no checkpoint at or before step {first} (checkpoints: {listed}); pack a range "
                         "that starts at or after a checkpoint, or use --lite (no replay)")
     return start
 

@@ -22,7 +22,6 @@ from replay.engine.damage import bundle_terms, describe_damage, run_damage, show
 from replay.engine.edits import describe, state_edits
 from replay.record import checkpoints as ckpts
 from replay.errors import ReplayUnavailable
-from traces.storage import is_url
 
 
 class ReplayInputError(ValueError):
@@ -111,9 +110,9 @@ def parse_steps(text: str) -> tuple[int, int]:
 def checkpoint_steps(run: Run) -> list[int]:
     """The steps with an orbax checkpoint in the run's checkpoint folder, read from the folder
     alone (no loop code, nothing compiled), read-only ([] when it has none)."""
-    if is_url(run.path):  # orbax reads a bucket's checkpoints in issue 35's next slice
-        raise ReplayUnavailable(f"{run.path}: its checkpoints are on object storage, which replay does not read yet "
-                                "(show, audit, spike and bisect --no-refine read a remote run); copy the run to a local folder")
+    from replay.engine.protocol import local_run
+
+    run = local_run(run)  # a remote run: restored from its local copy
     if not run.checkpoint_dir.is_dir():
         return []
     return ckpts.steps(ckpts.open_manager(run.checkpoint_dir, read_only=True))

@@ -142,6 +142,18 @@ class Replayable(Protocol):
         refuses in one line (the trainer draws held-out rows from its data instead)."""
 
 
+def local_run(run: Run) -> Run:
+    """A run on object storage is restored from a local copy (traces/storage/mirror.py: its
+    checkpoints for orbax, its program); the same run read where it is otherwise."""
+    from traces.storage import is_url
+
+    if not is_url(run.path):
+        return run
+    from traces.storage.mirror import local_copy
+
+    return Run.open(local_copy(run.path))
+
+
 def load(run: Run, *, allow_code: bool | None = None, **options: Any) -> Replayable:
     """The replayable that the run's manifest names (LEGACY_DEFAULT_FACTORY when it names none).
 
@@ -157,6 +169,7 @@ def load(run: Run, *, allow_code: bool | None = None, **options: Any) -> Replaya
 
     if allow_code is None:  # not passed down: the command's --allow-code (replay.engine.code.allowing)
         allow_code = code_allowed()
+    run = local_run(run)
     if is_bundle_run(run):  # its manifest does not choose: the trainer's factory, or replay.init's
         refused = manifest_problem(run.manifest)  # (open_run refused it already; a Run opened otherwise is judged here)
         if refused is not None:

@@ -28,7 +28,6 @@ from replay.record.exported import flat_state
 from replay.record.fingerprint import fingerprint_lanes
 from replay.record.orbax_io import CheckpointDamagedError, CheckpointError
 from traces.fingerprint import fingerprint
-from traces.storage import is_url
 
 
 def _input_errors() -> tuple[type[BaseException], ...]:
@@ -56,9 +55,9 @@ def open_replayable(run: Run) -> Any:
     bundle's, and the --allow-code in force. Without the last, a command with --allow-code got the
     exported program an earlier one opened (and was refused what needs the loop's code), and one
     without it got the loop's code an earlier --allow-code had loaded."""
-    if is_url(run.path):  # orbax restores from a bucket in the next slice (issue 35); the trace reads already
-        raise ReplayUnavailable(f"{run.path} cannot be replayed here (its checkpoints are on object storage, which replay "
-                                "reads only for show, audit and the trace scan so far; copy the run to a local folder)")
+    from replay.engine.protocol import local_run
+
+    run = local_run(run)  # a remote run: restored from its local copy
     manifest = json.dumps(run.manifest, sort_keys=True, default=str).encode()
     key = (str(Path(run.path).resolve()), hashlib.sha256(manifest).hexdigest(), is_bundle_run(run), code_allowed())
     if key in _CACHE:

@@ -46,3 +46,14 @@ def test_a_loop_recorded_to_a_bucket_reads_as_the_same_loop_recorded_to_disk(tmp
     bisect = invoke("bisect", "--no-refine", "--json", local_run, url)
     assert bisect.exit_code == 0, bisect.output
     assert not list(tmp_path.glob("replay-staging-*")), "the staging folder outlived its run"
+
+
+def test_replaying_a_remote_run_restores_its_checkpoints_bit_exact(tmp_path, s3, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("REPLAY_STAGING", str(tmp_path))
+    url = f"{s3}/{tmp_path.name}/run"
+    optax_loop.train(optax_loop.Config(steps=STEPS, checkpoint_every=5), url)
+    result = invoke("run", url, "--steps", "6:9", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["checkpoint"] == 5 and (report["replayed"], report["bit_exact"]) == (4, 4), report
+    assert report["all_bit_exact"] and report["contract"]["expect_bits"], report

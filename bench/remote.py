@@ -1,5 +1,5 @@
-"""Runs on object storage (issue 35, read path): requests and seconds of `show`, `audit` and a
-bisect's trace scan of a run in a bucket, against the same run on local disk.
+"""Runs on object storage (issue 35): requests and seconds of `show`, `audit` and a bisect's
+trace scan of a run in a bucket, and of recording it there, against the same run on local disk.
 
 Two runs of bench.scale's step-level shape (A, and B whose loss is one part in 1000 higher from
 90% of the run on) are written to a temporary folder and copied into an emulator started here on
@@ -169,6 +169,10 @@ def main(argv: list[str] | None = None) -> dict:
             timed("bisect", "local", cli("bisect", "--no-refine", "--json", a, b)),
             timed("bisect", "local+remote", cli("bisect", "--no-refine", "--json", a, rb)),
             timed("bisect", "remote", cli("bisect", "--no-refine", "--json", ra, rb)),
+            # the write path: the same run recorded again, to disk and to the bucket (tail objects
+            # every REPLAY_TAIL_RECORDS records, sealed segments whole; traces/storage/mirror.py)
+            timed("record", "local", lambda: _write(root / "W", schema, args, n) or 0),
+            timed("record", "remote", lambda: _write(f"{bucket}/W", schema, args, n) or 0),
         ]
     finally:
         stop()
@@ -192,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
-def _write(path: Path, schema, args, n_examples: int, change=None) -> None:
+def _write(path, schema, args, n_examples: int, change=None) -> None:
     from bench._synthetic import scale_records
 
     run = Run.create(path, schema, {"config": {"synthetic": "bench.remote", "steps": args.steps}, "dataset_size": n_examples})

@@ -66,7 +66,9 @@ def test_a_run_written_to_a_bucket_reads_as_the_same_run_written_to_disk(tmp_pat
     live = traces.Run.open(url)
     assert (live.status, live.trace.end, live.damage) == ("running", 13, [])
     run.finish()
-    assert {"000000000000.idx", "000000000005.idx"} <= set(objects(url, "trace"))
+    # Sealed segments and their indexes; the last segment whole with its sidecar, as on disk.
+    assert objects(url, "trace") == ["000000000000.idx", "000000000000.seg", "000000000005.idx", "000000000005.seg",
+                                     "000000000010.seg", "000000000010.tix"]
     assert "COMPLETE" in objects(url) and "INCOMPLETE" not in objects(url) and ".lock" not in objects(url)
     local, _ = write(tmp_path / "local", 13)
     same_shown(local.path, url)
@@ -142,3 +144,27 @@ def test_a_second_writer_is_refused_and_takes_over_only_an_expired_lease(tmp_pat
     second.writer(5).append(make_record(SCHEMA, 3))
     second.finish()
     assert traces.Run.open(url).trace.end == 4
+
+
+def test_a_finished_remote_run_resumed_continues_its_last_segment_object_with_tail_objects(tmp_path, bucket, monkeypatch):
+    monkeypatch.setattr(lease, "LEASE_S", 0.5)
+    url = f"{bucket}/{tmp_path.name}/run"
+    write(url, 7, segment_records=100)  # finished: 000000000000.seg (unsealed) and its sidecar, whole
+    opened = traces.Run.open(url)
+    assert (opened.status, opened.trace.end) == ("complete", 7)
+    assert opened.trace.segments[-1].columns is not None, "opened by walking its frames, not by its sidecar"
+    resumed = traces.Run.resume(url)
+    writer = resumed.writer(100)
+    for k in range(7, 16):
+        writer.append(make_record(SCHEMA, k))  # tails after 4 and 8 records: from byte N of the object
+    time.sleep(0.6)  # never closed: the writer is gone
+    crashed = traces.Run.open(url)
+    assert (crashed.status, crashed.trace.end, crashed.damage) == ("crashed", 15, [])
+    again = traces.Run.resume(url)
+    writer = again.writer(100)
+    for k in range(15, 20):
+        writer.append(make_record(SCHEMA, k))
+    again.finish()
+    assert objects(url, "trace") == ["000000000000.seg", "000000000000.tix"]
+    local, _ = write(tmp_path / "local", 20, segment_records=100)
+    same_shown(local.path, url)

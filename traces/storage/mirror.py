@@ -7,9 +7,10 @@ unchanged local code, and every piece is uploaded as an immutable object once it
 - sealed segments whole (write-if-absent), their indexes when built; then the segment's tail
   objects are deleted;
 - the unsealed tail as tail objects (traces/storage/tails.py) of the bytes appended since the
-  last upload, after every TAIL_RECORDS records or TAIL_SECONDS seconds (checked at each append),
-  at `flush()` and at close: a writer killed or preempted loses only the records appended since
-  its last tail object, fewer than TAIL_RECORDS and appended within TAIL_SECONDS of its last append;
+  last upload, after every TAIL_RECORDS records or TAIL_SECONDS seconds (checked at each append)
+  and at `flush()`: a writer killed or preempted loses only the records appended since its last
+  tail object, fewer than TAIL_RECORDS and appended within TAIL_SECONDS of its last append; at
+  close the segment whole with its sidecar (a finished run opens by it), its tail objects deleted;
 - run.json with write-if-generation (its generation held from creation or resume), so a second
   writer's manifest never silently replaces it; INCOMPLETE at creation and resume, COMPLETE
   (write-if-absent) at finish, then INCOMPLETE deleted;
@@ -131,15 +132,31 @@ class MirroredTraceWriter(TraceWriter):
         return f"trace/{path.name}"
 
     def _resync_tail(self) -> None:
-        """After a resume: tail objects past what the staged tail holds (a cut torn record) are
-        replaced by one object of what it holds."""
-        for name, (sent, _) in list(self._tails.items()):
-            path = self.dir / name
-            if self._path == path and self._size >= sent:
-                continue
-            self._drop_tails(name)
-            if self._path == path:
-                self._upload_tail()
+        """After a resume: the open segment continues from what the bucket holds of it (its own
+        object, uploaded whole at the last close, and its tail objects); when the staged segment
+        is shorter (a cut torn record, a damaged tail object) it is uploaded whole instead."""
+        name = self._path.name if self._path is not None and self._fd is not None else None
+        for other in [n for n in self._tails if n != name]:
+            self._drop_tails(other)
+        if name is None:
+            return
+        if name not in self._tails:
+            found = self.mirror.store.stat(self.mirror._key(self._rel(self._path)))
+            self._tails[name] = (found.size if found is not None else 0, 0)
+        if self._size < self._tails[name][0]:
+            self._upload_whole()
+
+    def _upload_whole(self) -> None:
+        """The open segment as one object (and its sidecar), then its tail objects deleted: what
+        a finished run's readers open by its sidecar, as a local run's."""
+        path = self._path
+        self.mirror.put(self._rel(path), path.read_bytes(), replace=True)
+        side = path.with_suffix(".tix")
+        if side.is_file():
+            self.mirror.put(self._rel(side), side.read_bytes(), replace=True)
+        self._drop_tails(path.name)
+        self._tails[path.name] = (self._size, 0)
+        self._since, self._sent_at = 0, time.monotonic()
 
     def append(self, rec) -> bool:
         wrote = super().append(rec)
@@ -154,8 +171,9 @@ class MirroredTraceWriter(TraceWriter):
     def _seal(self) -> None:
         path = self._path
         super()._seal()  # the seal is written: the file is final (its fsync is the seal thread's)
-        self.mirror.put(self._rel(path), path.read_bytes())
+        self.mirror.put(self._rel(path), path.read_bytes(), replace=True)  # (an unsealed upload of it may be there)
         self._drop_tails(path.name)
+        self.mirror.delete(self._rel(path.with_suffix(".tix")))
         self._index_due.append(path)
         self._since, self._sent_at = 0, time.monotonic()
 
@@ -193,11 +211,13 @@ class MirroredTraceWriter(TraceWriter):
         self._upload_indexes()
 
     def close(self) -> None:
+        path = self._path if self._fd is not None and not self._broken else None
         try:
-            self._upload_tail()
+            super().close()  # the sidecar's last entries written, the segment fsynced
         finally:
-            super().close()
             self._upload_indexes(wait=True)
+        if path is not None:
+            self._upload_whole()
 
 
 def staging_folder() -> Path:

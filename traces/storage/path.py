@@ -39,7 +39,9 @@ class View:
 
     def _join_tails(self, folder: str, files: dict[str, int]) -> dict[str, int]:
         """A segment still being written (or left by a crash) is its tail objects joined
-        (traces/storage/tails.py); tails beside a segment's own object were sealed into it."""
+        (traces/storage/tails.py), after its own object when a resumed writer continues one (its
+        first tail starts where the object ends); tails the object already holds (it was sealed,
+        or uploaded whole at a close, after them) are ignored."""
         groups: dict[str, list[str]] = {}
         for name in files:
             parsed = tails.parse_name(name)
@@ -49,25 +51,37 @@ class View:
             return files
         kept = {n: size for n, size in files.items() if tails.parse_name(n) is None}
         for segment, names in groups.items():
-            if segment in kept:
-                continue
             names.sort(key=lambda n: tails.parse_name(n)[1])
             keys = [f"{folder}/{n}" if folder else n for n in names]
+            key = f"{folder}/{segment}" if folder else segment
+            base = kept.get(segment)
+            if base is not None and self._superseded(key, base, keys[0]):
+                continue  # in the segment's object already (a kill between its upload and their deletion)
             with ThreadPoolExecutor(min(PARALLEL, len(keys))) as pool:
                 datas = list(pool.map(self._read_or_none, keys))
-            key = f"{folder}/{segment}" if folder else segment
             if None in datas:  # a tail deleted since the listing: the writer sealed the segment meanwhile
                 sealed = self.store.stat(key)
                 if sealed is not None:
                     kept[segment] = sealed.size
                     continue
-            data, why, stop = tails.join(list(zip(names, datas)))
+            head = b"" if base is None else self.store.read(key)
+            data, why, stop = tails.join(list(zip(names, datas)), len(head))
             self.tail_objects[key] = tails.parse_name(names[-1])[1] + 1
-            self._joined[key] = data
-            kept[segment] = len(data)
+            self._joined[key] = head + data
+            kept[segment] = len(head) + len(data)
             if why is not None:
                 self.tail_damage[key] = (why, stop)
         return kept
+
+    def _superseded(self, key: str, size: int, first_tail: str) -> bool:
+        """Whether a segment's object holds its tail objects' bytes: it is sealed, or its first
+        tail starts before it ends (uploaded whole after them). A damaged first tail is not."""
+        from traces.segment import SEAL_SIZE, parse_seal  # (traces.segment reads through this module)
+
+        if size >= SEAL_SIZE and parse_seal(self.store.read_range(key, size - SEAL_SIZE, SEAL_SIZE)) is not None:
+            return True
+        start = tails.start_of(self._read_or_none(first_tail))
+        return start is not None and start < size
 
     def _read_or_none(self, key: str) -> bytes | None:
         try:

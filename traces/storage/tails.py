@@ -58,16 +58,26 @@ def decode(data: bytes, number: int, offset: int) -> tuple[bytes | None, str | N
     return payload, None
 
 
-def join(objects: list[tuple[str, bytes | None]]) -> tuple[bytes, str | None, int]:
-    """The segment's bytes from its tail objects [(name, data)] in number order, and the first
-    problem met (a damaged or missing tail: the segment ends before it), with where it stops."""
+def start_of(data: bytes | None) -> int | None:
+    """Where a tail object says its bytes go in the segment (None: not a readable tail object)."""
+    if data is None or len(data) < TAIL_HEAD or data[:8] != TAIL_MAGIC:
+        return None
+    if struct.unpack_from("<I", data, _HEAD.size)[0] != zlib.crc32(data[: _HEAD.size]):
+        return None
+    return _HEAD.unpack_from(data)[2]
+
+
+def join(objects: list[tuple[str, bytes | None]], start: int = 0) -> tuple[bytes, str | None, int]:
+    """The segment's bytes from byte `start` (0, or where the segment's own object ends) from its
+    tail objects [(name, data)] in number order, and the first problem met (a damaged or missing
+    tail: the segment ends before it), with the byte where it stops."""
     out = bytearray()
     for k, (name, data) in enumerate(objects):
         parsed = parse_name(name)
         if parsed is None or parsed[1] != k:
-            return bytes(out), f"{name}: tail {k} is missing (a gap in the tail objects)", len(out)
-        payload, why = (None, "it could not be read") if data is None else decode(data, k, len(out))
+            return bytes(out), f"{name}: tail {k} is missing (a gap in the tail objects)", start + len(out)
+        payload, why = (None, "it could not be read") if data is None else decode(data, k, start + len(out))
         if payload is None:
-            return bytes(out), f"{name}: {why}", len(out)
+            return bytes(out), f"{name}: {why}", start + len(out)
         out += payload
-    return bytes(out), None, len(out)
+    return bytes(out), None, start + len(out)

@@ -101,6 +101,36 @@ def adam_from_zero():
     return AdamFromZero()
 
 
+def maxtext_layout(input_ids):
+    """OLMo-core's token rows as MaxText's olmo_grain batch holds them (ShiftToInputsTargets), int32."""
+    import torch
+
+    ids = input_ids.to(torch.int32)
+    b, n = ids.shape
+    targets = torch.zeros_like(ids)
+    targets[:, :-1] = ids[:, 1:]
+    seg = torch.ones_like(ids)
+    tseg = seg.clone()
+    tseg[:, -1] = 0
+    pos = torch.arange(n, dtype=torch.int32).expand(b, n).contiguous()
+    return {"inputs": ids, "inputs_position": pos, "inputs_segmentation": seg, "targets": targets,
+            "targets_segmentation": tseg}
+
+
+def recorder(run: Path):
+    """ReplayCallback hashing each example as MaxText's batch of the same row: replay.maxtext hashes
+    the whole batch MaxText's step takes (inputs, targets, positions, segmentations), ReplayCallback
+    `input_ids` alone, so equal rows would never pair. (Hook wanted in replay.maxtext instead: hash
+    `inputs` only, or let run.step name the leaves to hash.) One rank only."""
+    from replay.torch.olmo_core import ReplayCallback
+
+    class MaxTextRows(ReplayCallback):
+        def _global_rows(self, batch):
+            return super()._global_rows({**batch, "input_ids": maxtext_layout(batch["input_ids"])})
+
+    return MaxTextRows(str(run))
+
+
 def prepare(root: Path) -> None:
     """DIR/tokens_maxtext.npy (MaxText's file), DIR/tokens_olmo_core.npy (its windows in MaxText's order,
     raw uint16 as OLMo-core reads), DIR/hf (config.json + model.safetensors: OLMo-core's initial weights
@@ -131,8 +161,6 @@ def olmo_core_fit(root: Path, name: str, steps: int = STEPS, keep_adam_count: bo
     from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
     from olmo_core.train import Duration, TrainerConfig
 
-    from replay.torch.olmo_core import ReplayCallback
-
     torch.set_num_threads(1)
     module = olmo_core_module()
     load_hf(module, root / "hf")  # the same initial weights MaxText loads (converted from the same files)
@@ -146,7 +174,7 @@ def olmo_core_fit(root: Path, name: str, steps: int = STEPS, keep_adam_count: bo
                            metrics_collect_interval=1000)
     if not keep_adam_count:
         config = config.with_callback("adam_from_zero", adam_from_zero())
-    config = config.with_callback("replay", ReplayCallback(str(root / name)))
+    config = config.with_callback("replay", recorder(root / name))
     config.build(module, loader).fit()
     return root / name
 

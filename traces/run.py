@@ -209,7 +209,13 @@ class Run:
     def close(self) -> None:
         """Releases the lock without marking the run complete."""
         if self._writer is not None:
-            self._writer.close()
+            try:
+                self._writer.close()
+            except BaseException:
+                if self.mirror is not None:  # (its uploads failed): a resume from the bucket need not wait
+                    mirror, self.mirror = self.mirror, None  # for the lease; the staging folder is kept
+                    mirror.release_after_failure()
+                raise
             self._writer = None
         if self._lock_fd is not None:
             os.close(self._lock_fd)

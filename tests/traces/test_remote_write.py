@@ -58,11 +58,9 @@ def same_shown(local, url) -> None:
 def test_a_run_written_to_a_bucket_reads_as_the_same_run_written_to_disk(tmp_path, bucket):
     url = f"{bucket}/{tmp_path.name}/run"
     run, writer = write(url, 13, finish=False)
+    writer.flush()  # the uploads done (they run on a thread), and the third segment's 3 records sent
     trace = [name for name in objects(url, "trace") if not name.endswith(".idx")]  # indexes: once built
-    # Two sealed segments whole; the third's 3 records wait for a 4th (or a flush).
-    assert trace == ["000000000000.seg", "000000000005.seg"], trace
-    writer.flush()
-    assert objects(url, "trace")[-1] == "000000000010.seg.tail-000000"
+    assert trace == ["000000000000.seg", "000000000005.seg", "000000000010.seg.tail-000000"], trace
     live = traces.Run.open(url)
     assert (live.status, live.trace.end, live.damage) == ("running", 13, [])
     run.finish()
@@ -86,7 +84,7 @@ def test_a_writer_stopped_mid_run_loses_only_what_it_had_not_uploaded_and_a_resu
     time.sleep(0.6)  # the writer is gone (never closed): its lease runs out
     crashed = traces.Run.open(url)
     assert (crashed.status, crashed.trace.end, crashed.damage) == ("crashed", 12, [])
-    assert any("fewer than 4 records" in note for note in crashed.notes), crashed.notes
+    assert any("fewer than 8 records" in note for note in crashed.notes), crashed.notes
     shown = invoke("show", "--json", url)
     assert json.loads(shown.stdout)["status"] == "crashed"
     resumed = traces.Run.resume(url)
@@ -168,3 +166,34 @@ def test_a_finished_remote_run_resumed_continues_its_last_segment_object_with_ta
     assert objects(url, "trace") == ["000000000000.seg", "000000000000.tix"]
     local, _ = write(tmp_path / "local", 20, segment_records=100)
     same_shown(local.path, url)
+
+
+def test_uploads_run_off_the_writers_thread_and_a_failed_one_stops_the_writer(tmp_path, s3, monkeypatch):  # noqa: F811
+    import threading
+
+    url = f"{s3}/{tmp_path.name}/run"
+    run = traces.Run.create(url, SCHEMA, {"config": {"synthetic": True}})
+    writer = run.writer(100)
+    put, calls = mirror.Mirror.put, []
+
+    def watched(self, rel, data, replace=False):
+        calls.append((rel, threading.current_thread() is threading.main_thread()))
+        if rel.endswith("tail-000001"):
+            raise storage.StorageError(f"{self.url}/{rel}: cannot be written (injected)")
+        return put(self, rel, data, replace)
+
+    monkeypatch.setattr(mirror.Mirror, "put", watched)
+    for k in range(8):  # tail objects after records 4 and 8: the second fails
+        writer.append(make_record(SCHEMA, k))
+    with pytest.raises(storage.StorageError, match="tail-000001: cannot be written"):
+        writer.flush()
+    with pytest.raises(storage.StorageError):  # and every later write: nothing is uploaded past the hole
+        writer.append(make_record(SCHEMA, 8))
+    assert [rel for rel, _ in calls] == ["trace/000000000000.seg.tail-000000", "trace/000000000000.seg.tail-000001"]
+    assert not any(on_main for _, on_main in calls), calls
+    with pytest.raises(storage.StorageError):
+        run.close()
+    monkeypatch.setattr(mirror.Mirror, "put", put)
+    resumed = traces.Run.resume(url)  # the failed writer gave its lease back
+    assert resumed.trace.end == 4
+    resumed.close()

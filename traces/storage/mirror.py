@@ -8,9 +8,10 @@ unchanged local code, and every piece is uploaded as an immutable object once it
   objects are deleted;
 - the unsealed tail as tail objects (traces/storage/tails.py) of the bytes appended since the
   last upload, after every TAIL_RECORDS records or TAIL_SECONDS seconds (checked at each append)
-  and at `flush()`: a writer killed or preempted loses only the records appended since its last
-  tail object, fewer than TAIL_RECORDS and appended within TAIL_SECONDS of its last append; at
-  close the segment whole with its sidecar (a finished run opens by it), its tail objects deleted;
+  and at `flush()`, by an upload thread (traces/storage/uploader.py) with one tail object in
+  flight at most: a writer killed or preempted loses only the records after its last uploaded
+  tail object, fewer than 2 x TAIL_RECORDS; at close the segment whole with its sidecar (a
+  finished run opens by it), its tail objects deleted;
 - run.json with write-if-generation (its generation held from creation or resume), so a second
   writer's manifest never silently replaces it; INCOMPLETE at creation and resume, COMPLETE
   (write-if-absent) at finish, then INCOMPLETE deleted;
@@ -35,6 +36,7 @@ from pathlib import Path
 from traces.errors import NotARunError
 from traces.storage import PreconditionFailed, RemotePath, as_path, open_store, tails
 from traces.storage.lease import Lease
+from traces.storage.uploader import Uploader
 from traces.writer import TraceWriter
 
 TAIL_RECORDS = int(os.environ.get("REPLAY_TAIL_RECORDS", "256"))
@@ -104,6 +106,12 @@ class Mirror:
                 self.put(rel, p.read_bytes(), replace=True)
                 self._sent[rel] = (st.st_size, st.st_mtime_ns)
 
+    def release_after_failure(self) -> None:
+        try:
+            self.lease.release()
+        except Exception:  # noqa: BLE001 - the store is failing: the lease expires on its own
+            pass
+
     def close(self, remove_staging: bool = True) -> None:
         try:
             self.files()
@@ -121,6 +129,7 @@ class MirroredTraceWriter(TraceWriter):
         self._tails = dict(tails_sent)  # unsealed segment name -> (bytes uploaded, next tail number)
         self._index_due: list[Path] = []  # sealed segments whose index is still to upload
         self._since, self._sent_at = 0, time.monotonic()
+        self._uploads = Uploader("replay-upload")
         super().__init__(trace_dir, schema, segment_records, first_step)
         self._resync_tail()
 
@@ -149,16 +158,19 @@ class MirroredTraceWriter(TraceWriter):
     def _upload_whole(self) -> None:
         """The open segment as one object (and its sidecar), then its tail objects deleted: what
         a finished run's readers open by its sidecar, as a local run's."""
+        self._uploads.wait()
         path = self._path
         self.mirror.put(self._rel(path), path.read_bytes(), replace=True)
         side = path.with_suffix(".tix")
         if side.is_file():
             self.mirror.put(self._rel(side), side.read_bytes(), replace=True)
         self._drop_tails(path.name)
+        self._uploads.wait()
         self._tails[path.name] = (self._size, 0)
         self._since, self._sent_at = 0, time.monotonic()
 
     def append(self, rec) -> bool:
+        self._uploads.check()  # an upload failed: nothing more is written past the hole
         wrote = super().append(rec)
         self.mirror.lease.renew()
         if wrote and self._fd is not None:  # (a record that sealed its segment went up with it)
@@ -171,16 +183,19 @@ class MirroredTraceWriter(TraceWriter):
     def _seal(self) -> None:
         path = self._path
         super()._seal()  # the seal is written: the file is final (its fsync is the seal thread's)
-        self.mirror.put(self._rel(path), path.read_bytes(), replace=True)  # (an unsealed upload of it may be there)
+        self._uploads.submit(self._put_file, path)  # (replacing an unsealed upload of it, if any)
         self._drop_tails(path.name)
-        self.mirror.delete(self._rel(path.with_suffix(".tix")))
+        self._uploads.submit(self.mirror.delete, self._rel(path.with_suffix(".tix")))
         self._index_due.append(path)
         self._since, self._sent_at = 0, time.monotonic()
 
     def _drop_tails(self, name: str) -> None:
         sent, number = self._tails.pop(name, (0, 0))
         for k in range(number):
-            self.mirror.delete(self._rel(self.dir / tails.tail_name(name, k)))
+            self._uploads.submit(self.mirror.delete, self._rel(self.dir / tails.tail_name(name, k)))
+
+    def _put_file(self, path: Path) -> None:
+        self.mirror.put(self._rel(path), path.read_bytes(), replace=True)
 
     def _upload_tail(self) -> None:
         if self._path is None or self._fd is None:
@@ -191,7 +206,9 @@ class MirroredTraceWriter(TraceWriter):
                 f.seek(sent)
                 payload = f.read(self._size - sent)
             name = tails.tail_name(self._path.name, number)
-            self.mirror.put(self._rel(self.dir / name), tails.encode(number, sent, payload))
+            if self._uploads.busy():  # one tail object in flight at most: the loss stays bounded
+                self._uploads.wait()
+            self._uploads.submit(self.mirror.put, self._rel(self.dir / name), tails.encode(number, sent, payload))
             self._tails[self._path.name] = (sent + len(payload), number + 1)
         self._since, self._sent_at = 0, time.monotonic()
 
@@ -202,13 +219,14 @@ class MirroredTraceWriter(TraceWriter):
         for seg in self._index_due:
             idx = seg.with_suffix(".idx")
             if idx.is_file():  # not written (a full disk) is a note: readers index it in memory
-                self.mirror.put(self._rel(idx), idx.read_bytes(), replace=True)
+                self._uploads.submit(self._put_file, idx)
         self._index_due = []
 
     def flush(self) -> None:
         super().flush()
         self._upload_tail()
         self._upload_indexes()
+        self._uploads.wait()
 
     def close(self) -> None:
         path = self._path if self._fd is not None and not self._broken else None
@@ -216,6 +234,7 @@ class MirroredTraceWriter(TraceWriter):
             super().close()  # the sidecar's last entries written, the segment fsynced
         finally:
             self._upload_indexes(wait=True)
+            self._uploads.wait()
         if path is not None:
             self._upload_whole()
 
@@ -316,9 +335,9 @@ def stopped_note(path) -> str:
     except (OSError, ValueError, KeyError, TypeError):
         records, seconds = TAIL_RECORDS, TAIL_SECONDS
     return (f"{path}: its writer stopped without finishing (killed, preempted or cut off) and holds no lease; the "
-            f"records it appended after its last upload are not in the bucket: fewer than {records} records, "
-            f"appended within {seconds:g} s of its last append (REPLAY_TAIL_RECORDS, REPLAY_TAIL_SECONDS); "
-            "resume it to continue from what is here")
+            f"records it appended after its last uploaded tail object are not in the bucket: fewer than "
+            f"{2 * records} records (a tail object every {records} records or {seconds:g} s, one in flight at most: "
+            "REPLAY_TAIL_RECORDS, REPLAY_TAIL_SECONDS); resume it to continue from what is here")
 
 
 _COPIES: dict[str, Path] = {}

@@ -27,7 +27,10 @@ replay with MaxText's code (the recorded program, first ops named), on as many p
 where MaxText is not installed it declines and the exported program (with the stored examples of a
 one-process run) replays instead.
 
-Not yet: gradient taps inside MaxText's step, a replay restored from MaxText's own checkpoint (replay's
+`--tap-grads` also taps the gradients inside MaxText's step (`tap_gradients`, the patch point: NNX
+MaxText's `TrainStateNNX.apply_gradients`), and the replay's `make` taps the same.
+
+Not yet: a replay restored from MaxText's own checkpoint (replay's
 are used), Grain's iterator state (olmo_grain saves none: its sampler restarts at the checkpoint's
 step), and DiLoCo (whose step takes a per-step key as a third argument): refused in one line.
 
@@ -49,6 +52,7 @@ LOSS = "scalar/learning/loss"  # MaxText's metrics: {"scalar": {"learning/loss":
 DEFAULT_EVERY = 10  # checkpoint period when MaxText's own checkpointing is off
 ARGV_KEY = "replay_maxtext_argv"  # the run's config: MaxText's argv, what make() rebuilds the loop from
 PROCESSES_KEY = "replay_maxtext_processes"  # the processes it trained on: a rebuild needs as many
+TAPS_KEY = "replay_maxtext_taps"  # ["grad"] when recorded with --tap-grads: make() taps the same
 _live: list = []  # while recording: (state, batch, jitted step) of the first step, for make()'s check
 
 
@@ -85,6 +89,8 @@ def make(config: dict) -> Any:
                                 f"on as many: start the replay on {processes} (replay run RUN --steps A:B --coordinator "
                                 f"HOST:PORT --num-processes {processes} --process-id I, one per process); here "
                                 f"{jax.process_count()}")
+    if "grad" in (config.get(TAPS_KEY) or []):
+        tap_gradients()  # the program the run recorded has the taps; the replay's must too
     if _live:  # the check replay.init makes while recording: MaxText's own objects, not a second main()
         state, batch, jitted = _live
         return replay.Loop(step=jitted, batch_at=lambda k: batch, init=lambda: state)
@@ -114,9 +120,9 @@ class RecordedMaxTextStep:
     """MaxText's jitted step `(state, batch) -> (state, metrics)`, recorded into `run_dir`."""
 
     def __init__(self, jitted: Any, run_dir: Path, config: Any, argv: list[str], stop_at: int | None = None,
-                 stop: Any = None):
+                 stop: Any = None, taps: list[str] | tuple = ()):
         self.jitted, self.run_dir, self.config, self.argv = jitted, run_dir, config, list(argv)
-        self.stop_at, self.stop = stop_at, stop
+        self.stop_at, self.stop, self.taps = stop_at, stop, list(taps)
         self.every = int(getattr(config, "checkpoint_period", 0) or 0) if getattr(
             config, "enable_checkpointing", False) else DEFAULT_EVERY
         self.run: Any = None
@@ -148,7 +154,9 @@ class RecordedMaxTextStep:
         # one process's only; with several, the trace (bisect, audit, show) is what is recorded.
         single = jax.process_count() == 1
         held = (self.run_dir / "run.json").exists()
-        if held and not start:  # replay.init would refuse the folder naming its own API, not MaxText's
+        # replay.init would refuse the folder naming its own API, not MaxText's; only process 0 checks:
+        # the others may already see the run.json process 0 is creating for this same run
+        if held and not start and jax.process_index() == 0:
             raise MaxTextError(f"{self.run_dir} holds a run, and MaxText starts at step 0 (no checkpoint of its own "
                                "under base_output_directory/run_name/checkpoints): resume with the output folder "
                                "and run_name it trained with, or record into a new folder")
@@ -162,7 +170,8 @@ class RecordedMaxTextStep:
             raise MaxTextError(f"MaxText resumed at step {start} from its own checkpoint, and {self.run_dir} holds no "
                                "run to continue: give the folder the run was recorded in")
         else:
-            config = dict(_config_dict(self.config), **{ARGV_KEY: self.argv, PROCESSES_KEY: jax.process_count()})
+            config = dict(_config_dict(self.config), **{ARGV_KEY: self.argv, PROCESSES_KEY: jax.process_count(),
+                                                        TAPS_KEY: self.taps})
             self.run = replay.init(self.run_dir, config=config, store_examples=single,
                                    entrypoint="replay.maxtext:make", dataset_size=_dataset_size(self.config),
                                    manifest={"loop": "maxtext", "maxtext_version": _maxtext_version()})
@@ -204,6 +213,24 @@ def _dataset_size(config: Any) -> int | None:
         return None
 
 
+def tap_gradients() -> None:
+    """The patch point for gradient taps: MaxText's NNX `train_step` hands its gradients (clipped, as the
+    optimizer gets them) to `TrainStateNNX.apply_gradients`; from now on in this process they are tapped
+    there as `grad` (`replay.tap`: a no-op outside a recorded step's trace). Linen MaxText (pure_nnx off)
+    calls another `apply_gradients`: not tapped."""
+    from maxtext.common.train_state_nnx import TrainStateNNX
+
+    original = TrainStateNNX.apply_gradients
+    if getattr(original, "replay_tap", False):
+        return
+
+    def apply_gradients(self, grads: Any, **kwargs: Any) -> Any:
+        return original(self, replay.tap(grads, "grad"), **kwargs)
+
+    apply_gradients.replay_tap = True  # type: ignore[attr-defined]
+    TrainStateNNX.apply_gradients = apply_gradients
+
+
 def absl_flags_parsed() -> None:
     """absl's flags marked parsed (their defaults), as MaxText's `app.run(main)` leaves them: `main` called
     directly leaves them unparsed, and Grain's loader (dataset_type=grain or olmo_grain) reads one in its
@@ -223,13 +250,15 @@ def _maxtext_version() -> str:
         return "unknown"
 
 
-def record(run_dir: str | Path, argv: list[str], stop_at: int | None = None) -> Path:
+def record(run_dir: str | Path, argv: list[str], stop_at: int | None = None, taps: list[str] | None = None) -> Path:
     """Runs MaxText's training `main(argv)` (argv without the program name) recording into `run_dir`.
 
     stop_at: MaxText's loop stopped before step `stop_at`, as a preemption stops it (its own checkpoints
     of the earlier steps written, the run recorded up to step stop_at - 1); MaxText started again with
     the same argv then resumes from its checkpoint, and the recording continues this run. Its config
-    (`steps` included: its learning-rate schedule is part of the step's program) stays the same."""
+    (`steps` included: its learning-rate schedule is part of the step's program) stays the same.
+    taps: ["grad"] taps the gradients MaxText's step applies (`tap_gradients`), fingerprinted per
+    parameter each step."""
     try:
         from maxtext.trainers.pre_train import train
         from maxtext.utils import train_utils
@@ -247,12 +276,15 @@ def record(run_dir: str | Path, argv: list[str], stop_at: int | None = None) -> 
         raise Stopped
 
     def jit_train_step(config, *args, **kwargs):
-        wrapped = RecordedMaxTextStep(original(config, *args, **kwargs), run_dir, config, argv, stop_at, stop)
+        wrapped = RecordedMaxTextStep(original(config, *args, **kwargs), run_dir, config, argv, stop_at, stop,
+                                      taps or [])
         recorded.append(wrapped)
         return wrapped
 
     train_utils.jit_train_step = jit_train_step
     absl_flags_parsed()
+    if "grad" in (taps or []):
+        tap_gradients()
     try:
         train.main(["train", *argv])
     except Stopped:
@@ -267,18 +299,22 @@ def record(run_dir: str | Path, argv: list[str], stop_at: int | None = None) -> 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    stop_at = None
-    if len(argv) > 2 and argv[1] == "--stop-at":
-        if not argv[2].isdigit():
-            print(f"error: --stop-at {argv[2]}: the step to stop before, an integer >= 0", file=sys.stderr)
+    stop_at, taps = None, []
+    while len(argv) > 1 and argv[1] in ("--stop-at", "--tap-grads"):
+        if argv[1] == "--tap-grads":
+            taps, argv = ["grad"], [argv[0], *argv[2:]]
+            continue
+        if len(argv) < 3 or not argv[2].isdigit():
+            print(f"error: --stop-at {' '.join(argv[2:3])}: give the step to stop before, an integer >= 0",
+                  file=sys.stderr)
             return 2
         stop_at, argv = int(argv[2]), [argv[0], *argv[3:]]
     if len(argv) < 2 or argv[0].startswith("-"):
-        print("usage: python -m replay.maxtext RUN [--stop-at STEP] <MaxText config.yml> [key=value ...]",
-              file=sys.stderr)
+        print("usage: python -m replay.maxtext RUN [--stop-at STEP] [--tap-grads] <MaxText config.yml> "
+              "[key=value ...]", file=sys.stderr)
         return 2
     try:
-        record(argv[0], argv[1:], stop_at)
+        record(argv[0], argv[1:], stop_at, taps)
     except Exception as exc:
         code = user_error_code(exc)  # replay's user errors (replay/errors.py); anything else is a bug
         if code is None:

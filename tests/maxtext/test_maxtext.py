@@ -177,3 +177,24 @@ def test_make_declines_so_the_replay_falls_back_to_the_exported_program(config):
 
     with pytest.raises(EntrypointNotFound, match="cannot be rebuilt"):
         make(config)
+
+
+def test_gradient_taps_inside_maxtexts_step_are_recorded_and_replay_bit_exact_with_its_code(tmp_path):
+    # --tap-grads: MaxText's train_step hands its gradients to TrainStateNNX.apply_gradients, tapped there
+    # (replay.maxtext.tap_gradients); make() taps the same, so the replay's program is the recorded one.
+    steps = 4
+    run = tmp_path / "grads"
+    done = subprocess.run([sys.executable, "-m", "replay.maxtext", str(run), "--tap-grads", str(CONFIG),
+                           *[a for a in TINY if not a.startswith("steps=")], f"steps={steps}", "run_name=grads",
+                           f"base_output_directory={tmp_path / 'maxtext-out'}"],
+                          env=ENV, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    tensors = json.loads((run / "run.json").read_text())["schema"]["tensors"]
+    grads = [t for t in tensors if t["name"].startswith("grad/")]
+    assert grads and {t["kind"] for t in grads} == {"backward"}, tensors[:3]
+    assert any("layers" in t["name"] for t in grads) and any("embedder" in t["name"] for t in grads), grads
+    replayed = _replay("run", str(run), "--steps", f"1:{steps - 1}", "--json", prng=None)
+    assert replayed.returncode == 0, replayed.stderr[-2000:]
+    report = json.loads(replayed.stdout.strip().splitlines()[-1])
+    assert "replayed with your code (replay.maxtext:make)" in report["notes"], report["notes"]
+    assert (report["replayed"], report["bit_exact"], report["all_bit_exact"]) == (steps - 1, steps - 1, True), report

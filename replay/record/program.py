@@ -119,7 +119,7 @@ class Program:
             # Every input on the default device (a one-device loop's committed arrays): the program
             # without those shardings is the same program (a replay compiles it so, from eval_shape
             # values), and it is the one the hash is of; lowering it once for both saves a trace
-            # and a lowering per recording start (~0.3 s at the optax example, issue 34).
+            # and a lowering per recording start (~0.2 s at the optax example, issue 34).
             args = stripped
         return jitted.trace(*args).lower(), jitted, args
 

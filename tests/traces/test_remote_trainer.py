@@ -19,6 +19,7 @@ def test_the_trainer_records_replays_and_resumes_a_run_in_a_bucket(tmp_path, s3,
     trained = invoke("train", "--preset", "tiny", "--steps", "6", "--out", url, "--json")
     assert trained.exit_code == 0, trained.output
     assert json.loads(trained.stdout)["checkpoints"] == [0, 6]
+    assert json.loads(trained.stdout)["run"] == url  # named as given, with its "//"
     replayed = invoke("run", url, "--steps", "1:4", "--json")
     assert replayed.exit_code == 0, replayed.output
     report = json.loads(replayed.stdout)

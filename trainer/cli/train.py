@@ -9,6 +9,7 @@ import typer
 
 from replay.cli import console
 from replay.cli.distributed import Coordinator, NumProcesses, ProcessId, initialize
+from traces.storage import shown
 from trainer.config import apply_overrides
 from trainer.presets import get_preset
 
@@ -59,7 +60,7 @@ def train(
     import jax
 
     job = prepare(cfg, path, resume=resume is not None, preset=preset, faults=faults,
-                  on_compile=lambda: console.status(f"compiling the train step for {path} ..."))
+                  on_compile=lambda: console.status(f"compiling the train step for {shown(path)} ..."))
     if jax.process_index() != 0:  # one progress display per run
         run_prepared(job)
         return
@@ -76,7 +77,8 @@ def train(
     for note in result.notes:
         console.warn(note)
     summary = {
-        "run": str(result.path), "steps": result.end_step, "started_at": result.start_step,
+        "run": shown(result.path),  # a URL with its "//" (a Path argument makes gs:// gs:/)
+        "steps": result.end_step, "started_at": result.start_step,
         "rewritten_identical": result.rewritten, "last_loss": result.last_loss,
         "seconds": round(result.seconds, 2), "compile_seconds": round(result.compile_seconds, 2),
         "checkpoints": result.checkpoints,

@@ -247,21 +247,41 @@ def maxtext_fit(root: Path, name: str, *extra: str) -> Path:
     return record(root / name, maxtext_argv(root, name, *extra))
 
 
+# What each stage reads, and the stage that writes it.
+NEEDS = {"prepare": (), "convert": ("hf/config.json", "tokens_maxtext.npy"),
+         "maxtext": ("index.json", "mt_params/0/items"), "olmo-core": ("hf/config.json", "tokens_olmo_core.npy")}
+NEEDS_STAGE = {"hf/config.json": "prepare", "tokens_maxtext.npy": "prepare", "tokens_olmo_core.npy": "prepare",
+               "index.json": "convert", "mt_params/0/items": "convert"}
+
+
 def main(argv: list[str]) -> int:
     if len(argv) < 2 or argv[0] not in ("prepare", "convert", "maxtext", "olmo-core"):
         print("usage: tools/olmo3_pair.py prepare|convert DIR | maxtext DIR RUN [k=v ...] | olmo-core DIR RUN",
               file=sys.stderr)
         return 2
     root = Path(argv[1]).resolve()
-    if argv[0] == "prepare":
-        prepare(root)
-    elif argv[0] == "convert":
-        convert(root)
-    elif argv[0] == "maxtext":
-        os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")
-        maxtext_fit(root, argv[2], *argv[3:])
-    else:
-        olmo_core_fit(root, argv[2], keep_adam_count="--keep-adam-count" in argv[3:])
+    if argv[0] in ("maxtext", "olmo-core") and len(argv) < 3:
+        print(f"error: {argv[0]} needs the run's name: tools/olmo3_pair.py {argv[0]} DIR RUN", file=sys.stderr)
+        return 2
+    missing = [n for n in NEEDS[argv[0]] if not (root / n).exists()]
+    if missing:
+        print(f"error: {root / missing[0]} is missing: run the stage that makes it first ({NEEDS_STAGE[missing[0]]})",
+              file=sys.stderr)
+        return 2
+    try:
+        if argv[0] == "prepare":
+            prepare(root)
+        elif argv[0] == "convert":
+            convert(root)
+        elif argv[0] == "maxtext":
+            os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")
+            maxtext_fit(root, argv[2], *argv[3:])
+        else:
+            olmo_core_fit(root, argv[2], keep_adam_count="--keep-adam-count" in argv[3:])
+    except ImportError as exc:  # each stage runs in the venv that has its framework
+        venv = "the MaxText venv (tools/maxtext-env.sh)" if argv[0] in ("convert", "maxtext") else "a venv with torch and ai2-olmo-core"
+        print(f"error: {argv[0]} needs {venv}: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

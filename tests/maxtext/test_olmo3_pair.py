@@ -6,7 +6,7 @@ rows in the same order (OLMo-core reads MaxText's olmo_grain order unshuffled), 
 recorded by its own integration (replay.maxtext, ReplayCallback). Both frameworks are needed and they
 live in two venvs: these tests run in the MaxText venv (tools/maxtext-env.sh) and run the OLMo-core
 side with the interpreter REPLAY_OLMO_CORE_PYTHON names (default: the first `python3`/`python` on PATH
-that imports torch and olmo_core); they skip where either is missing. ~4 minutes on 2 busy cores.
+that imports torch and olmo_core); they skip where either is missing. 163-186 s measured (2 busy cores).
 
 What the MaxText side records has no tensor named as the torch side's and no distance sketches, so the
 bisect is on the loss (`--no-refine`): the step is found, the layer and op are not (yet).

@@ -19,6 +19,7 @@ it, and the others wait for it. Readers must not write into these runs (copy the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import json
@@ -57,6 +58,24 @@ def train_torch(cfg: Config, path: Path) -> Path:
     from trainer.reference_train import train_reference
 
     return train_reference(cfg, path, cfg.steps)
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """torch on one thread inside the block (the demo's own choice, trainer/demo_reference.py): the
+    tiny reference's ops gain nothing from a second thread, and on the suite's busy 2 cores torch's
+    threads spin-wait for each other. A 2-step held-out variant run (tests/torch/test_port_ops.py)
+    took 2.3-3.4 CPU s on torch's default 2 threads at load ~9, 0.2 s on one (2026-12-05). No
+    claim of these tests is about bits that a thread count could change: distances are judged
+    against the noise floor."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 # ------------------------------------------------------------------ made once per test session

@@ -18,13 +18,20 @@ pytest.importorskip("transformers")
 from replay.bisect import bisect  # noqa: E402
 from replay.bisect.cross_refine import block_of, refine_op  # noqa: E402
 from tests.cli_util import invoke  # noqa: E402
-from tests.torch.reference_pair import demo, demo_config, shared  # noqa: E402
+from tests.torch.reference_pair import demo, demo_config, one_torch_thread, shared  # noqa: E402
 from traces import Run  # noqa: E402
 from trainer import port_bugs  # noqa: E402
 from trainer.port_bugs import PORT_BUG_OPS, REFERENCE_BUGS  # noqa: E402
 
 READS_SHARED_RUNS = True  # tests/conftest.py orders this file after the one that makes them
 VARIANT_STEPS = 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    """The variants' training and every re-run of the reference on one thread (reference_pair.py)."""
+    with one_torch_thread():
+        yield
 
 
 def variant_run(bug: str):

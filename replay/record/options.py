@@ -22,6 +22,7 @@ class StepOptions:
     rng: tuple[str, ...] = ()  # state leaves (dotted tree paths) holding raw uint32 key words
     metric_kinds: dict = field(default_factory=dict)  # metric -> causal kind (default: loss, else update)
     metrics: tuple[str, ...] | None = None  # the step's outputs recorded (with the loss); None: every one
+    sketch_width: int = 0  # "layer": also each tensor's W-wide distance sketch and norm (traces/sketch.py); 0: none
 
     def __post_init__(self):
         if not isinstance(self.batch_axis, int) or isinstance(self.batch_axis, bool) or self.batch_axis < 0:
@@ -40,6 +41,16 @@ class StepOptions:
                 raise RecordError(f"run.step(metrics={self.metrics!r}): give the names of the outputs to record, "
                                   "a list of str")
             object.__setattr__(self, "metrics", tuple(self.metrics))
+        if self.sketch_width:
+            from traces.sketch import MAX_WIDTH, MIN_WIDTH
+
+            w = self.sketch_width
+            if isinstance(w, bool) or not isinstance(w, int) or w < 0 or w & (w - 1) or not MIN_WIDTH <= w <= MAX_WIDTH:
+                raise RecordError(f"run.step(sketch_width={w!r}): a distance sketch's width is a power of two from "
+                                  f"{MIN_WIDTH} to {MAX_WIDTH} (replay.torch records {_default_width()}), or 0 for none")
+            if self.level != "layer":
+                raise RecordError(f"run.step(sketch_width={w}) sketches the layer level's tensors; level={self.level!r} "
+                                  "records none: pass level='layer' or leave sketch_width at 0")
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -48,10 +59,19 @@ class StepOptions:
             del d["metrics"]  # as runs recorded before the option: their resume compares these options
         else:
             d["metrics"] = list(self.metrics)
+        if not self.sketch_width:
+            del d["sketch_width"]  # as runs recorded before the option (a resume compares these options)
         return d
 
     @classmethod
     def from_json(cls, d: dict) -> "StepOptions":
         return cls(batch_axis=int(d.get("batch_axis", 0)), loss=d.get("loss", "loss"), level=d.get("level", "layer"),
                    rng=tuple(d.get("rng", ())), metric_kinds=dict(d.get("metric_kinds", {})),
-                   metrics=None if d.get("metrics") is None else tuple(d["metrics"]))
+                   metrics=None if d.get("metrics") is None else tuple(d["metrics"]),
+                   sketch_width=int(d.get("sketch_width", 0)))
+
+
+def _default_width() -> int:
+    from traces.sketch import DEFAULT_WIDTH
+
+    return DEFAULT_WIDTH

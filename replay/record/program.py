@@ -229,10 +229,11 @@ class Program:
             i = names.index(o.loss)
             metric_list = [("loss", scalars[i][1])] + [s for j, s in enumerate(scalars) if j != i]
         trace_names = [n for n, _ in metric_list]
-        clash = ([n for n in trace_names if n in RESERVED or n.startswith("example_")]
+        reserved = RESERVED + (("sketches", "norms") if o.sketch_width else ())
+        clash = ([n for n in trace_names if n in reserved or n.startswith("example_")]
                  + [n for n in trace_names[1:] if n == "loss"])
         if clash:
-            raise RecordError(f"metric name {clash[0]!r} is reserved in a trace record (rng, fingerprints, rms, "
+            raise RecordError(f"metric name {clash[0]!r} is reserved in a trace record ({', '.join(reserved)}, "
                               "example_*, and loss for the loss); rename that metric")
         kinds = [("loss" if n == "loss" else o.metric_kinds.get(n, "update")) for n in trace_names]
         record = {n: x.astype(jnp.float32) for n, x in metric_list}
@@ -264,9 +265,17 @@ class Program:
                 record["fingerprints"], record["rms"] = _measure([x for _, _, x in tensors])
             # The new state's rows, for the next step's `entering` (the last rows: update comes last).
             update = _rows(record["fingerprints"][-n_state:], record["rms"][-n_state:]) if n_state else None
+            if o.sketch_width:
+                # The state entering the step is sketched here, not chained like its fingerprints: read
+                # before the step's update in the same program (XLA keeps a donated input until its
+                # last reader), so the record holds the sketches of the state actually fed.
+                from replay.record.fingerprint import sketches_of
+
+                record["sketches"], record["norms"] = sketches_of([x for _, _, x in tensors], o.sketch_width)
         schema = Schema(examples_per_step=B, rng_words=int(record["rng"].shape[0]),
                         metrics=tuple(zip(trace_names, kinds)), tensors=tuple((n, k) for n, k, _ in tensors),
-                        example_metrics=tuple(n for n, _ in examples))
+                        example_metrics=tuple(n for n, _ in examples),
+                        sketch_width=o.sketch_width if o.level == "layer" else 0)
         return record, schema, (update if o.level == "layer" else None)
 
     def _rng_words(self, state: Any, taps: list) -> Any:

@@ -97,7 +97,7 @@ class RecordingRun:
 
     def step(self, fn: Callable | None = None, *, batch_axis: int = 0, loss: str | None = "loss",
              level: str = "layer", rng: tuple[str, ...] | list[str] = (), metric_kinds: dict | None = None,
-             metrics: tuple[str, ...] | list[str] | None = None) -> Any:
+             metrics: tuple[str, ...] | list[str] | None = None, sketch_width: int = 0) -> Any:
         """Wraps the train step `(state, batch) -> (state, metrics)`; usable as `@run.step(...)` or `run.step(fn)`.
 
         batch_axis: the axis of every batch leaf that indexes examples (hashed per example).
@@ -109,9 +109,13 @@ class RecordingRun:
           "update", the last, so an unknown metric is never named as a cause before what feeds it.
         metrics: the names of the step's outputs to record (the loss always is); default every one
           (a step that returns a hundred logging scalars records them all: choose here).
+        sketch_width: at the layer level, also every recorded tensor's distance sketch of this
+          width and its norm (traces/sketch.py; 64, as replay.torch records), computed in the step's
+          program, so `replay bisect` measures the distance to a PyTorch run from the traces alone.
+          Default 0 (none): one more pass over every recorded tensor a step.
         """
         options = StepOptions(batch_axis=batch_axis, loss=loss, level=level, rng=tuple(rng),
-                              metric_kinds=dict(metric_kinds or {}), metrics=metrics)
+                              metric_kinds=dict(metric_kinds or {}), metrics=metrics, sketch_width=sketch_width)
 
         from replay.record.nnx_step import FunctionalStep  # RecordedStep, with its calls checked
 

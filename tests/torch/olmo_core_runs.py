@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -218,18 +219,37 @@ def launch(root: Path, fits: list[tuple[str, int, str | None]], world: int, time
                            f"{logs[rank].read_text()[-3000:]}")
 
 
-def seed_runs(root: Path, checks: bool = False) -> dict[str, Path]:
+TAKEN_SAYS = "taken: exists and is not empty"  # rank 0's reason for the last fit of seed_runs(checks=True)
+
+
+def seed_runs(root: Path, checks: bool = False) -> dict[str, Any]:
     """The seed scenario under OLMo-core: trained to step K on one rank (OLMo-core checkpoints at K),
     then resumed from that checkpoint on two ranks ("1->2") or on one ("1->1"), each recording into
     one replay run. checks: also the runs that show failures are caught (in the same processes):
-    "1->2 contiguous", the scenario with ContiguousShards' loader, and "full disk", a fit on two
-    ranks from step 0 whose rank 0 cannot write its trace from step 3 on (FullDisk)."""
+    "1->2 contiguous", the scenario with ContiguousShards' loader; "full disk", a fit on two
+    ranks from step 0 whose rank 0 cannot write its trace from step 3 on (FullDisk); and last, a fit
+    on two ranks into "taken", a folder rank 0 cannot open as a run, which must end both ranks:
+    "taken error" is the launch's error (None if it ended cleanly), "logs" the two ranks' logs.
+    Each process imports torch and olmo_core (~4.6 CPU s), so the checks share the processes."""
     first = [("seed_1to2", K, None), ("seed_1to1", K, None)] + ([("seed_bad", K, "contiguous")] if checks else [])
     launch(root, first + [("seed_1to1", STEPS, None)], 1)
-    second = [("seed_bad", STEPS, "contiguous"), ("full_disk", STEPS, "full_disk")] if checks else []
-    launch(root, [("seed_1to2", STEPS, None)] + second, 2)
+    second = [("seed_bad", STEPS, "contiguous"), ("full_disk", STEPS, "full_disk"), ("taken", 2, None)] if checks else []
+    if checks:
+        (root / "taken").mkdir()
+        (root / "taken" / "notes.txt").write_text("not a run")
+    failed = None
+    try:
+        launch(root, [("seed_1to2", STEPS, None)] + second, 2)
+    except RuntimeError as e:
+        if not checks or TAKEN_SAYS not in str(e):  # the fits before "taken" must have ended cleanly
+            raise
+        failed = str(e)
     runs = {"1->2": root / "seed_1to2", "1->1": root / "seed_1to1"}
-    return {**runs, "1->2 contiguous": root / "seed_bad", "full disk": root / "full_disk"} if checks else runs
+    if not checks:
+        return runs
+    logs = [root / f"seed_1to2.{1 + len(second)}fits.rank{r}of2.log" for r in range(2)]
+    return {**runs, "1->2 contiguous": root / "seed_bad", "full disk": root / "full_disk", "taken": root / "taken",
+            "taken error": failed, "logs": logs}
 
 
 def _rank_main(root: str, *fits: str) -> None:

@@ -1,15 +1,16 @@
 """OLMo-core's Trainer recorded on two data-parallel ranks (gloo, two local processes started as
 torchrun starts them): the seed scenario under OLMo-core's own loader (issue 33 part 3b).
 
-One module fixture (tests/torch/olmo_core_runs.py `seed_runs`, three processes, ~30 CPU-s; the module ~35
-CPU-s, 65-80 s on the shared 2 cores) makes:
+One module fixture (tests/torch/olmo_core_runs.py `seed_runs`, three processes; the module ~32 CPU-s,
+~90 s on the shared 2 cores at load ~9) makes:
 
     seed_1to1   10 steps on one rank: 5, then resumed from OLMo-core's step-5 checkpoint on one rank
     seed_1to2   the same 5 steps on one rank, resumed from its step-5 checkpoint on two ranks
     seed_bad    as seed_1to2, with MaxText's sharding injected into OLMo-core's loader
                 (olmo_core_runs.ContiguousShards: each rank a contiguous half of the epoch, resumed at
                 step * per-rank batch): the check must be able to fail
-    full_disk   10 steps on two ranks from step 0; rank 0 can neither write nor close its trace from step 3 on"""
+    full_disk   10 steps on two ranks from step 0; rank 0 can neither write nor close its trace from step 3 on
+    taken       last, on the same two ranks: a folder rank 0 cannot open as a run (both ranks must end)"""
 
 from __future__ import annotations
 
@@ -114,19 +115,15 @@ def test_maxtexts_sharding_injected_into_olmo_cores_loader_is_flagged(seed):
 
 
 @pytest.mark.slow
-def test_rank_0_failing_to_open_the_run_ends_every_rank_with_its_reason(tmp_path):
+def test_rank_0_failing_to_open_the_run_ends_every_rank_with_its_reason(seed):
     """Rank 0 alone opens the run; when it cannot, the other ranks learn why before the first step
-    and end too, rather than wait in the step's gather for a rank that is gone."""
-    from tests.torch import olmo_core_runs
-
-    (tmp_path / "taken").mkdir()
-    (tmp_path / "taken" / "notes.txt").write_text("not a run")
-    with pytest.raises(RuntimeError, match="ranks exited rank 0 1, rank 1 1;"):
-        olmo_core_runs.launch(tmp_path, [("taken", 2, None)], WORLD, timeout=120)
-    said = [(tmp_path / f"taken.1fits.rank{r}of{WORLD}.log").read_text() for r in range(WORLD)]
+    and end too, rather than wait in the step's gather for a rank that is gone (the last fit of the
+    fixture's two-rank processes, into a folder that holds something else)."""
+    assert seed["taken error"] is not None and "ranks exited rank 0 1, rank 1 1;" in seed["taken error"]
+    said = [log.read_text() for log in seed["logs"]]
     assert "taken: exists and is not empty" in said[0], said[0][-2000:]
     assert "rank 0 could not open" in said[1] and "exists and is not empty" in said[1], said[1][-2000:]
-    assert not (tmp_path / "taken" / "run.json").exists()
+    assert not (seed["taken"] / "run.json").exists()
 
 
 @pytest.mark.slow
@@ -143,7 +140,7 @@ def test_rank_0_failing_to_record_stops_the_recording_and_every_rank_trains_on(s
     for k in range(run.trace.end):  # recorded on two ranks from step 0: the global batches
         np.testing.assert_array_equal(run.trace.read(k).example_hashes, one.trace.read(k).example_hashes)
     root = seed["full disk"].parent
-    said = (root / f"seed_1to2.3fits.rank0of{WORLD}.log").read_text()
+    said = seed["logs"][0].read_text()
     assert "No space left on device" in said and f"{seed['full disk']} stops here" in said, said[-3000:]
     assert f"closing {seed['full disk']} failed too" in said and said.count("No space left on device") == 2, said[-3000:]
     assert (root / "olmo" / "full_disk" / f"step{STEPS}").is_dir()  # OLMo-core trained and saved to the end

@@ -138,6 +138,10 @@ def test_the_sketches_are_the_recorded_tensors_and_bisect_reaches_the_layer(runs
     off = cross_bisect(runs["torch_off"], j)
     assert off.source == "traces" and (off.first_step, off.first_layer, off.cause) == (0, "act", "forward"), off.to_json()
 
+    # The replay wraps the loop's step with the recorded sketch_width: the same program, bit for bit.
+    replayed = invoke("run", str(j.path), "--steps", f"0:{STEPS - 1}", "--json")
+    assert replayed.exit_code == 0 and last_json(replayed)["all_bit_exact"], replayed.output
+
     result = invoke("bisect", str(j.path), str(runs["torch_off"].path), "--json")
     assert result.exit_code == 1, result.output
     got = last_json(result)

@@ -153,3 +153,33 @@ def test_sketches_need_the_layer_level_and_a_power_of_two(tmp_path):
     for bad in ({"sketch_width": 48}, {"sketch_width": 64, "level": "step"}):
         with pytest.raises(RecordError, match="sketch_width"):
             run.step(**bad)(step)
+
+
+def test_a_sketched_run_resumes_bit_for_bit_and_only_with_its_width(tmp_path):
+    """A resume re-records the steps after its checkpoint and keeps them only if bit-identical:
+    the first step after a restore sketches the state it is fed as the chained steps did."""
+    path = tmp_path / "r"
+    run = replay.init(path, config={"lr": LR}, entrypoint=make)
+    wrapped, params = run.step(sketch_width=DEFAULT_WIDTH)(step), init()
+    for k in range(STEPS):
+        if k in (0, 1):
+            run.save(k, params)
+        params, _ = wrapped(params, batch_at(k))
+    run.close()  # a crash: not finished
+    before = Run.open(path).trace.read(STEPS - 1)
+
+    other = replay.init(path, resume=True)
+    with pytest.raises(RecordError, match="different options"):
+        other.step(sketch_width=0)(step)(other.restore(like=init()), batch_at(1))
+    other.close()
+
+    again = replay.init(path, resume=True)
+    wrapped, params = again.step(sketch_width=DEFAULT_WIDTH)(step), again.restore(like=init())
+    assert again.next_step == 1
+    for k in range(1, STEPS + 1):
+        params, _ = wrapped(params, batch_at(k))
+    again.finish()
+    done = Run.open(path)
+    assert done.status == "complete" and done.trace.end == STEPS + 1 and again.rewritten == STEPS - 1
+    after = done.trace.read(STEPS - 1)
+    assert after.sketches.tobytes() == before.sketches.tobytes() and after.norms.tobytes() == before.norms.tobytes()

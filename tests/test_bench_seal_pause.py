@@ -19,3 +19,10 @@ def test_seal_pause_bench_measures_every_seal():
     assert 0 < result["p50_append_ms"] <= result["p99_append_ms"] <= result["max_pause_ms"]
     assert result["seal_seconds"] == max(s["seconds"] for s in result["per_seal"])
     assert result["peak_mb"] >= 0
+    during = result["appends_during_seal"]
+    assert during + result["appends_without_seal"] == result["appends"]
+    assert during <= sum(s["appends_during"] for s in result["per_seal"])  # a seal may end in the next one's filling append
+    assert 0 <= result["appends_over_budget_during_seal"] <= during
+    assert 0 <= result["appends_over_budget_without_seal"] <= result["appends_without_seal"]
+    assert 0 < result["p99_append_during_seal_ms"] <= result["max_pause_during_seal_ms"]
+    assert 0 < result["p99_append_without_seal_ms"] <= result["max_pause_without_seal_ms"]

@@ -22,7 +22,7 @@ pytest.importorskip("transformers")
 from replay.bisect import bisect  # noqa: E402
 from replay.bisect.cross import CrossReport, DENSE_STEPS, _examined  # noqa: E402
 from tests.cli_util import invoke, last_json  # noqa: E402
-from tests.torch.reference_pair import DEMO_STEPS, demo, demo_config, port_run  # noqa: E402
+from tests.torch.reference_pair import DEMO_STEPS, demo, demo_config, one_torch_thread, port_run  # noqa: E402
 from traces import Run  # noqa: E402
 from trainer.reference_train import reference_rows, train_reference  # noqa: E402
 
@@ -30,6 +30,13 @@ READS_SHARED_RUNS = True  # tests/conftest.py orders this file after the one tha
 STEPS = DEMO_STEPS
 CFG = demo_config()
 INPUT_STEPS = 2  # the runs that break an input: bisect stops at the input check of step 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    """The reference's training and re-runs on one thread (tests/torch/reference_pair.py)."""
+    with one_torch_thread():
+        yield
 
 
 def _jax(path, cfg=CFG):

@@ -30,7 +30,10 @@ pytest.importorskip("maxtext", reason="MaxText is not installed here: run tools/
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 TOOL = str(REPO / "tools" / "olmo3_pair.py")
-ENV = dict(os.environ, DECOUPLE_GCLOUD="TRUE", JAX_PLATFORMS="cpu")
+# replay from this checkout in every subprocess: the OLMo-core side's interpreter may have torch and
+# olmo_core without replay installed (or with another checkout's).
+ENV = dict(os.environ, DECOUPLE_GCLOUD="TRUE", JAX_PLATFORMS="cpu",
+           PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
 STEPS = 24
 
 
@@ -38,7 +41,8 @@ def _olmo_core_python() -> str | None:
     named = os.environ.get("REPLAY_OLMO_CORE_PYTHON")
     candidates = [named] if named else [shutil.which("python3"), shutil.which("python")]
     for exe in filter(None, candidates):
-        if subprocess.run([exe, "-c", "import torch, olmo_core"], capture_output=True).returncode == 0:
+        if subprocess.run([exe, "-c", "import torch, olmo_core, replay.torch.olmo_core"], env=ENV,
+                          capture_output=True).returncode == 0:
             return exe
     return None
 

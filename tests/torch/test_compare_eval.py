@@ -21,12 +21,19 @@ pytest.importorskip("transformers")
 from replay.compare import EvalComparison, EvalRow, compare_eval, pick_steps  # noqa: E402
 from replay.compare.errors import CompareInputError  # noqa: E402
 from tests.cli_util import invoke  # noqa: E402
-from tests.torch.reference_pair import DEMO_STEPS, demo, demo_config, port_run  # noqa: E402
+from tests.torch.reference_pair import DEMO_STEPS, demo, demo_config, one_torch_thread, port_run  # noqa: E402
 from traces import Run  # noqa: E402
 
 STEPS, EVERY = DEMO_STEPS, 2  # checkpoints 0, 2, 4, 6, 8
 READS_SHARED_RUNS = True  # tests/conftest.py orders this file after the one that makes them
 slow = pytest.mark.slow  # the shared pair (made by the first file that needs it), then evaluations
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    """The reference's evaluations on one thread (tests/torch/reference_pair.py)."""
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="module")

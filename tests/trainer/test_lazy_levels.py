@@ -1,13 +1,14 @@
 """trainer/loop.py build: a run with trace.layer_every > 1 has a step-level and a layer-level program;
 build compiles the recorded level's now and the other on first use (`replay spike` replays its
 window at the layer level only), training compiles both before the run is written. Nothing is
-compiled here: compile_step is swapped for a stand-in that says which level was lowered."""
+compiled here: the step compiler the loop lowers through (trainer.step.compile_step, called by
+trainer.mesh.lower_step) is swapped for a stand-in that says which level was lowered."""
 
 from __future__ import annotations
 
 import pytest
 
-from trainer import loop
+from trainer import loop, step
 from trainer.config import apply_overrides
 from trainer.presets import get_preset
 
@@ -27,7 +28,7 @@ class _Stub:
 @pytest.fixture
 def lowered(monkeypatch) -> list[str]:
     seen: list[str] = []
-    monkeypatch.setattr(loop, "compile_step", lambda cfg, level, *a, **k: _Stub(level, seen))
+    monkeypatch.setattr(step, "compile_step", lambda cfg, level, *a, **k: _Stub(level, seen))
     monkeypatch.setattr(loop, "program_hash", lambda lowered: f"hash:{lowered.level}")
     return seen
 

@@ -183,6 +183,8 @@ class MirroredTraceWriter(TraceWriter):
     def _seal(self) -> None:
         path = self._path
         super()._seal()  # the seal is written: the file is final (its fsync is the seal thread's)
+        if self._uploads.busy():  # a tail object in flight: one object in flight at most, or the loss
+            self._uploads.wait()  # could reach that tail, the segment and the records after it
         self._uploads.submit(self._put_file, path)  # (replacing an unsealed upload of it, if any)
         self._drop_tails(path.name)
         self._uploads.submit(self.mirror.delete, self._rel(path.with_suffix(".tix")))

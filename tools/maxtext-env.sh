@@ -12,8 +12,14 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV="${MAXTEXT_VENV:-$HOME/.cache/replay/maxtext-venv-0.2.5}"
 if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import maxtext" 2>/dev/null; then
-  PY="${PYTHON312:-$(command -v python3.12 || ls -d "$HOME"/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | head -1)}"
-  [ -x "$PY" ] || { echo "error: no Python 3.12 found; set PYTHON312=/path/to/python3.12" >&2; exit 2; }
+  # the first candidate that runs: a pyenv shim named python3.12 may be on PATH and still refuse to run
+  PY="${PYTHON312:-}"
+  if [ -z "$PY" ]; then
+    for c in "$(command -v python3.12 || true)" "$HOME"/.pyenv/versions/3.12*/bin/python3.12; do
+      if [ -n "$c" ] && "$c" -c "import sys; assert sys.version_info[:2] == (3, 12)" 2>/dev/null; then PY="$c"; break; fi
+    done
+  fi
+  [ -n "$PY" ] && [ -x "$PY" ] || { echo "error: no Python 3.12 found; set PYTHON312=/path/to/python3.12" >&2; exit 2; }
   "$PY" -m venv "$VENV"
   "$VENV/bin/pip" install -q "maxtext[tpu]==0.2.5"
 fi

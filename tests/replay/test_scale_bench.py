@@ -28,4 +28,9 @@ def test_scale_bench_reports_every_command_and_finds_both_divergences(tmp_path):
         assert commands["bisect_data"]["repeated_in_b"] == 16  # half of the 32 examples were fed before
     for name, row in summary["commands"].items():
         assert row["budget_seconds"] > 0 and row["budget_rss_mb"] > 0 and row["exponent"] is not None, name
+    # issue 34's budgets beside issue 12's, for the commands it names
+    assert {n for n, row in summary["commands"].items() if "budget_34_seconds" in row} == {
+        "show", "audit", "spike", "bisect_data"}
+    assert summary["commands"]["audit"]["budget_34_seconds"] == 30.0
+    assert all(isinstance(summary["commands"][n]["within_budget_34"], bool) for n in ("show", "audit", "spike", "bisect_data"))
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("replay-scale-")]  # cleaned up

@@ -4,7 +4,8 @@ structurally intact (replay/record/checkpoint_check.py, no restore); a damaged o
 line naming it, exit 2, and nothing vouching on stdout. What is not read (the array bytes) the
 verdict says it did not compare.
 
-One 4-step tiny run (checkpoints 0, 2, 4) is trained per module; B is a copy of it, damaged per case.
+The session's 20-step tiny run (checkpoints 0, 10, 20; tests/tiny_run.py) is A; B is a copy of it,
+damaged per case (checkpoint 10).
 """
 
 from __future__ import annotations
@@ -17,18 +18,18 @@ from pathlib import Path
 import pytest
 
 from tests.cli_util import assert_one_line_error, invoke
+from tests.tiny_run import tiny_run
+from traces import Run
 
 VOUCHING = ("identical", "bit-exact", "complete")
+MID = 10  # the damaged checkpoint: the middle one of three
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
-    from trainer.config import apply_overrides
-    from trainer.presets import get_preset
-    from trainer.loop import train
-
-    path = tmp_path_factory.mktemp("bisect_ckpt") / "A"
-    train(apply_overrides(get_preset("tiny"), ["steps=4", "checkpoint.every_steps=2"]), path)
+def trained() -> Path:
+    """The session's tiny run (tests/tiny_run.py): read only."""
+    path = tiny_run()
+    assert Run.open(path).manifest["checkpoints"] == [0, MID, 2 * MID]
     return path
 
 
@@ -42,7 +43,7 @@ def test_agreeing_traces_are_identical_and_say_the_checkpoint_contents_were_not_
     b = shutil.copytree(trained, tmp_path / "B")
     result = invoke("bisect", str(trained), str(b))
     assert result.exit_code == 0, result.output
-    assert "identical: steps 0..3" in result.stdout
+    assert "identical: steps 0..19" in result.stdout
     assert "checkpoints not compared: the 3 of A and 3 of B are present and structurally intact" in result.stdout
     assert "contents unread" in result.stdout
     data = json.loads(invoke("bisect", str(trained), str(b), "--json").stdout)
@@ -51,32 +52,32 @@ def test_agreeing_traces_are_identical_and_say_the_checkpoint_contents_were_not_
 
 
 def _delete_folder(b: Path) -> str:
-    shutil.rmtree(b / "checkpoints" / "2")
+    shutil.rmtree(b / "checkpoints" / str(MID))
     return "its folder is missing"
 
 
 def _delete_item_metadata(b: Path) -> str:
-    (b / "checkpoints" / "2" / "default" / "_METADATA").unlink()
+    (b / "checkpoints" / str(MID) / "default" / "_METADATA").unlink()
     return "default/_METADATA is missing"
 
 
 def _garble_commit_record(b: Path) -> str:
-    (b / "checkpoints" / "2" / "_CHECKPOINT_METADATA").write_text("{")
+    (b / "checkpoints" / str(MID) / "_CHECKPOINT_METADATA").write_text("{")
     return "_CHECKPOINT_METADATA is unreadable"
 
 
 def _truncate_ocdbt_manifest(b: Path) -> str:
-    os.truncate(b / "checkpoints" / "2" / "default" / "manifest.ocdbt", 50)
+    os.truncate(b / "checkpoints" / str(MID) / "default" / "manifest.ocdbt", 50)
     return "default: "
 
 
 def _delete_largest_data_file(b: Path) -> str:
-    data_files(b, 2)[-1].unlink()
+    data_files(b, MID)[-1].unlink()
     return "is missing or cut short"
 
 
 def _truncate_largest_data_file(b: Path) -> str:
-    target = data_files(b, 2)[-1]
+    target = data_files(b, MID)[-1]
     os.truncate(target, target.stat().st_size // 3)
     return "default: "
 
@@ -88,7 +89,7 @@ def test_a_structurally_damaged_checkpoint_is_never_called_identical(trained, tm
     needle = damage(b)
     for args in ([], ["--no-refine"], ["--json"]):
         result = invoke("bisect", str(trained), str(b), *args)
-        assert_one_line_error(result, f"run B: {b}/checkpoints/2: checkpoint 2 is damaged", needle)
+        assert_one_line_error(result, f"run B: {b}/checkpoints/{MID}: checkpoint {MID} is damaged", needle)
         assert not any(word in result.stdout for word in VOUCHING), result.stdout
     # Either order: the damaged run is named as itself.
-    assert_one_line_error(invoke("bisect", str(b), str(trained)), "run A: ", "checkpoint 2 is damaged")
+    assert_one_line_error(invoke("bisect", str(b), str(trained)), "run A: ", f"checkpoint {MID} is damaged")

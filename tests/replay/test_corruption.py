@@ -7,9 +7,9 @@ The commands are the ones that would otherwise vouch for the run: `show --verify
 commands on the intact copy must say "complete", "identical" and "bit-exact" (exit 0), so a
 check that refused everything would fail here too.
 
-One tiny run is trained per module; each case damages a fresh copy of it. The trace of the copy
-is rewritten into segments of 4 records, so the damage lands in sealed segments, the unsealed
-tail, headers, seals and the gaps between files.
+One tiny run (the session's, tests/tiny_run.py) is read by the module; each case damages a fresh
+copy of it. The trace of the copy is rewritten into segments of 4 records, so the damage lands in
+sealed segments, the unsealed tail, headers, seals and the gaps between files.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli_util import invoke
+from tests.tiny_run import tiny_run
 from traces import Run, TraceWriter
 
 STEPS, PER_SEGMENT = 20, 4
@@ -38,16 +39,11 @@ def _no_debug(monkeypatch):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> tuple[Path, Path]:
-    """(A, B): A as trained (one segment), B the same run with its trace in 4-record segments."""
-    from trainer.config import apply_overrides
-    from trainer.presets import get_preset
-    from trainer.loop import train
-
-    root = tmp_path_factory.mktemp("corruption")
-    cfg = apply_overrides(get_preset("tiny"), [f"steps={STEPS}", "checkpoint.every_steps=10"])
-    a = root / "A"
-    train(cfg, a)
-    b = root / "B"
+    """(A, B): A as trained (one segment; the tiny preset's run, 20 steps, shared with other files: read
+    only), B the same run with its trace in 4-record segments."""
+    a = tiny_run()
+    assert Run.open(a).manifest["config"]["steps"] == STEPS
+    b = tmp_path_factory.mktemp("corruption") / "B"
     shutil.copytree(a, b)
     _resegment(b)
     return a, b

@@ -2,11 +2,12 @@
 every restore (TrainerReplay.restore, `replay train --resume`); damaged checkpoint files are one
 line naming the checkpoint; a full disk while saving is one line and the run stays resumable.
 
-One tiny run is trained once per module; each test damages its own copy."""
+One tiny run is read by the module (the session's, tests/tiny_run.py); each test damages its own copy."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -16,29 +17,34 @@ import numpy as np
 import pytest
 
 from tests.cli_util import assert_one_line_error, dir_digest, invoke
+from tests.tiny_run import tiny_run
 from tests.trainer.full_disk import full_after_checkpoint_0
 from traces import Run
 from traces.run import write_manifest
 from trainer import mesh as M
 from replay.record.orbax_io import CheckpointDamagedError
 from replay.record.checkpointer import Checkpointer
+from trainer.config import from_dict
 from trainer.presets import get_preset
 from replay.record.fingerprint import state_fingerprint
-from trainer.loop import train
 
 CFG = get_preset("tiny")  # 20 steps, checkpoints 0, 10, 20
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("integrity") / "run"
-    train(CFG, path, preset="tiny")
+def trained() -> Path:
+    """The session's tiny run (tests/tiny_run.py: CFG, trained once for this file and others): read only."""
+    path = tiny_run()
+    assert from_dict(Run.open(path).manifest["config"]) == CFG
     return path
 
 
 @pytest.fixture
 def run_copy(trained, tmp_path) -> Path:
+    """A copy of the run as if this process had trained it (as this module once did): a writer puts
+    its pid into RUN/.lock, and the shared run's holds its maker's, often another process's."""
     shutil.copytree(trained, tmp_path / "run")
+    (tmp_path / "run" / ".lock").write_text(f"pid {os.getpid()}")
     return tmp_path / "run"
 
 

@@ -2,8 +2,8 @@
 run to a step count it already reached, is bad input: one `error:` line, exit 2, refused before
 anything compiles or is written (the run folder unchanged byte for byte, COMPLETE marker included).
 
-One 2-step tiny run is trained per module; the tests only read it (each refusal is checked to
-leave it unchanged)."""
+The session's 20-step tiny run (tests/tiny_run.py, shared with other files) is the complete run; the
+tests only read it (each refusal is checked to leave it unchanged)."""
 
 from __future__ import annotations
 
@@ -12,20 +12,20 @@ from pathlib import Path
 import pytest
 
 from tests.cli_util import assert_one_line_error, dir_digest, invoke
+from tests.tiny_run import tiny_run
 from traces import Run
 from trainer.config import ConfigError, apply_overrides
 from trainer.presets import get_preset
 
-STEPS = 2
+STEPS = 20  # the tiny preset's
 
 
 @pytest.fixture(scope="module")
-def complete(tmp_path_factory) -> Path:
-    from trainer.loop import train
-
-    path = tmp_path_factory.mktemp("nothing") / "run"
-    train(apply_overrides(get_preset("tiny"), [f"steps={STEPS}"]), path, preset="tiny")
-    assert Run.open(path).status == "complete"
+def complete() -> Path:
+    """The session's tiny run (tests/tiny_run.py), complete at STEPS steps: read only."""
+    path = tiny_run()
+    run = Run.open(path)
+    assert run.status == "complete" and run.manifest["config"]["steps"] == STEPS
     return path
 
 

@@ -7,7 +7,8 @@ so each stage runs in the one that has its framework and they meet only as files
     python tools/olmo3_pair.py prepare DIR                   # /work/venv: tokens, OLMo-core's init -> DIR/hf
     $MT/bin/python tools/olmo3_pair.py convert DIR           # MaxText venv: DIR/hf -> DIR/mt_params (orbax)
     $MT/bin/python tools/olmo3_pair.py maxtext DIR RUN [k=v ...]   # MaxText's train.main, recorded
-    python tools/olmo3_pair.py olmo-core DIR RUN             # OLMo-core's Trainer, recorded (ReplayCallback)
+    python tools/olmo3_pair.py olmo-core DIR RUN [--qk-norm-eps=E] [--keep-adam-count] [--no-rope-taps]
+                                                             # OLMo-core's Trainer, recorded (ReplayCallback)
     replay bisect DIR/RUN_maxtext DIR/RUN_olmo_core
 
 The config both sides express (/work/notes/s19/G_findings.md has the key-by-key mapping): OLMo-core's
@@ -45,25 +46,56 @@ def maxtext_order(n: int, seed: int = SEED, epoch: int = 0):
 
 # ---------------------------------------------------------------- OLMo-core side (/work/venv)
 
-def olmo_core_model():
+def olmo_core_model(qk_norm_eps: float | None = None):
+    """OLMo-core's olmo3_1M as the pair runs it; `qk_norm_eps` set in its config: an injected port difference."""
     import torch
     from olmo_core.nn.attention import AttentionBackendName, SlidingWindowAttentionConfig
     from olmo_core.nn.transformer import TransformerConfig
 
     torch.manual_seed(SEED)
-    return TransformerConfig.olmo3_1M(
+    config = TransformerConfig.olmo3_1M(
         vocab_size=VOCAB, attn_backend=AttentionBackendName.torch,  # flash_2 (the default) needs a GPU
         sliding_window=SlidingWindowAttentionConfig(pattern=[WINDOW] * 3 + [-1], force_full_attention_on_first_layer=False,
-                                                    force_full_attention_on_last_layer=True)).build(init_device="cpu")
+                                                    force_full_attention_on_last_layer=True))
+    if qk_norm_eps is not None:
+        config.block.sequence_mixer.qk_norm.eps = qk_norm_eps
+    return config.build(init_device="cpu")
 
 
-def olmo_core_module():
+def olmo_core_module(qk_norm_eps: float | None = None):
     from olmo_core.optim import AdamWConfig
     from olmo_core.train.train_module import TransformerTrainModuleConfig
 
     return TransformerTrainModuleConfig(rank_microbatch_size=BATCH * SEQ, max_sequence_length=SEQ,
                                         optim=AdamWConfig(lr=LR, betas=BETAS, eps=ADAM_EPS, weight_decay=WD)
-                                        ).build(olmo_core_model())
+                                        ).build(olmo_core_model(qk_norm_eps))
+
+
+def rope_taps(model) -> None:
+    """Each block's rotary module given two identity children, `q` and `k`, that its outputs pass through:
+    replay.torch records a leaf module's tensor output, and OLMo-core's rotary returns the pair (q, k), so
+    without them the rotary is not recorded (MaxText's side taps it as `blocks.I.attention.rope.q|k`,
+    replay/maxtext/olmo_core_names.py). Parameterless: the weights and the numbers are unchanged."""
+    import torch
+
+    class RopeTaps(torch.nn.Module):
+        def __init__(self, rope):
+            super().__init__()
+            self.inner, self.q, self.k = rope, torch.nn.Identity(), torch.nn.Identity()
+
+        def forward(self, q, k, **kwargs):
+            q, k = self.inner(q, k, **kwargs)
+            return self.q(q), self.k(k)
+
+        def __getattr__(self, name):  # anything else OLMo-core asks of its rotary (its buffers) goes to it
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return getattr(self._modules["inner"], name)
+
+    for block in model.blocks.values():
+        if getattr(block.attention, "rope", None) is not None:
+            block.attention.rope = RopeTaps(block.attention.rope)
 
 
 def load_hf(module, hf_dir: Path) -> None:
@@ -155,15 +187,19 @@ def prepare(root: Path) -> None:
     print(json.dumps({"hf_tensors": sorted(state), "hf_config": json.loads(hf_config.to_json_string())}))
 
 
-def olmo_core_fit(root: Path, name: str, steps: int = STEPS, keep_adam_count: bool = False) -> Path:
-    """OLMo-core's own Trainer on DIR/tokens_olmo_core.npy, unshuffled, recorded into DIR/NAME."""
+def olmo_core_fit(root: Path, name: str, steps: int = STEPS, keep_adam_count: bool = False,
+                  qk_norm_eps: float | None = None, taps: bool = True) -> Path:
+    """OLMo-core's own Trainer on DIR/tokens_olmo_core.npy, unshuffled, recorded into DIR/NAME.
+    taps=False: the rotary not recorded (`--no-rope-taps`; what the bisect names without it)."""
     import torch
     from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
     from olmo_core.train import Duration, TrainerConfig
 
     torch.set_num_threads(1)
-    module = olmo_core_module()
+    module = olmo_core_module(qk_norm_eps)
     load_hf(module, root / "hf")  # the same initial weights MaxText loads (converted from the same files)
+    if taps:
+        rope_taps(module.model)
     tok = TokenizerConfig(vocab_size=VOCAB, eos_token_id=0, pad_token_id=0)
     ds = NumpyFSLDatasetConfig(tokenizer=tok, paths=[str(root / "tokens_olmo_core.npy")], sequence_length=SEQ,
                                work_dir=str(root / "work")).build()
@@ -189,6 +225,7 @@ def maxtext_argv(root: Path, name: str, *extra: str) -> list[str]:
             f"olmo_index_path={root / 'index.json'}", f"data_shuffle_seed={SEED}", f"steps={STEPS}",
             f"per_device_batch_size={BATCH}", f"max_target_length={SEQ}",
             "model_name=olmo3-7b", "override_model_config=true", f"base_num_decoder_layers={LAYERS}",
+            "scan_layers=false",  # one module per layer: its outputs are tapped per layer (forward_taps.py)
             f"base_emb_dim={D_MODEL}", f"base_num_query_heads={HEADS}", f"base_num_kv_heads={HEADS}",
             f"head_dim={HEAD_DIM}", f"base_mlp_dim={MLP}", f"vocab_size={VOCAB}", f"sliding_window_size={WINDOW}",
             "rope_type=default", f"rope_max_timescale={THETA}", f"normalization_layer_epsilon={EPS}",
@@ -242,9 +279,13 @@ def _save_params(path: str, weights: dict, device_count: int, use_ocdbt: bool, u
 
 
 def maxtext_fit(root: Path, name: str, *extra: str) -> Path:
+    """MaxText's train.main recorded with its module outputs tapped under OLMo-core's names and distance
+    sketches of replay.torch's width, so `replay bisect` compares the two runs tensor by tensor."""
     from replay.maxtext import record
+    from traces.sketch import DEFAULT_WIDTH
 
-    return record(root / name, maxtext_argv(root, name, *extra))
+    return record(root / name, maxtext_argv(root, name, *extra), taps=["forward"], forward_names="olmo_core",
+                  sketch_width=DEFAULT_WIDTH)
 
 
 # What each stage reads, and the stage that writes it.
@@ -277,7 +318,9 @@ def main(argv: list[str]) -> int:
             os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")
             maxtext_fit(root, argv[2], *argv[3:])
         else:
-            olmo_core_fit(root, argv[2], keep_adam_count="--keep-adam-count" in argv[3:])
+            eps = next((float(a.split("=", 1)[1]) for a in argv[3:] if a.startswith("--qk-norm-eps=")), None)
+            olmo_core_fit(root, argv[2], keep_adam_count="--keep-adam-count" in argv[3:], qk_norm_eps=eps,
+                          taps="--no-rope-taps" not in argv[3:])
     except ImportError as exc:  # each stage runs in the venv that has its framework
         venv = "the MaxText venv (tools/maxtext-env.sh)" if argv[0] in ("convert", "maxtext") else "a venv with torch and ai2-olmo-core"
         print(f"error: {argv[0]} needs {venv}: {exc}", file=sys.stderr)

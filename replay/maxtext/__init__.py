@@ -28,7 +28,10 @@ where MaxText is not installed it declines and the exported program (with the st
 one-process run) replays instead.
 
 `--tap-grads` also taps the gradients inside MaxText's step (`tap_gradients`, the patch point: NNX
-MaxText's `TrainStateNNX.apply_gradients`), and the replay's `make` taps the same.
+MaxText's `TrainStateNNX.apply_gradients`), and the replay's `make` taps the same. `--tap-forward` taps
+every module output inside the model (replay/maxtext/forward_taps.py; `=olmo_core` names them as
+OLMo-core's modules), `--sketch-width 64` records distance sketches: with both, `replay bisect` against an
+OLMo-core run names the first op above the noise floor (tools/olmo3_pair.py).
 
 Not yet: a replay restored from MaxText's own checkpoint (replay's
 are used), Grain's iterator state (olmo_grain saves none: its sampler restarts at the checkpoint's
@@ -52,7 +55,8 @@ LOSS = "scalar/learning/loss"  # MaxText's metrics: {"scalar": {"learning/loss":
 DEFAULT_EVERY = 10  # checkpoint period when MaxText's own checkpointing is off
 ARGV_KEY = "replay_maxtext_argv"  # the run's config: MaxText's argv, what make() rebuilds the loop from
 PROCESSES_KEY = "replay_maxtext_processes"  # the processes it trained on: a rebuild needs as many
-TAPS_KEY = "replay_maxtext_taps"  # ["grad"] when recorded with --tap-grads: make() taps the same
+TAPS_KEY = "replay_maxtext_taps"  # "grad" (--tap-grads), "forward" (--tap-forward): make() taps the same
+NAMES_KEY = "replay_maxtext_forward_names"  # the forward taps' names: "maxtext" or "olmo_core"
 _live: list = []  # while recording: (state, batch, jitted step) of the first step, for make()'s check
 
 
@@ -91,6 +95,10 @@ def make(config: dict) -> Any:
                                 f"{jax.process_count()}")
     if "grad" in (config.get(TAPS_KEY) or []):
         tap_gradients()  # the program the run recorded has the taps; the replay's must too
+    if "forward" in (config.get(TAPS_KEY) or []):
+        from replay.maxtext.forward_taps import tap_forward
+
+        tap_forward(config.get(NAMES_KEY) or "maxtext")
     if _live:  # the check replay.init makes while recording: MaxText's own objects, not a second main()
         state, batch, jitted = _live
         return replay.Loop(step=jitted, batch_at=lambda k: batch, init=lambda: state)
@@ -120,9 +128,10 @@ class RecordedMaxTextStep:
     """MaxText's jitted step `(state, batch) -> (state, metrics)`, recorded into `run_dir`."""
 
     def __init__(self, jitted: Any, run_dir: Path, config: Any, argv: list[str], stop_at: int | None = None,
-                 stop: Any = None, taps: list[str] | tuple = ()):
+                 stop: Any = None, taps: list[str] | tuple = (), forward_names: str = "maxtext", sketch_width: int = 0):
         self.jitted, self.run_dir, self.config, self.argv = jitted, run_dir, config, list(argv)
         self.stop_at, self.stop, self.taps = stop_at, stop, list(taps)
+        self.forward_names, self.sketch_width = forward_names, sketch_width
         self.every = int(getattr(config, "checkpoint_period", 0) or 0) if getattr(
             config, "enable_checkpointing", False) else DEFAULT_EVERY
         self.run: Any = None
@@ -171,11 +180,11 @@ class RecordedMaxTextStep:
                                "run to continue: give the folder the run was recorded in")
         else:
             config = dict(_config_dict(self.config), **{ARGV_KEY: self.argv, PROCESSES_KEY: jax.process_count(),
-                                                        TAPS_KEY: self.taps})
+                                                        TAPS_KEY: self.taps, NAMES_KEY: self.forward_names})
             self.run = replay.init(self.run_dir, config=config, store_examples=single,
                                    entrypoint="replay.maxtext:make", dataset_size=_dataset_size(self.config),
                                    manifest={"loop": "maxtext", "maxtext_version": _maxtext_version()})
-        self.step = self.run.step(self.jitted, batch_axis=0, loss=LOSS)
+        self.step = self.run.step(self.jitted, batch_axis=0, loss=LOSS, sketch_width=self.sketch_width)
 
     def __getattr__(self, name: str) -> Any:
         # MaxText also lowers its step ahead of time (memory stats, `compiled_trainstep_file`):
@@ -250,15 +259,19 @@ def _maxtext_version() -> str:
         return "unknown"
 
 
-def record(run_dir: str | Path, argv: list[str], stop_at: int | None = None, taps: list[str] | None = None) -> Path:
+def record(run_dir: str | Path, argv: list[str], stop_at: int | None = None, taps: list[str] | None = None,
+           forward_names: str = "maxtext", sketch_width: int = 0) -> Path:
     """Runs MaxText's training `main(argv)` (argv without the program name) recording into `run_dir`.
 
     stop_at: MaxText's loop stopped before step `stop_at`, as a preemption stops it (its own checkpoints
     of the earlier steps written, the run recorded up to step stop_at - 1); MaxText started again with
     the same argv then resumes from its checkpoint, and the recording continues this run. Its config
     (`steps` included: its learning-rate schedule is part of the step's program) stays the same.
-    taps: ["grad"] taps the gradients MaxText's step applies (`tap_gradients`), fingerprinted per
-    parameter each step."""
+    taps: "grad" taps the gradients MaxText's step applies (`tap_gradients`), fingerprinted per
+    parameter each step; "forward" every module output inside the model (replay/maxtext/forward_taps.py:
+    MaxText's decoder unscanned, `record_internal_nn_metrics=true` added to argv), named by
+    `forward_names` ("olmo_core": OLMo-core's module paths, for an OLMo 3 pair).
+    sketch_width: also each tensor's distance sketch (64: replay.torch's), for a cross-framework bisect."""
     try:
         from maxtext.trainers.pre_train import train
         from maxtext.utils import train_utils
@@ -266,6 +279,12 @@ def record(run_dir: str | Path, argv: list[str], stop_at: int | None = None, tap
         raise MaxTextError(f"MaxText is not installed here ({exc}); build its environment with "
                            "tools/maxtext-env.sh (Python 3.12, maxtext[tpu]==0.2.5)") from exc
     run_dir = Path(run_dir)
+    taps = list(taps or [])
+    if "forward" in taps:
+        from replay.maxtext.forward_taps import ARGV, tap_forward
+
+        tap_forward(forward_names)
+        argv = [*argv, *(a for a in ARGV if a not in argv)]  # recorded with the run: make() rebuilds the same
     original = train_utils.jit_train_step
     recorded: list[RecordedMaxTextStep] = []
 
@@ -276,14 +295,16 @@ def record(run_dir: str | Path, argv: list[str], stop_at: int | None = None, tap
         raise Stopped
 
     def jit_train_step(config, *args, **kwargs):
+        if "forward" in taps and getattr(config, "scan_layers", False):  # one sown value per stacked module
+            raise MaxTextError("--tap-forward taps each decoder layer's modules: run MaxText with scan_layers=false")
         wrapped = RecordedMaxTextStep(original(config, *args, **kwargs), run_dir, config, argv, stop_at, stop,
-                                      taps or [])
+                                      taps, forward_names, sketch_width)
         recorded.append(wrapped)
         return wrapped
 
     train_utils.jit_train_step = jit_train_step
     absl_flags_parsed()
-    if "grad" in (taps or []):
+    if "grad" in taps:
         tap_gradients()
     try:
         train.main(["train", *argv])
@@ -299,22 +320,31 @@ def record(run_dir: str | Path, argv: list[str], stop_at: int | None = None, tap
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    stop_at, taps = None, []
-    while len(argv) > 1 and argv[1] in ("--stop-at", "--tap-grads"):
-        if argv[1] == "--tap-grads":
-            taps, argv = ["grad"], [argv[0], *argv[2:]]
+    stop_at, taps, names, width = None, [], "maxtext", 0
+    while len(argv) > 1 and argv[1].split("=")[0] in ("--stop-at", "--tap-grads", "--tap-forward", "--sketch-width"):
+        flag = argv[1]
+        if flag in ("--tap-grads", "--tap-forward") or flag.startswith("--tap-forward="):
+            taps.append("grad" if flag == "--tap-grads" else "forward")
+            names = flag.split("=", 1)[1] if "=" in flag else names
+            if names not in ("maxtext", "olmo_core"):
+                print(f"error: {flag}: name the tensors maxtext (MaxText's module paths) or olmo_core", file=sys.stderr)
+                return 2
+            argv = [argv[0], *argv[2:]]
             continue
         if len(argv) < 3 or not argv[2].isdigit():
-            print(f"error: --stop-at {' '.join(argv[2:3])}: give the step to stop before, an integer >= 0",
-                  file=sys.stderr)
+            print(f"error: {flag} {' '.join(argv[2:3])}: give an integer >= 0", file=sys.stderr)
             return 2
-        stop_at, argv = int(argv[2]), [argv[0], *argv[3:]]
+        if flag == "--stop-at":
+            stop_at = int(argv[2])
+        else:
+            width = int(argv[2])
+        argv = [argv[0], *argv[3:]]
     if len(argv) < 2 or argv[0].startswith("-"):
-        print("usage: python -m replay.maxtext RUN [--stop-at STEP] [--tap-grads] <MaxText config.yml> "
-              "[key=value ...]", file=sys.stderr)
+        print("usage: python -m replay.maxtext RUN [--stop-at STEP] [--tap-grads] [--tap-forward[=olmo_core]] "
+              "[--sketch-width 64] <MaxText config.yml> [key=value ...]", file=sys.stderr)
         return 2
     try:
-        record(argv[0], argv[1:], stop_at, taps)
+        record(argv[0], argv[1:], stop_at, taps, names, width)
     except Exception as exc:
         code = user_error_code(exc)  # replay's user errors (replay/errors.py); anything else is a bug
         if code is None:

@@ -6,10 +6,13 @@ rows in the same order (OLMo-core reads MaxText's olmo_grain order unshuffled), 
 recorded by its own integration (replay.maxtext, ReplayCallback). Both frameworks are needed and they
 live in two venvs: these tests run in the MaxText venv (tools/maxtext-env.sh) and run the OLMo-core
 side with the interpreter REPLAY_OLMO_CORE_PYTHON names (default: the first `python3`/`python` on PATH
-that imports torch and olmo_core); they skip where either is missing. 163-186 s measured (2 busy cores).
+that imports torch and olmo_core); they skip where either is missing.
 
-What the MaxText side records has no tensor named as the torch side's and no distance sketches, so the
-bisect is on the loss (`--no-refine`): the step is found, the layer and op are not (yet).
+Both sides record every op-level output of the model with distance sketches: MaxText's through its
+forward taps named as OLMo-core's modules (replay/maxtext/forward_taps.py, olmo_core_names.py), OLMo-core's
+as each leaf module's output (its rotary through two identity taps, tools/olmo3_pair.py rope_taps), so
+`replay bisect` compares 59 tensors a step from the traces alone and the first one above the noise floor
+names the step, the layer (blocks.I) and the op inside it.
 """
 
 from __future__ import annotations
@@ -70,13 +73,15 @@ def pair(tmp_path_factory) -> Path:
           _start(sys.executable, "maxtext", str(root), "mt_rope", "rope_max_timescale=10000")]
     _done([_start(torch_py, "olmo-core", str(root), "oc_clean"),
            _start(torch_py, "olmo-core", str(root), "oc_adam", "--keep-adam-count")])
+    _done([_start(torch_py, "olmo-core", str(root), "oc_qk_eps", "--qk-norm-eps=1e-5"),
+           _start(torch_py, "olmo-core", str(root), "oc_no_rope_taps", "--no-rope-taps")])
     _done(mt)
     return root
 
 
 def _bisect(root: Path, a: str, b: str) -> tuple[int, dict]:
     done = subprocess.run([sys.executable, "-m", "replay.cli.app", "bisect", str(root / a), str(root / b),
-                           "--no-refine", "--json"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+                           "--json"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
     assert done.stdout.strip(), done.stderr[-2000:]
     return done.returncode, json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -92,23 +97,52 @@ def test_the_same_weights_and_rows_give_the_same_step_0_loss_bits(pair):
         assert np.array_equal(mt.trace.read(k).example_hashes, oc.trace.read(k).example_hashes), k
 
 
+# Each layer's ops in forward order, as both runs record them (OLMo-core's module paths).
+OPS = ["attention.w_q", "attention.w_k", "attention.w_v", "attention.q_norm", "attention.k_norm", "attention.rope.q",
+       "attention.rope.k", "attention.backend", "attention.w_out", "attention_norm", "feed_forward.w1",
+       "feed_forward.w3", "feed_forward.w2", "feed_forward_norm"]
+COMPARED = ["embeddings", *(f"blocks.{i}.{op}" for i in range(4) for op in OPS), "lm_head.norm", "lm_head.w_out", "loss"]
+
+
 def test_the_clean_pair_is_within_the_noise_floor_at_every_step(pair):
     code, report = _bisect(pair, "mt_clean", "oc_clean")
     assert code == 0 and report["within_noise"], report
-    assert report["inputs"]["data"]["equal"] and report["steps"] == [0, STEPS] and report["names"] == ["loss"]
+    assert report["inputs"]["data"]["equal"] and report["steps"] == [0, STEPS] and report["source"] == "traces"
+    assert report["names"] == COMPARED, report["names"]  # every op of every layer, from the traces' sketches
     assert len(report["examined"]) == STEPS and report["max_ratio_within"] < 1, report
+    assert all(set(d) == set(COMPARED) for d in report["distances"].values()), report["distances"]
 
 
-def test_rope_theta_left_at_maxtexts_default_is_found_at_step_0(pair):
-    # rope_max_timescale 10000 (MaxText's base.yml) instead of OLMo 3's 500000: a port difference
+def test_rope_theta_left_at_maxtexts_default_is_named_at_step_0_block_0_rotary(pair):
+    # rope_max_timescale 10000 (MaxText's base.yml) instead of OLMo 3's 500000: a port difference. The
+    # projections and QK-norm before it stay within the floor; the rotary of the queries is the first op above.
     code, report = _bisect(pair, "mt_rope", "oc_clean")
-    assert code == 1 and (report["first_step"], report["cause"]) == (0, "loss"), report
-    assert report["inputs"]["data"]["equal"], report
+    assert code == 1 and report["inputs"]["data"]["equal"], report
+    assert (report["first_step"], report["cause"], report["first_layer"]) == (0, "forward", "blocks.0.attention.rope.q")
+    assert report["ratio"] > 100, report
+    assert report["floor"]["blocks.0.attention.k_norm"] >= report["distances"]["0"]["blocks.0.attention.k_norm"]
+
+
+def test_a_qk_norm_epsilon_set_on_the_olmo_core_side_is_named_at_step_0_block_0_qk_norm(pair):
+    # OLMo-core's qk_norm eps 1e-5 (its config) against MaxText's 1e-6: the q projection is within the floor
+    code, report = _bisect(pair, "mt_clean", "oc_qk_eps")
+    assert code == 1 and report["inputs"]["data"]["equal"], report
+    assert (report["first_step"], report["cause"], report["first_layer"]) == (0, "forward", "blocks.0.attention.q_norm")
+    assert report["ratio"] > 100, report
+
+
+def test_without_the_rotary_recorded_the_op_is_not_named(pair):
+    # Negative control: the OLMo-core run recorded without its rotary taps, the same RoPE difference is
+    # first seen after the rotary (the attention's output), which is why the taps exist.
+    code, report = _bisect(pair, "mt_rope", "oc_no_rope_taps")
+    assert code == 1 and (report["first_step"], report["first_layer"]) == (0, "blocks.0.attention.backend"), report
+    assert not any(".rope." in n for n in report["names"]), report["names"]
 
 
 def test_olmo_cores_first_adamw_step_is_found_at_step_1(pair):
     # Without the tool's reset OLMo-core's Trainer starts AdamW at count 1 (its state materialized by a
-    # zero-gradient step): the first update is 0.735 x optax's, and the loss parts at step 1.
+    # zero-gradient step): the first update is 0.735 x optax's. Parameters are not compared across the two
+    # (no parameter name map yet), so it shows at step 1, in the first op that reads an updated weight.
     code, report = _bisect(pair, "mt_clean", "oc_adam")
-    assert code == 1 and (report["first_step"], report["cause"]) == (1, "loss"), report
+    assert code == 1 and (report["first_step"], report["cause"], report["first_layer"]) == (1, "forward", "embeddings")
     assert report["distances"]["0"]["loss"] == 0.0, report

@@ -19,6 +19,7 @@ from replay.bundle.finding import _bisect_finding, _json_safe, _spike_finding
 from replay.bundle.format import (EXAMPLES, FORMAT_VERSION, HEADER_SIZE, REPORT, SUFFIX, ZSTD_LEVEL, PackError,
                                   _encode_header, open_run)
 from replay.engine.damage import damage_error
+from replay.engine.protocol import local_run
 from replay.bundle.report import render_report
 from traces import Run
 from traces.run import COMPLETE, MANIFEST, TRACE_DIR, write_json_atomic, write_manifest
@@ -113,12 +114,16 @@ def pack(run_path: str | os.PathLike, out: str | os.PathLike, steps: tuple[int, 
             raise PackError(f"{out}: the re-written trace does not read back as steps {trace_first}..{last}")
         examples_meta, api_files, api_manifest = None, [], {}
         api_run = run.manifest.get("replayable") == LOOP_FACTORY  # a replay.Loop's: replays from its exported program (replay/record/exported.py)
+        # A run on object storage: its checkpoint, program and examples come from its local copy,
+        # downloaded once per process (traces/storage/mirror.local_copy: the whole run); the trace
+        # above and `packed_from` are the URL's.
+        source = run if lite else local_run(run)
         if not lite:
             status(f"collecting the batches of steps {checkpoint}..{last}")
             if api_run:
-                examples_meta, api_files, api_manifest = stage_for_bundle(run, stage, checkpoint, last, staged)
+                examples_meta, api_files, api_manifest = stage_for_bundle(source, stage, checkpoint, last, staged)
             else:
-                examples_meta = _write_examples(run, run_path, stage / EXAMPLES, checkpoint, last, staged, data)
+                examples_meta = _write_examples(source, run_path, stage / EXAMPLES, checkpoint, last, staged, data)
         info = {
             "format_version": FORMAT_VERSION, "lite": lite, "steps": [first, last], "checkpoint": checkpoint,
             "trace": [trace_first, last], "examples": None if lite else api_files[-1].relative_to(stage).as_posix()
@@ -148,10 +153,10 @@ def pack(run_path: str | os.PathLike, out: str | os.PathLike, steps: tuple[int, 
             groups.append(("batch data", f"{examples_meta['examples']} examples of {examples_meta['seq_len'] + 1} tokens",
                            [stage / EXAMPLES], stage))
         if not lite:
-            ckpt_dir = run.checkpoint_dir / str(checkpoint)
+            ckpt_dir = source.checkpoint_dir / str(checkpoint)
             if api_run:  # the folder its manifest names (maybe the user's CheckpointManager's), bundled as checkpoints/C
-                ckpt_dir = run_checkpoint_dir(run) / str(checkpoint)
-                if ckpt_dir.is_dir() and ckpt_dir.resolve() != (run.path / "checkpoints" / str(checkpoint)).resolve():
+                ckpt_dir = run_checkpoint_dir(source) / str(checkpoint)
+                if ckpt_dir.is_dir() and ckpt_dir.resolve() != (source.path / "checkpoints" / str(checkpoint)).resolve():
                     shutil.copytree(ckpt_dir, stage / "checkpoints" / str(checkpoint))
                     ckpt_dir = stage / "checkpoints" / str(checkpoint)
             if not ckpt_dir.is_dir():

@@ -61,13 +61,18 @@ def _prepare_process(args: list[str]) -> None:
     """A run may need the process prepared before anything starts JAX (a mesh-invariant trainer
     run: XLA:CPU settings), and commands start it early (orbax opening a checkpoint directory): so
     the manifest of each run an argument names goes to the plugins' `prepare_process` before the
-    command runs (one-line error if too late)."""
+    command runs (one-line error if too late). A run on gs:// or s3:// costs one request here."""
+    from traces.errors import TraceError
+    from traces.storage import as_path, is_url
+
     if not args or args[0] in _NO_STEPS:
         return
     for arg in args[1:]:
+        location = arg.split("=", 1)[-1]
         try:
-            manifest = json.loads((Path(arg.split("=", 1)[-1]) / "run.json").read_text())
-        except (OSError, ValueError):
+            folder = as_path(location) if is_url(location) else Path(location)
+            manifest = json.loads((folder / "run.json").read_text())
+        except (OSError, ValueError, TraceError):  # not a run, or not readable: the command says so itself
             continue
         if isinstance(manifest, dict):
             plugins.prepare_process(manifest, warn=console.warn)

@@ -47,8 +47,12 @@ def bisect(
     from replay.bundle import open_run
     from replay.engine.damage import named_as_bundle
 
-    if run_a.exists() and run_b.exists() and run_a.resolve() == run_b.resolve():
-        console.fail(f"{run_a} and {run_b} are the same run; bisect compares two different runs "
+    from traces.storage import is_url, shown
+
+    console.local_output("--plot", plot)
+    if (is_url(run_a) and shown(run_a) == shown(run_b)) or (
+            run_a.exists() and run_b.exists() and run_a.resolve() == run_b.resolve()):
+        console.fail(f"{shown(run_a)} and {shown(run_b)} are the same run; bisect compares two different runs "
                      "(to check one run against itself, replay it: replay run RUN)")
     a, b = open_run(run_a), open_run(run_b)  # run folders, or bundles (`replay pack`)
     from replay.bisect.cross import is_cross

@@ -11,7 +11,7 @@ import typer
 from replay.cli import console
 from replay.errors import EXIT_DIVERGED
 from replay.engine.code import allowing
-from traces.storage import is_url, shown
+from traces.storage import as_path, is_url, shown
 
 
 def _parse_steps(text: str | None) -> list[int] | None:
@@ -46,23 +46,22 @@ def compare(
 ) -> None:
     """Whether two runs' checkpoints agree: the eval-loss difference at early, middle and late
     checkpoints against the float32 noise floor measured on the runs' own weights.
-    Exit 0 agree, 1 differ, 2 bad input."""
+    Exit 0 agree, 1 differ, 2 bad input. A run on gs:// or s3:// is evaluated from a local copy,
+    downloaded once (the whole run: its checkpoints, program and examples)."""
     from replay.compare import compare_eval
     from replay.compare.floor import RULES
 
     if not eval_:
         console.fail("replay compare needs --eval (the only comparison it makes so far); for where two runs part, "
                      "use replay bisect A B")
-    for path in (run_a, run_b):
-        if is_url(path):  # orbax reads a bucket's checkpoints in issue 35's next slice
-            console.fail(f"{shown(path)}: compare --eval evaluates checkpoints, which replay does not read from object "
-                         "storage yet; copy the run to a local folder")
-        if not path.exists():
-            console.fail(f"{path}: no such run; pass the folder a training run wrote")
-    if run_a.resolve() == run_b.resolve():
-        console.fail(f"{run_a} and {run_b} are the same run; compare two different runs")
+    for path in (run_a, run_b):  # a run on object storage: its checkpoints from a local copy (replay.engine.protocol.local_run)
+        if not as_path(path).exists():
+            console.fail(f"{shown(path)}: no such run; pass the folder a training run wrote")
+    same = shown(run_a) == shown(run_b) if is_url(run_a) or is_url(run_b) else run_a.resolve() == run_b.resolve()
+    if same:
+        console.fail(f"{shown(run_a)} and {shown(run_b)} are the same run; compare two different runs")
     with allowing(allow_code):  # a JAX loop's runs are evaluated with the loop's own code
-        report = compare_eval(run_a, run_b, steps=_parse_steps(steps), examples=examples)
+        report = compare_eval(shown(run_a), shown(run_b), steps=_parse_steps(steps), examples=examples)
     if json_out:
         j = report.to_json()
         for row in j["steps"]:  # JSON has no NaN: a diverged loss is a string
@@ -84,7 +83,7 @@ def compare(
             console.print_text(f"agree within the noise floor at {n} checkpoint{'s' if n != 1 else ''}", style="green")
         else:
             console.print_text(f"differ: first at step {report.first_disagreement}; find the step and layer where they "
-                               f"part with replay bisect {run_a} {run_b}", style="red")
+                               f"part with replay bisect {shown(run_a)} {shown(run_b)}", style="red")
     if not report.agree:
         raise typer.Exit(EXIT_DIVERGED)
 

@@ -84,6 +84,17 @@ def fail(msg: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
     raise UserError(msg, code)
 
 
+def local_output(option: str, value) -> None:
+    """What a command writes beside its report (a plot, a bundle, a batch, an unpacked folder) is
+    written locally: a URL there is refused in one line, before any work (runs are read from a
+    bucket; these outputs are small, and copying one up is the user's one command)."""
+    from traces.storage import is_url, shown
+
+    if value is not None and is_url(value):
+        fail(f"{option} {shown(value)}: this is written to local disk, not to object storage; give a local path "
+             "(and copy it to the bucket afterwards)")
+
+
 def progress(description: str):
     """A rich progress bar on stderr for long work; use as a context manager."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn

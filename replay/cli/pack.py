@@ -9,6 +9,7 @@ import typer
 
 from replay.cli import console
 from replay.engine.code import allowing
+from traces.storage import shown
 
 
 def pack(
@@ -26,11 +27,15 @@ def pack(
                                              "names from a folder it names: your own "
                                              "checkout, never a bundle's or the run's own folder.")] = False,
 ) -> None:
-    """Pack steps A..B of a run into one file: manifest, trace, checkpoint, batch data and REPORT.md."""
+    """Pack steps A..B of a run into one file: manifest, trace, checkpoint, batch data and REPORT.md.
+    RUN on gs:// or s3://: --lite reads only the records it packs; a full bundle (and --from-bisect,
+    --spike) downloads a local copy of the whole run once, for its checkpoint, program and examples."""
     from replay import bundle
     from replay.engine.engine import parse_steps
 
+    console.local_output("-o", out)
     rng = parse_steps(steps) if steps is not None else None
+    run, from_bisect = shown(run), None if from_bisect is None else shown(from_bisect)  # URLs with their "//"
     with allowing(allow_code):  # --from-bisect and --spike replay the run with its own code
         result = bundle.pack(run, out, rng, lite=lite, force=force, data=data, from_bisect=from_bisect, spike=spike,
                              on_status=console.status)

@@ -43,6 +43,7 @@ def spike(
     if top < 1:
         console.fail(f"--top {top} must be at least 1")
     for opt, value in (("--save-batch", save_batch), ("--plot", plot)):
+        console.local_output(opt, value)
         if value is not None and not value.parent.is_dir():
             console.fail(f"{opt} {value}: the folder {value.parent} does not exist")
     if save_batch is not None and save_batch.suffix != ".npy":

@@ -20,6 +20,11 @@ def unpack(
     from replay import bundle
     from traces import Run
 
+    from traces.storage import is_url, shown
+
+    if is_url(file):  # a bundle is one file: copying it here is one command
+        console.fail(f"{shown(file)}: unpack reads a bundle from local disk; copy the file here first")
+    console.local_output("DIR", dest)  # show, run and bisect read the bundle FILE itself, unpacked or not
     header = bundle.unpack(file, dest)
     info = Run.open(dest).manifest.get("bundle") or {}
     files = sorted(p for p in dest.rglob("*") if p.is_file())

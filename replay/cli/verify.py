@@ -9,6 +9,7 @@ import typer
 
 from replay.cli import console
 from replay.errors import EXIT_DIVERGED
+from traces.storage import shown
 
 
 def verify(
@@ -20,7 +21,8 @@ def verify(
     json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
     """Re-execute steps A..B with the work on other devices; exit 1 when a device computed wrongly
-    or a recorded step is reproduced by no re-execution."""
+    or a recorded step is reproduced by no re-execution. A run on gs:// or s3:// is replayed from a
+    local copy, downloaded once (the whole run: its checkpoints, program and examples)."""
     from replay.bundle import open_run
     from replay.cli.replaying import load_replayable, prepare_process, replay_notes
     from replay.engine.engine import check_range, parse_steps
@@ -29,7 +31,8 @@ def verify(
 
     if rotate < 1:
         console.fail(f"--rotate {rotate} must be at least 1")
-    target = open_run(path, for_replay=True)
+    name = shown(path)  # a URL with its "//" (a Path argument drops one)
+    target = open_run(name, for_replay=True)
     first, last = parse_steps(steps)
     why = refusal(target)  # from the manifest: before anything compiles or prints
     if why:
@@ -39,8 +42,8 @@ def verify(
 
     why = too_few_devices(jax.device_count())  # the replay's mesh has at most these
     if why:
-        raise VerifyInputError(f"{path}: {why}")
-    replayable, contract = load_replayable(target, path, data, False, lambda cps: check_range(target, first, last, cps))
+        raise VerifyInputError(f"{name}: {why}")
+    replayable, contract = load_replayable(target, name, data, False, lambda cps: check_range(target, first, last, cps))
     with console.progress(f"verify {path.name}") as bar:
         task = bar.add_task("verify", total=last - first + 1, info="")
         report = run_verify(target, replayable, first, last, rotate,

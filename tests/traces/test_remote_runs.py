@@ -200,7 +200,10 @@ def test_spike_and_a_lite_pack_read_a_remote_run_and_replaying_one_answers_as_it
         there = invoke(*[url if a == "RUN" else a for a in args])
         assert_one_line_error(there, url)
         assert there.stderr.replace(url, str(local)) == here.stderr, args
-    assert_one_line_error(invoke("compare", url, str(local), "--eval"), f"{url}: compare --eval evaluates checkpoints")
+    # compare --eval reads the remote run as the local one (this run's config is no trainer's: refused alike).
+    there, here = invoke("compare", url, str(local), "--eval"), invoke("compare", str(local), url, "--eval")
+    assert_one_line_error(there, f"{url}: its manifest config is not a trainer config")
+    assert there.stderr.replace(url, str(local)) == here.stderr
 
 
 def test_a_remote_file_opened_reads_by_ranges(tmp_path, bucket):

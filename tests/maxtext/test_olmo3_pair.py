@@ -13,6 +13,12 @@ forward taps named as OLMo-core's modules (replay/maxtext/forward_taps.py, olmo_
 as each leaf module's output (its rotary through two identity taps, tools/olmo3_pair.py rope_taps), so
 `replay bisect` compares 59 tensors a step from the traces alone and the first one above the noise floor
 names the step, the layer (blocks.I) and the op inside it.
+
+The margin of the clean pair is thin (measured, this machine's CPU, 2026-12-05): its largest distance is 0.975 x
+the floor (blocks.2.feed_forward_norm, step 14); run to 32 steps (the first epoch, beyond which the two loaders'
+orders part) it passes the floor at step 25 (1.009 x, blocks.2.attention_norm) while the loss stays within 1.5e-7.
+The floor (replay/bisect/cross_floor.py) was measured on the trainer against transformers' OLMo 3; this pair
+drifts ~4 x faster. Its own envelope is not measured yet (bench/cross_noise.py does it for the trainer pair).
 """
 
 from __future__ import annotations

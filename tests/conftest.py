@@ -51,6 +51,17 @@ if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+# torch (and the BLAS libraries) on one thread in every test process, subprocesses included (they
+# inherit the environment): the tests' tensors are tiny, and on the suite's 2 shared cores a second
+# thread spin-waits for the first (the demo and tests/torch/reference_pair.one_torch_thread chose one
+# thread for the same reason; test_recorder alone: 13.2/15.3/9.5 -> 7.4/7.5/6.8 CPU s). Bits: every
+# process of a session gets the same count, so no comparison spans differently threaded processes,
+# and no stored fixture holds torch bits (tests/*/fixtures: JAX runs and traces only). A count set
+# in the environment before the session is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+if "torch" in sys.modules:  # imported before this file (a plugin): its thread pool is sized already
+    sys.modules["torch"].set_num_threads(1)
+
 # Runs that several test files read and none writes (tests/torch/reference_pair.py): made once per
 # session into this folder, which the xdist workers inherit as the XLA cache folder above.
 _owned_shared: str | None = None

@@ -60,7 +60,7 @@ class Checkpointer:
         self.keep, self.read_only, self._step_of = keep, not create, step_of
         self._own = manager is None
         if self._own:
-            self.path = Path(path).absolute()
+            self.path = ckpts.location(path)  # an epath.Path for a URL (several processes' run on object storage)
             if self.read_only and not self.path.is_dir():
                 raise CheckpointError(f"{self.path}: no checkpoint directory; check the run path "
                                       f"(checkpoints live in RUN/checkpoints)")

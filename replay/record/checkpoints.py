@@ -68,11 +68,29 @@ def open_manager(path: Path, read_only: bool, keep: int = 0) -> Any:
                                                cleanup_tmp_directories=False, save_root_metadata=True,
                                                enable_async_checkpointing=True)
     with _quiet_orbax():  # orbax logs that read-only is read-only
-        return ocp.CheckpointManager(Path(path).absolute(), options=options)
+        return ocp.CheckpointManager(location(path), options=options)
 
 
-def directory_of(manager: Any) -> Path:
-    return Path(str(manager.directory)).absolute()
+def directory_of(manager: Any) -> Any:
+    return location(str(manager.directory))
+
+
+def location(path: Any) -> Any:
+    """A checkpoint folder as orbax takes it: a local Path, made absolute, or for a URL (gs://,
+    s3://; also "gs:/b/k", as pathlib writes one) an etils epath.Path: orbax writes object storage
+    itself (tensorstore for the arrays, epath for its folders and small files), as on a TPU pod."""
+    from traces.storage import is_url, url_of
+
+    if is_url(path):
+        import fsspec
+        from etils import epath
+
+        # gcsfs/s3fs cache folder listings: a process would not see the files another process
+        # wrote since it listed (orbax's multi-process save waits on them; seen: saves never ending)
+        for scheme in ("gs", "s3"):
+            fsspec.config.conf.setdefault(scheme, {}).setdefault("use_listings_cache", False)
+        return epath.Path(url_of(path))
+    return Path(path).absolute()
 
 
 def steps(manager: Any) -> list[int]:

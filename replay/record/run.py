@@ -49,7 +49,7 @@ class RecordingRun:
                  manifest: dict | None = None, state_step: Callable[[Any], int] | None = None,
                  resume_command: str | None = None):
         run_open.check_arguments(checkpoints, keep_checkpoints, entrypoint, replayable)
-        _check_one_writer_host(path)
+        run_open.check_location(path)
         self.path = Path(path)
         self.finished = False
         self._entrypoint = None if resume else entrypoint  # checked against the step at its first call
@@ -64,7 +64,7 @@ class RecordingRun:
         if self._run is not None and self._run.mirror is not None:
             self.path = self._run.path  # a run on object storage is written in its staging folder (traces/storage/mirror.py)
         where = recorded.get("checkpoint_dir", "checkpoints")
-        self._ckpt_dir = (self.path / where) if not Path(where).is_absolute() else Path(where)
+        self._ckpt_dir = run_open.checkpoint_dir(path, self.path, where)  # several processes' remote run: the bucket
         self._checkpoints = RunCheckpoints(self._ckpt_dir, recorded, manager=checkpoints, keep=keep_checkpoints,
                                            state_step=state_step,
                                            write=self._run.update_manifest if self._run is not None else None)
@@ -352,21 +352,6 @@ class RecordingRun:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.finish() if exc_type is None else self._close(quiet=True)
-
-
-def _check_one_writer_host(path: str | os.PathLike) -> None:
-    """A run on object storage is recorded by one process, refused on every process alike before
-    anything is written: orbax's multi-process save has process 0 merge the files every process
-    wrote (ocdbt.process_N/, array_metadatas/process_N) and rename the step's folder, so the
-    processes need one folder they all write; a staging folder per host is not one (a merge there
-    would leave the other processes' shards out)."""
-    from traces.storage import is_url, shown
-
-    if is_url(path) and run_open.processes() > 1:
-        raise RecordError(f"{shown(path)}: recording one run from {run_open.processes()} processes to object storage "
-                          "is not supported yet (orbax's multi-process checkpoints need a folder every process "
-                          "writes); record it to a shared folder, then copy that folder to the bucket object by "
-                          "object: show, audit, bisect and run read it there")
 
 
 def init(path: str | os.PathLike, *, config: Any = None, entrypoint: str | Callable | None = None,

@@ -49,6 +49,19 @@ def check_arguments(checkpoints: Any, keep_checkpoints: Any, entrypoint: str | C
                           "protocol factory), not both")
 
 
+def check_location(path: str | os.PathLike) -> None:
+    """Refused on every process alike, before anything is written: several processes recording
+    one run to s3://. Their checkpoints go straight to the bucket (checkpoint_dir), which is built
+    and tested for gs:// only (orbax through tensorstore's gcs driver and gcsfs); S3 would need
+    s3fs and tensorstore's s3 driver, neither set up nor tried."""
+    from traces.storage import is_url, url_of
+
+    if is_url(path) and url_of(path).startswith("s3://") and processes() > 1:
+        raise RecordError(f"{url_of(path)}: recording one run from {processes()} processes to s3:// is not supported "
+                          "yet (their checkpoints are written straight to the bucket, built for gs:// only); record "
+                          "it to gs://, or to a shared folder and copy that to the bucket object by object")
+
+
 def open_run(path: Path, resumed: bool, config: Any, entrypoint: str | Callable | None,
              dataset_size: "int | manifestlib.Tokens | None", checkpoints: Any, replayable: str | None,
              manifest: dict | None) -> tuple[Run | None, dict, int, int | None]:
@@ -109,9 +122,35 @@ def recorded_by(manifest: dict, replayable: str | None) -> bool:
     return manifest.get("replayable", LEGACY_DEFAULT_FACTORY) == replayable
 
 
+def checkpoint_dir(given: str | os.PathLike, folder: Path, where: str) -> Any:
+    """Where this process saves the run's checkpoints: `where` (the manifest's "checkpoint_dir")
+    in the run's folder. A run on object storage recorded by several processes saves them
+    straight to the bucket (URL/checkpoints, orbax writing gs:// or s3:// itself): orbax's
+    multi-process save needs one folder every process writes and process 0 then reads to merge
+    them, which a staging folder per host is not. With one process they go to its staging folder
+    and are uploaded from there, as the rest of the run (traces/storage/mirror.py)."""
+    from traces.storage import is_url, url_of
+
+    if Path(where).is_absolute():
+        return Path(where)
+    if is_url(given) and processes() > 1:
+        return f"{url_of(given)}/{where}"
+    return folder / where
+
+
+def _exists(path: Path) -> bool:
+    """Asked now (a bucket's object with a request of its own: a run's listing is a snapshot)."""
+    from traces.storage import is_url, open_store
+
+    if is_url(path):
+        store, key = open_store(str(path))
+        return store.stat(key) is not None
+    return path.exists()
+
+
 def _wait_for(path: Path, timeout: float = _WAIT_S) -> None:
     deadline = time.monotonic() + timeout
-    while not path.exists():
+    while not _exists(path):
         if time.monotonic() > deadline:
             raise RecordError(f"process 0 did not create {path} within {timeout:.0f} s; start every process of the "
                               "run with the same path")

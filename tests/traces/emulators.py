@@ -36,14 +36,21 @@ def gcs():
     port = _free_port()
     server = create_server("127.0.0.1", port, in_memory=True, default_bucket=BUCKET)
     server.start()
-    old = os.environ.get("STORAGE_EMULATOR_HOST")
-    os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{port}"
+    env = {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{port}",  # google-cloud-storage, gcsfs
+           "TENSORSTORE_GCS_HTTP_URL": f"http://127.0.0.1:{port}",  # orbax's arrays (tensorstore's gcs driver)
+           "FSSPEC_GS_TOKEN": "anon",  # gcsfs (orbax's folders through etils.epath): no credentials to look for
+           "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",  # else gcsfs asks a gRPC API the emulator lacks (60 s)
+           # The emulator serves one request at a time with a listen backlog of 5: tensorstore's many
+           # parallel requests from two processes overflow it and back off for minutes (seen: saves stalled)
+           "TENSORSTORE_GCS_REQUEST_CONCURRENCY": "1"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         yield f"gs://{BUCKET}"
     finally:
         _forget("gs")
         server.stop()
-        _restore({"STORAGE_EMULATOR_HOST": old})
+        _restore(old)
 
 
 @pytest.fixture(scope="session")

@@ -49,6 +49,15 @@ def open_store(url: str) -> tuple[Store, str]:
     return _STORES[(scheme, bucket)], key.strip("/")
 
 
+def url_of(location) -> str:
+    """The URL `location` names, with its "//" back ("gs:/b/k" -> "gs://b/k"), without a request:
+    what orbax, tensorstore and etils.epath are handed for a run's checkpoints on object storage."""
+    if isinstance(location, RemotePath):
+        return str(location)
+    scheme, bucket, key = _URL.match(str(location)).groups()
+    return f"{scheme}://{bucket}/{key.strip('/')}".rstrip("/")
+
+
 def shown(location) -> str:
     """How to name `location` to the user: a URL with its "//" back, a local path as given."""
     return str(as_path(location)) if is_url(location) else str(location)

@@ -36,13 +36,14 @@ def gcs():
     port = _free_port()
     server = create_server("127.0.0.1", port, in_memory=True, default_bucket=BUCKET)
     server.start()
+    # http.server listens with a backlog of 5 and serves one request at a time: two processes' parallel
+    # requests overflow it, and a dropped connect is retried after 1, 2, 4... s (seen: saves stalled minutes)
+    server._api._httpd.socket.listen(128)
     env = {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{port}",  # google-cloud-storage, gcsfs
            "TENSORSTORE_GCS_HTTP_URL": f"http://127.0.0.1:{port}",  # orbax's arrays (tensorstore's gcs driver)
            "FSSPEC_GS_TOKEN": "anon",  # gcsfs (orbax's folders through etils.epath): no credentials to look for
            "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",  # else gcsfs asks a gRPC API the emulator lacks (60 s)
-           # The emulator serves one request at a time with a listen backlog of 5: tensorstore's many
-           # parallel requests from two processes overflow it and back off for minutes (seen: saves stalled)
-           "TENSORSTORE_GCS_REQUEST_CONCURRENCY": "1"}
+           "TENSORSTORE_GCS_REQUEST_CONCURRENCY": "1"}  # and fewer parallel requests for its one server thread
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:

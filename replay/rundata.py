@@ -55,8 +55,11 @@ def data_entry(manifest: dict) -> str | None:
 
 
 def run_data(run: Run, data: str | None = None, whole_source: bool = False) -> Any:
-    """The data-only view of `run` (see the module doc); `data_of` with its manifest and folder."""
-    return data_of(run.manifest, run.path, data=data, whole_source=whole_source)
+    """The data-only view of `run` (see the module doc); `data_of` with its manifest and folder
+    (a run on object storage: its local copy, traces/storage/mirror.py, which loops read as files)."""
+    from replay.engine.protocol import local_run
+
+    return data_of(run.manifest, local_run(run).path, data=data, whole_source=whole_source)
 
 
 def data_of(manifest: dict, run_path: str | os.PathLike, data: str | None = None, whole_source: bool = False) -> Any:

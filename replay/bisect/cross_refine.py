@@ -144,11 +144,13 @@ def _refine(ref: Any, torch_run: Run, jax_run: Run, step: int, block: str, notes
 
 def _torch_model(ref: Any, torch_run: Run, step: int, side: Any) -> tuple[Any, str]:
     """The reference with the weights entering `step`: the torch run's checkpoint there, else the JAX side's."""
+    from replay.engine.protocol import local_run
     from replay.torch import checkpoint
 
     model = ref.model()
-    if step in checkpoint.steps(torch_run.path):
-        checkpoint.load(torch_run.path, step, model)
+    path = local_run(torch_run).path  # torch checkpoints are read as files: a remote run's local copy
+    if step in checkpoint.steps(path):
+        checkpoint.load(path, step, model)
         return model, f"torch checkpoint {step}"
     ref.load(model, ref.weights(side.raw))
     return model, f"the JAX run's parameters at step {step} (the torch run saved no checkpoint there)"

@@ -27,6 +27,7 @@ from replay.compare.floor import reference_losses, rounding_error
 from traces import Run
 from replay.bundle import open_run
 from replay.engine.damage import damage_error
+from replay.engine.protocol import local_run
 from replay import plugins
 
 EVALUATE = "evaluate"
@@ -104,6 +105,7 @@ class TorchSide:
 
     def __init__(self, run: Run):
         self.run, self.path = run, run.path
+        self._files = local_run(run).path  # torch checkpoints are read as files: a remote run's local copy
         self.reference = _reference(run, "to evaluate its checkpoints with")
         self.cfg = self.reference.cfg
         self._model = None
@@ -111,19 +113,19 @@ class TorchSide:
     def steps(self) -> list[int]:
         from replay.torch import checkpoint
 
-        return checkpoint.steps(self.path)
+        return checkpoint.steps(self._files)
 
     def hf_weights(self, step: int) -> dict[str, np.ndarray]:
         from replay.torch import checkpoint
 
-        return {k: v.float().numpy() for k, v in checkpoint.read_model(self.path, step).items()}
+        return {k: v.float().numpy() for k, v in checkpoint.read_model(self._files, step).items()}
 
     def eval(self, step: int, rows: np.ndarray) -> np.ndarray:
         from replay.torch import checkpoint
 
         if self._model is None:
             self._model = self.reference.model()
-        checkpoint.load(self.path, step, self._model)
+        checkpoint.load(self._files, step, self._model)
         return reference_losses(self._model, rows, self.reference.batch_size)
 
     def rounding_error(self, step: int, rows: np.ndarray) -> float:

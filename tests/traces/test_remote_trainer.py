@@ -1,6 +1,7 @@
-"""The trainer (tiny preset) records to a bucket (moto's S3 server on 127.0.0.1): `replay train
---out s3://...`, `replay run` of the remote run bit-exact from its checkpoint, `replay train
---resume s3://...` continuing it, and `bisect` against the same run trained to disk: identical."""
+"""The trainer (tiny preset) records to a bucket (moto's S3 server and gcp-storage-emulator on
+127.0.0.1): `replay train --out s3://...` (gs://...), `replay run` of the remote run bit-exact from
+its checkpoint, `replay train --resume URL` continuing it, and `bisect` against the same run trained
+to disk: identical. The local run is trained once for both stores (the same config and steps)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,23 @@ import json
 import pytest
 
 from tests.cli_util import invoke
-from tests.traces.emulators import s3  # noqa: F401 - fixtures
+from tests.traces.emulators import gcs, s3  # noqa: F401 - fixtures
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory) -> str:
+    """The same run trained to disk straight through (9 steps)."""
+    out = str(tmp_path_factory.mktemp("local") / "run")
+    straight = invoke("train", "--preset", "tiny", "--steps", "9", "--out", out, "--json")
+    assert straight.exit_code == 0, straight.output
+    return out
 
 
 @pytest.mark.slow
-def test_the_trainer_records_replays_and_resumes_a_run_in_a_bucket(tmp_path, s3, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("store", ["s3", "gcs"])
+def test_the_trainer_records_replays_and_resumes_a_run_in_a_bucket(tmp_path, store, request, local, monkeypatch):
     monkeypatch.setenv("REPLAY_STAGING", str(tmp_path))
-    url, local = f"{s3}/{tmp_path.name}/run", str(tmp_path / "local")
+    url = f"{request.getfixturevalue(store)}/{tmp_path.name}/run"
     trained = invoke("train", "--preset", "tiny", "--steps", "6", "--out", url, "--json")
     assert trained.exit_code == 0, trained.output
     assert json.loads(trained.stdout)["checkpoints"] == [0, 6]
@@ -27,8 +38,6 @@ def test_the_trainer_records_replays_and_resumes_a_run_in_a_bucket(tmp_path, s3,
     resumed = invoke("train", "--resume", url, "--steps", "9", "--json")
     assert resumed.exit_code == 0, resumed.output
     assert json.loads(resumed.stdout)["started_at"] == 6
-    straight = invoke("train", "--preset", "tiny", "--steps", "9", "--out", local, "--json")
-    assert straight.exit_code == 0, straight.output
     shown = json.loads(invoke("show", "--json", url).stdout)
     assert shown["status"] == "complete" and shown["steps"]["count"] == 9 and shown["damage"] == []
     bisect = invoke("bisect", "--json", local, url)

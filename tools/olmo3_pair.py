@@ -11,7 +11,7 @@ so each stage runs in the one that has its framework and they meet only as files
                                                              # OLMo-core's Trainer, recorded (ReplayCallback)
     replay bisect DIR/RUN_maxtext DIR/RUN_olmo_core
 
-The config both sides express (/work/notes/s19/G_findings.md has the key-by-key mapping): OLMo-core's
+The config both sides express (key by key: `olmo_core_model` and `maxtext_argv` below): OLMo-core's
 olmo3_1M (4 layers, d_model 12, 4 heads of 4, no GQA, SwiGLU 256, QK-norm over all heads, post-norm
 ("reordered") blocks, untied head, RoPE theta 5e5, eps 1e-6) with windows [8, 8, 8, full], vocabulary
 512, sequences of 16, global batch 4, AdamW(1e-3, 0.9, 0.95, 1e-8, wd 0.1), constant LR, no clipping.

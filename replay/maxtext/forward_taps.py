@@ -36,9 +36,9 @@ _names: list[str] = ["maxtext"]  # the naming in effect: "maxtext" or "olmo_core
 
 
 def _collecting() -> bool:
-    from replay.record import taps
+    from replay.record.taps import is_collecting
 
-    return getattr(taps._active, "taps", None) is not None
+    return is_collecting()
 
 
 def _sowing(original: Any) -> Any:

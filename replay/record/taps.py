@@ -56,6 +56,11 @@ def tap(tree: Any, name: str, kind: str | None = None) -> Any:
     return tree
 
 
+def is_collecting() -> bool:
+    """Whether a recorded step is being traced here now (a `replay.tap` would record)."""
+    return getattr(_active, "taps", None) is not None
+
+
 @contextlib.contextmanager
 def collecting():
     """Collects the taps made while the body runs (the wrapper's trace of the step)."""

@@ -53,3 +53,62 @@ def test_a_ready_record_is_written_at_once(tmp_path, monkeypatch):
     recorder.record(0, _metrics(0), np.array([0, 1], np.uint64))
     assert recorder.last is not None and recorder.last.step == 0
     writer.close()
+
+
+def _packed_host(record: dict):
+    """The host PackedRecord run.step's program returns for `record` (packed on device, fetched)."""
+    from replay.record.packed import PackedRecord, pack
+
+    packed = pack(record)
+    return PackedRecord(np.asarray(packed.words), packed.layout)
+
+
+def test_a_packed_record_is_read_by_slices_into_the_same_record_as_by_name(monkeypatch):
+    """to_record reads run.step's packed record by one plan of slices (a record costs views of one
+    vector, not a lookup per value); what it builds must equal, field by field and bit by bit, what
+    reading the same values by name builds. The slice path must be the one taken (counted), and a
+    layout it cannot slice (metrics not in the schema's order) falls back to reading by name."""
+    from replay.record import recorder as rec
+    from traces import Schema
+    from traces.schema import encode_record
+
+    rng = np.random.default_rng(0)
+    bits = lambda shape: rng.integers(0, 2**32, size=shape, dtype=np.uint32)  # NaN payloads, -0.0, subnormals
+    record = {"loss": bits(()).view(np.float32), "grad_norm": bits(()).view(np.float32),
+              "example_loss": bits(4).view(np.float32), "rng": bits(2),
+              "fingerprints": bits((3, 2)), "rms": bits(3).view(np.float32)}
+    schema = Schema(examples_per_step=4, rng_words=2, metrics=(("loss", "loss"), ("grad_norm", "backward")),
+                    tensors=(("state/w", "state"), ("forward/h", "forward"), ("update/w", "update")),
+                    example_metrics=("loss",))
+    hashes = np.arange(4, dtype=np.uint64)
+    sliced = []
+    monkeypatch.setattr(rec, "_from_packed", lambda *a, f=rec._from_packed: sliced.append(1) or f(*a))
+    host = _packed_host(record)
+    fast, by_name = rec.to_record(schema, 7, host, hashes), rec.to_record(schema, 7, dict(host), hashes)
+    assert sliced == [1]
+    assert encode_record(schema, fast) == encode_record(schema, by_name)
+    assert fast.fingerprints.tolist() == [(int(a) << 32) | int(b) for a, b in record["fingerprints"]]
+    assert fast.metrics.view(np.uint32).tolist() == [record["loss"].view(np.uint32), record["grad_norm"].view(np.uint32)]
+    # The step level (no fingerprints) and a layout in another order than the schema's metrics.
+    step_only = {k: v for k, v in record.items() if k not in ("fingerprints", "rms")}
+    swapped = {"grad_norm": record["grad_norm"], **{k: v for k, v in step_only.items() if k != "grad_norm"}}
+    for values in (step_only, swapped):
+        sliced.clear()
+        host = _packed_host(values)
+        fast, by_name = rec.to_record(schema, 7, host, hashes), rec.to_record(schema, 7, dict(host), hashes)
+        assert sliced == ([1] if values is step_only else [])
+        assert encode_record(schema, fast) == encode_record(schema, by_name) and fast.fingerprints is None
+        assert float(fast.metrics[0]) == float(by_name.metrics[0]) or np.isnan(fast.metrics[0])
+        assert fast.metrics.view(np.uint32)[0] == record["loss"].view(np.uint32)
+
+
+def test_a_packed_record_with_the_wrong_tensor_count_is_refused():
+    import pytest
+    from replay.record import recorder as rec
+    from traces import Schema
+
+    schema = Schema(examples_per_step=2, rng_words=0, metrics=(("loss", "loss"),), tensors=(("state/w", "state"),))
+    host = _packed_host({"loss": np.float32(1), "rng": np.zeros(0, np.uint32),
+                         "fingerprints": np.zeros((2, 2), np.uint32), "rms": np.zeros(2, np.float32)})
+    with pytest.raises(rec.RecordSchemaError, match="2 fingerprints for the schema's 1 tensors"):
+        rec.to_record(schema, 0, host, np.zeros(2, np.uint64))

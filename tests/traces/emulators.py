@@ -33,6 +33,7 @@ def gcs():
     pytest.importorskip("gcp_storage_emulator", reason="pip install -e '.[dev]' brings gcp-storage-emulator")
     from gcp_storage_emulator.server import create_server
 
+    _reads_like_gcs()
     port = _free_port()
     server = create_server("127.0.0.1", port, in_memory=True, default_bucket=BUCKET)
     server.start()
@@ -52,6 +53,45 @@ def gcs():
         _forget("gs")
         server.stop()
         _restore(old)
+
+
+def _reads_like_gcs() -> None:
+    """Makes the emulator's object reads answer as GCS's do: with the object's generation in
+    `x-goog-generation` (and metageneration), and honouring `ifGenerationMatch` (412) and
+    `ifGenerationNotMatch` (304 Not Modified) on a GET. gcp-storage-emulator 2026.7 does neither.
+    tensorstore's gcs driver relies on it: its OCDBT writer (orbax's multi-process save) writes
+    manifest.ocdbt, then may revalidate it with ifGenerationNotMatch=<that generation>; the
+    emulator's 200 with no generation fails the save with "Malformed StorageGeneration" in
+    process 0's writer thread, so process 0 never writes array_metadatas/ and process 1 polls for
+    that folder for ever (the trainer's two-process save "hanging" on gs://; seen with py-spy and
+    the request log). Either answer alone (the header, or the 304) let the save finish (tried)."""
+    from http import HTTPStatus
+
+    from gcp_storage_emulator import server
+    from gcp_storage_emulator.exceptions import NotFound
+    from gcp_storage_emulator.handlers import objects
+
+    def with_generation(handler):
+        def read(request, response, storage, *args, **kwargs):
+            try:
+                obj = storage.get_file_obj(request.params["bucket_name"], request.params["object_id"])
+            except NotFound:  # the handler answers 404
+                return handler(request, response, storage, *args, **kwargs)
+            generation, query = str(obj["generation"]), request.query
+            response["x-goog-generation"] = generation
+            response["x-goog-metageneration"] = str(obj["metageneration"])
+            if query.get("ifGenerationMatch", [generation])[0] != generation:
+                response.status = HTTPStatus.PRECONDITION_FAILED
+            elif query.get("ifGenerationNotMatch", [None])[0] == generation:
+                response.status = HTTPStatus.NOT_MODIFIED
+            else:
+                handler(request, response, storage, *args, **kwargs)
+        return read
+
+    for _, handlers in server.HANDLERS:  # the routes' table holds the functions themselves
+        for method, handler in list(handlers.items()):
+            if handler in (objects.get, objects.download):
+                handlers[method] = with_generation(handler)
 
 
 @pytest.fixture(scope="session")

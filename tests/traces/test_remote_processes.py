@@ -69,6 +69,7 @@ def test_two_processes_record_to_gs_replay_bit_exact_and_bisect_identical_to_a_l
     assert (report["replayed"], report["bit_exact"]) == (5, 5), report
 
 
+TIMEOUT_S = 300  # each command takes 20-60 s here
 TRAIN = ("train", "--preset", "tiny", "--steps", "4", "--set", "checkpoint.every_steps=2", "--json")
 
 
@@ -110,7 +111,13 @@ def _two_processes(*args: str) -> list[tuple[int, str, str]]:
     procs = [subprocess.Popen([sys.executable, "-m", "replay.cli.app", *args, "--coordinator", f"127.0.0.1:{port}",
                                "--num-processes", "2", "--process-id", str(pid)], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for pid in range(2)]
-    outs = [p.communicate(timeout=300) for p in procs]
+    try:
+        outs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
+    except subprocess.TimeoutExpired:  # a stalled save: fail with what each process said, leave none running
+        for p in procs:
+            p.kill()
+        outs = [p.communicate() for p in procs]
+        outs = [(out, f"{err}\n(killed after {TIMEOUT_S} s)") for out, err in outs]
     return [(p.returncode, *out) for p, out in zip(procs, outs)]
 
 

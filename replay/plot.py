@@ -7,7 +7,6 @@ from pathlib import Path
 import numpy as np
 
 from traces import Run
-from replay.bisect.cross_floor import floor_for
 
 
 def metric_curve(run: Run, name: str = "loss") -> tuple[np.ndarray, np.ndarray]:
@@ -70,7 +69,7 @@ def plot_layer_distances(report, out: str | Path) -> Path:
         for i, (n, k) in enumerate(names):
             d = report.distances[s].get(n)
             if d is not None:
-                grid[i, j] = np.log10(max(d, 1e-12) / floor_for(n, k, s))
+                grid[i, j] = np.log10(max(d, 1e-12) / report.noise.at(k, s))
     fig, ax = plt.subplots(figsize=(min(16, 4 + 0.08 * len(steps)), min(20, 2 + 0.16 * len(names))))
     im = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="RdBu_r", vmin=-4, vmax=4,
                    extent=(-0.5, len(steps) - 0.5, len(names) - 0.5, -0.5))

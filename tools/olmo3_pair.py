@@ -1,13 +1,14 @@
 """Issue 33 part 3(c): MaxText's OLMo 3 against OLMo-core's OLMo 3, one tiny config, the same initial
 weights, the same token rows, each recorded by its own integration; then `replay bisect` across them.
 
-The two sides need two venvs (MaxText: Python 3.12, jax 0.12, no torch; OLMo-core: /work/venv, torch),
-so each stage runs in the one that has its framework and they meet only as files in DIR:
+The two sides need two venvs (MaxText: Python 3.12, jax 0.12, no torch, built by tools/maxtext-env.sh, its
+python $MT/bin/python below; OLMo-core: this package's `[olmo-core]` extra, torch), so each stage runs in
+the one that has its framework and they meet only as files in DIR:
 
-    python tools/olmo3_pair.py prepare DIR                   # /work/venv: tokens, OLMo-core's init -> DIR/hf
+    python tools/olmo3_pair.py prepare DIR [--data-seed=S]   # torch venv: tokens, OLMo-core's init -> DIR/hf
     $MT/bin/python tools/olmo3_pair.py convert DIR           # MaxText venv: DIR/hf -> DIR/mt_params (orbax)
-    $MT/bin/python tools/olmo3_pair.py maxtext DIR RUN [k=v ...]   # MaxText's train.main, recorded
-    python tools/olmo3_pair.py olmo-core DIR RUN [--qk-norm-eps=E] [--keep-adam-count] [--no-rope-taps]
+    $MT/bin/python tools/olmo3_pair.py maxtext DIR RUN [--steps=N] [k=v ...]   # MaxText's train.main, recorded
+    python tools/olmo3_pair.py olmo-core DIR RUN [--steps=N] [--qk-norm-eps=E] [--keep-adam-count] [--no-rope-taps]
                                                              # OLMo-core's Trainer, recorded (ReplayCallback)
     replay bisect DIR/RUN_maxtext DIR/RUN_olmo_core
 
@@ -29,7 +30,9 @@ import os
 import sys
 from pathlib import Path
 
-VOCAB, SEQ, BATCH, WINDOWS, STEPS = 512, 16, 4, 128, 24
+# 256 windows: 64 steps in the first epoch, the longest run where both loaders read the same rows
+# (past it MaxText reshuffles with epoch 1's seed, OLMo-core reads its file again in order)
+VOCAB, SEQ, BATCH, WINDOWS, STEPS = 512, 16, 4, 256, 24
 LAYERS, D_MODEL, HEADS, HEAD_DIM, MLP, WINDOW, THETA, EPS = 4, 12, 4, 4, 256, 8, 500_000, 1e-6
 LR, BETAS, ADAM_EPS, WD = 1e-3, (0.9, 0.95), 1e-8, 0.1
 SEED = 0
@@ -44,7 +47,7 @@ def maxtext_order(n: int, seed: int = SEED, epoch: int = 0):
     return np.random.default_rng(int.from_bytes(digest[:8], "little")).permutation(n)
 
 
-# ---------------------------------------------------------------- OLMo-core side (/work/venv)
+# ---------------------------------------------------------------- OLMo-core side (the torch venv)
 
 def olmo_core_model(qk_norm_eps: float | None = None):
     """OLMo-core's olmo3_1M as the pair runs it; `qk_norm_eps` set in its config: an injected port difference."""
@@ -163,17 +166,18 @@ def recorder(run: Path):
     return MaxTextRows(str(run))
 
 
-def prepare(root: Path) -> None:
+def prepare(root: Path, data_seed: int = SEED) -> None:
     """DIR/tokens_maxtext.npy (MaxText's file), DIR/tokens_olmo_core.npy (its windows in MaxText's order,
     raw uint16 as OLMo-core reads), DIR/hf (config.json + model.safetensors: OLMo-core's initial weights
-    through OLMo-core's own HF converter)."""
+    through OLMo-core's own HF converter). `data_seed` draws other tokens (the shuffle's seed stays SEED):
+    another clean pair, for bench/cross_noise_pair.py to measure the floor on pairs the tests do not use."""
     import numpy as np
     from olmo_core.nn.hf.config import get_hf_config
     from olmo_core.nn.hf.convert import convert_state_to_hf
     from safetensors.numpy import save_file
 
     root.mkdir(parents=True, exist_ok=True)
-    tokens = np.random.default_rng(SEED).integers(1, VOCAB, size=(WINDOWS, SEQ), dtype=np.uint32)
+    tokens = np.random.default_rng(data_seed).integers(1, VOCAB, size=(WINDOWS, SEQ), dtype=np.uint32)
     tokens.reshape(-1).tofile(root / "tokens_maxtext.npy")  # raw, no .npy header: see convert()
     tokens[maxtext_order(WINDOWS)].astype(np.uint16).reshape(-1).tofile(root / "tokens_olmo_core.npy")
     # The weights OLMo-core trains from: its train module re-initializes the model it is given
@@ -217,12 +221,12 @@ def olmo_core_fit(root: Path, name: str, steps: int = STEPS, keep_adam_count: bo
 
 # ---------------------------------------------------------------- MaxText side (its venv)
 
-def maxtext_argv(root: Path, name: str, *extra: str) -> list[str]:
+def maxtext_argv(root: Path, name: str, *extra: str, steps: int = STEPS) -> list[str]:
     import maxtext
 
     return [str(Path(maxtext.__file__).parent / "configs" / "base.yml"),
             "hardware=cpu", "skip_jax_distributed_system=true", "dataset_type=olmo_grain", "olmo_apply_ngram_filter=false",
-            f"olmo_index_path={root / 'index.json'}", f"data_shuffle_seed={SEED}", f"steps={STEPS}",
+            f"olmo_index_path={root / 'index.json'}", f"data_shuffle_seed={SEED}", f"steps={steps}",
             f"per_device_batch_size={BATCH}", f"max_target_length={SEQ}",
             "model_name=olmo3-7b", "override_model_config=true", f"base_num_decoder_layers={LAYERS}",
             "scan_layers=false",  # one module per layer: its outputs are tapped per layer (forward_taps.py)
@@ -278,13 +282,13 @@ def _save_params(path: str, weights: dict, device_count: int, use_ocdbt: bool, u
     checkpointing.wait_until_finished(manager)
 
 
-def maxtext_fit(root: Path, name: str, *extra: str) -> Path:
+def maxtext_fit(root: Path, name: str, *extra: str, steps: int = STEPS) -> Path:
     """MaxText's train.main recorded with its module outputs tapped under OLMo-core's names and distance
     sketches of replay.torch's width, so `replay bisect` compares the two runs tensor by tensor."""
     from replay.maxtext import record
     from traces.sketch import DEFAULT_WIDTH
 
-    return record(root / name, maxtext_argv(root, name, *extra), taps=["forward"], forward_names="olmo_core",
+    return record(root / name, maxtext_argv(root, name, *extra, steps=steps), taps=["forward"], forward_names="olmo_core",
                   sketch_width=DEFAULT_WIDTH)
 
 
@@ -295,9 +299,25 @@ NEEDS_STAGE = {"hf/config.json": "prepare", "tokens_maxtext.npy": "prepare", "to
                "index.json": "convert", "mt_params/0/items": "convert"}
 
 
+def _options(args: list[str]) -> dict[str, int]:
+    """--steps=N (the runs) and --data-seed=S (prepare) as ints; ValueError says what is wrong, in one line."""
+    out = {}
+    for a in args:
+        for key in ("steps", "data-seed"):
+            if a.startswith(f"--{key}="):
+                try:
+                    out[key] = int(a.split("=", 1)[1])
+                except ValueError:
+                    raise ValueError(f"--{key} takes an integer, not {a.split('=', 1)[1]!r}") from None
+    if not 0 < out.get("steps", 1) <= WINDOWS // BATCH:  # past the first epoch the two loaders' orders part
+        raise ValueError(f"--steps must be 1..{WINDOWS // BATCH} (one epoch of {WINDOWS} windows, {BATCH} a step)")
+    return out
+
+
 def main(argv: list[str]) -> int:
     if len(argv) < 2 or argv[0] not in ("prepare", "convert", "maxtext", "olmo-core"):
-        print("usage: tools/olmo3_pair.py prepare|convert DIR | maxtext DIR RUN [k=v ...] | olmo-core DIR RUN",
+        print("usage: tools/olmo3_pair.py prepare DIR [--data-seed=S] | convert DIR | maxtext DIR RUN [--steps=N] [k=v ...]"
+              " | olmo-core DIR RUN [--steps=N]",
               file=sys.stderr)
         return 2
     root = Path(argv[1]).resolve()
@@ -310,17 +330,23 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     try:
+        opts = _options(argv[3:] if argv[0] in ("maxtext", "olmo-core") else argv[2:])
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    rest = [a for a in argv[3:] if not a.startswith(("--steps=", "--data-seed="))]
+    try:
         if argv[0] == "prepare":
-            prepare(root)
+            prepare(root, opts.get("data-seed", SEED))
         elif argv[0] == "convert":
             convert(root)
         elif argv[0] == "maxtext":
             os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")
-            maxtext_fit(root, argv[2], *argv[3:])
+            maxtext_fit(root, argv[2], *rest, steps=opts.get("steps", STEPS))
         else:
-            eps = next((float(a.split("=", 1)[1]) for a in argv[3:] if a.startswith("--qk-norm-eps=")), None)
-            olmo_core_fit(root, argv[2], keep_adam_count="--keep-adam-count" in argv[3:], qk_norm_eps=eps,
-                          taps="--no-rope-taps" not in argv[3:])
+            eps = next((float(a.split("=", 1)[1]) for a in rest if a.startswith("--qk-norm-eps=")), None)
+            olmo_core_fit(root, argv[2], steps=opts.get("steps", STEPS), keep_adam_count="--keep-adam-count" in rest,
+                          qk_norm_eps=eps, taps="--no-rope-taps" not in rest)
     except ImportError as exc:  # each stage runs in the venv that has its framework
         venv = "the MaxText venv (tools/maxtext-env.sh)" if argv[0] in ("convert", "maxtext") else "a venv with torch and ai2-olmo-core"
         print(f"error: {argv[0]} needs {venv}: {exc}", file=sys.stderr)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from replay.bisect.cross_distance import compared_names, from_replay, from_traces, sketches_in_both
-from replay.bisect.cross_floor import floor_for
+from replay.bisect.cross_floor import TRAINER, Floor, choose
 from replay.bisect.cross_refine import OpFinding, refine_op
 from traces import Run
 
@@ -80,6 +80,7 @@ class CrossReport:
     failure: Exception | None = None
     max_ratio: float = 0.0  # the largest distance / floor seen where nothing was above
     op: OpFinding | None = None  # the op inside first_layer (replay/bisect/cross_refine.py)
+    noise: Floor = TRAINER  # the measured envelope judging the distances (replay/bisect/cross_floor.py)
 
     @property
     def within_noise(self) -> bool:
@@ -133,6 +134,7 @@ class CrossReport:
             "distances": {str(k): v for k, v in sorted(self.distances.items())},
             "first_op": self.first_op, "op": None if self.op is None else self.op.to_json(),
             "error": None if self.failure is None else str(self.failure), "notes": self.notes,
+            "floor_table": {"name": self.noise.name, "factor": self.noise.factor, "measured_on": self.noise.measured_on},
         })
 
 
@@ -187,7 +189,7 @@ def _above(report: CrossReport, step: int, dist: dict[str, float]) -> tuple[str,
     for name, kind in report.names:
         if name not in dist:
             continue
-        f = floor_for(name, kind, step)
+        f = report.noise.at(kind, step)
         d = dist[name]
         if not (d <= f):  # NaN is above
             return name, kind, d, f
@@ -201,13 +203,15 @@ def _examined(start: int, end: int) -> list[int]:
     return sorted({int(round(x)) for x in np.linspace(start, end - 1, DENSE_STEPS)})
 
 
-def cross_bisect(run_a: Run, run_b: Run, refine: bool = True) -> CrossReport:
+def cross_bisect(run_a: Run, run_b: Run, refine: bool = True, floor: str | Floor | None = None) -> CrossReport:
     """The cross-framework report for a torch run and a JAX run (either order). `refine=False`
-    allows no replay: a JAX run without sketches is then judged on its metrics alone."""
+    allows no replay: a JAX run without sketches is then judged on its metrics alone. `floor`: a
+    Floor, or what `--floor` takes (cross_floor.choose: a table's name, a file, None for the pair's own)."""
+    noise = floor if isinstance(floor, Floor) else choose(floor, run_a.manifest, run_b.manifest)
     torch_side = "A" if framework(run_a) == "torch" else "B"
     t, j = (run_a, run_b) if torch_side == "A" else (run_b, run_a)
     names_src = (t.manifest.get("names") or {}).get("source", "")
-    report = CrossReport(shown_path(run_a), shown_path(run_b), torch_side, {}, compared_names(t, j))
+    report = CrossReport(shown_path(run_a), shown_path(run_b), torch_side, {}, compared_names(t, j), noise=noise)
     if not str(names_src).startswith("trainer.reference"):
         report.notes.append(f"the torch run's tensors are named by {names_src or 'its own module names'}, not "
                             "trainer.reference.tensor_names: only the tensors of the same name are compared")
@@ -234,7 +238,7 @@ def cross_bisect(run_a: Run, run_b: Run, refine: bool = True) -> CrossReport:
     try:
         _scan(report, source, start, end)
         if refine and report.cause == "forward" and report.first_layer:
-            report.op = refine_op(t, j, report.first_step, report.first_layer, report.notes)
+            report.op = refine_op(t, j, report.first_step, report.first_layer, report.notes, noise)
     except Exception as e:  # noqa: BLE001 - the CLI raises it after the report (2 bad input, 3 a bug)
         report.failure = e
     return report
@@ -252,7 +256,7 @@ def _scan(report: CrossReport, source, start: int, end: int) -> None:
             _found(report, k, hit)
             return
         below = k
-    report.floor = {n: floor_for(n, kind, end - 1) for n, kind in report.names}
+    report.floor = {n: report.noise.at(kind, end - 1) for n, kind in report.names}
 
 
 def _search(report: CrossReport, source, lo: int, hi: int, hit):
@@ -274,4 +278,4 @@ def _found(report: CrossReport, step: int, hit) -> None:
     report.first_step, report.first_layer = step, name
     report.cause = "init" if kind == "state" else kind
     report.ratio = d / f if f > 0 else math.inf
-    report.floor = {n: floor_for(n, k, step) for n, k in report.names}
+    report.floor = {n: report.noise.at(k, step) for n, k in report.names}

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from replay.bisect.cross_floor import floor_for
+from replay.bisect.cross_floor import TRAINER, Floor
 from replay.errors import ReplayUnavailable, user_error_code
 from traces import Run
 from traces.sketch import exact_relative_distance, relative_distance, sketch
@@ -70,7 +70,8 @@ def block_of(layer: str, forward_names: list[str]) -> str | None:
     return max(inside, key=len) if inside else None
 
 
-def refine_op(torch_run: Run, jax_run: Run, step: int, layer: str, notes: list[str]) -> OpFinding | None:
+def refine_op(torch_run: Run, jax_run: Run, step: int, layer: str, notes: list[str],
+              floor: Floor = TRAINER) -> OpFinding | None:
     """The op inside `layer` at `step` (its first forward field above the floor), or None with a note."""
     from replay import plugins
 
@@ -90,7 +91,7 @@ def refine_op(torch_run: Run, jax_run: Run, step: int, layer: str, notes: list[s
                      f"installed replay plugin gives its reference model with {CAPABILITY}); the answer stays the layer")
         return None
     try:
-        return _refine(ref, torch_run, jax_run, step, block, notes)
+        return _refine(ref, torch_run, jax_run, step, block, notes, floor)
     except Exception as e:  # a user error (a damaged checkpoint, no replay): a note; a bug propagates
         if user_error_code(e) is None:
             raise
@@ -98,7 +99,8 @@ def refine_op(torch_run: Run, jax_run: Run, step: int, layer: str, notes: list[s
         return None
 
 
-def _refine(ref: Any, torch_run: Run, jax_run: Run, step: int, block: str, notes: list[str]) -> OpFinding | None:
+def _refine(ref: Any, torch_run: Run, jax_run: Run, step: int, block: str, notes: list[str],
+            floor: Floor = TRAINER) -> OpFinding | None:
     import jax
 
     from replay.engine.recompute import CAPABILITY as RECOMPUTE, _Side, recomputes
@@ -114,7 +116,7 @@ def _refine(ref: Any, torch_run: Run, jax_run: Run, step: int, block: str, notes
     theirs = ref.fine_forward(model, step, block)
     ours = side.rc.intermediates(block)
     finding = OpFinding(weights=weights)
-    if weights.startswith("torch") and not _faithful(torch_run, step, theirs, notes):
+    if weights.startswith("torch") and not _faithful(torch_run, step, theirs, notes, floor):
         return None
     unseen: list[str] = []  # points since the last compared one that one side does not show
     for name in side.rc.intermediate_names(block):
@@ -125,7 +127,7 @@ def _refine(ref: Any, torch_run: Run, jax_run: Run, step: int, block: str, notes
         if a.shape != b.shape:
             notes.append(f"{name}: the reference shows it as {list(a.shape)}, the JAX run as {list(b.shape)}: skipped")
             continue
-        d, f = exact_relative_distance(a, b), floor_for(name, "forward", step)
+        d, f = exact_relative_distance(a, b), floor.at("forward", step)
         finding.points[name] = [d, f]
         if finding.name is None and not d <= f:  # NaN is above
             finding.name, finding.text, finding.ratio = name, _text(ref, name), (d / f if f > 0 else float("inf"))
@@ -156,7 +158,7 @@ def _torch_model(ref: Any, torch_run: Run, step: int, side: Any) -> tuple[Any, s
     return model, f"the JAX run's parameters at step {step} (the torch run saved no checkpoint there)"
 
 
-def _faithful(torch_run: Run, step: int, theirs: dict[str, Any], notes: list[str]) -> bool:
+def _faithful(torch_run: Run, step: int, theirs: dict[str, Any], notes: list[str], floor: Floor = TRAINER) -> bool:
     """Whether the re-run's layer-level outputs are the ones the torch run recorded at `step`
     (sketch distance within the floor; nothing to check without sketches)."""
     schema = torch_run.schema
@@ -168,7 +170,7 @@ def _faithful(torch_run: Run, step: int, theirs: dict[str, Any], notes: list[str
         s, norm = sketch(theirs[name], schema.sketch_width)
         i = index[name]
         d = float(relative_distance(rec.sketches[i], rec.norms[i], s, norm))
-        if not d <= floor_for(name, "forward", step):
+        if not d <= floor.at("forward", step):
             notes.append(f"{torch_run.path}: re-running its step {step} from its checkpoint does not give the {name} "
                          f"it recorded (relative distance {d:.3g}): the op inside the layer is not named")
             return False

@@ -29,6 +29,9 @@ def bisect(
     allow_code: Annotated[bool, typer.Option("--allow-code", help="Run the training-loop code the run's manifest "
                                              "names from a folder it names: your own "
                                              "checkout, never a bundle's or the run's own folder.")] = False,
+    floor: Annotated[Optional[str], typer.Option("--floor", help="Across frameworks: the noise floor, a measured table "
+                                                 "by name (trainer, olmo3-pair) or a JSON file (bench/cross_noise_pair.py "
+                                                 "prints one); default auto: the pair's own where measured, else trainer.")] = None,
 ) -> None:
     """Name the first step, field and cause where two runs differ.
 
@@ -61,8 +64,11 @@ def bisect(
 
         _check_comparable(a, b, allow_incomplete, allow_damaged, names=False)
         with named_as_bundle(a), named_as_bundle(b), allowing(allow_code):
-            run_cross(a, b, json_out=json_out, plot=plot, no_refine=no_refine)
+            run_cross(a, b, json_out=json_out, plot=plot, no_refine=no_refine, floor=floor)
         return
+    if floor is not None:  # the same framework: the floor is measured by replaying both runs (replay/engine/noise.py)
+        console.fail(f"--floor sets the noise floor of a bisect across frameworks (a torch run against a JAX run); "
+                     f"{shown(run_a)} and {shown(run_b)} are recorded by the same framework")
     _check_comparable(a, b, allow_incomplete, allow_damaged)
     with named_as_bundle(a), named_as_bundle(b), allowing(allow_code):  # replays load each run's own code
         report = run_bisect(a, b, refine=not no_refine)

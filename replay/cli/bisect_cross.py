@@ -10,10 +10,10 @@ from replay.cli import console
 from replay.errors import EXIT_DIVERGED
 
 
-def run_cross(a, b, *, json_out: bool, plot: Path | None, no_refine: bool) -> None:
+def run_cross(a, b, *, json_out: bool, plot: Path | None, no_refine: bool, floor: str | None = None) -> None:
     from replay.bisect.cross import cross_bisect
 
-    report = cross_bisect(a, b, refine=not no_refine)
+    report = cross_bisect(a, b, refine=not no_refine, floor=floor)
     if plot is not None:
         from replay.plot import plot_layer_distances
 
@@ -40,6 +40,8 @@ def render(report) -> None:
     if i:
         rows.append(("initial parameters", "not compared" if i["equal"] is None else
                      "fingerprints equal" if i["equal"] else f"differ (torch {i['torch']}, JAX {i['jax']})"))
+    noise = report.noise
+    rows.append(("noise floor", f"{noise.name} (measured on {noise.measured_on}; {noise.factor:g}x its envelope)"))
     examined = sorted(report.distances)
     if examined:
         rows.append(("steps examined", f"{len(examined)} of {report.steps[0]}..{report.steps[1] - 1}, distances from "

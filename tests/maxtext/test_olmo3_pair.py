@@ -2,7 +2,8 @@
 
 One tiny config (OLMo-core's olmo3_1M: 4 layers, 12 wide, vocabulary 512, windows [8, 8, 8, full]),
 OLMo-core's initial weights converted through the HF layout by MaxText's own converter, the same 16-token
-rows in the same order (OLMo-core reads MaxText's olmo_grain order unshuffled), 24 steps each, each side
+rows in the same order (OLMo-core reads MaxText's olmo_grain order unshuffled), the clean pair 64 steps (the
+first epoch) and the runs with a port difference 4, each side
 recorded by its own integration (replay.maxtext, ReplayCallback). Both frameworks are needed and they
 live in two venvs: these tests run in the MaxText venv (tools/maxtext-env.sh) and run the OLMo-core
 side with the interpreter REPLAY_OLMO_CORE_PYTHON names (default: the first `python3`/`python` on PATH
@@ -14,11 +15,10 @@ as each leaf module's output (its rotary through two identity taps, tools/olmo3_
 `replay bisect` compares 59 tensors a step from the traces alone and the first one above the noise floor
 names the step, the layer (blocks.I) and the op inside it.
 
-The margin of the clean pair is thin (measured, this machine's CPU, 2026-12-05): its largest distance is 0.975 x
-the floor (blocks.2.feed_forward_norm, step 14); run to 32 steps (the first epoch, beyond which the two loaders'
-orders part) it passes the floor at step 25 (1.009 x, blocks.2.attention_norm) while the loss stays within 1.5e-7.
-The floor (replay/bisect/cross_floor.py) was measured on the trainer against transformers' OLMo 3; this pair
-drifts ~4 x faster. Its own envelope is not measured yet (bench/cross_noise.py does it for the trainer pair).
+The floor is the pair's own (replay/bisect/cross_floor.py OLMO3_PAIR, chosen because one run is MaxText's
+and the other OLMo-core's), measured by bench/cross_noise_pair.py on five other data seeds: this pair's
+clean runs part much faster than the trainer pair the default table was measured on (constant LR 1e-3,
+12 wide, random tokens), so under that table this clean pair is a false alarm from step 1 (a test below).
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ TOOL = str(REPO / "tools" / "olmo3_pair.py")
 # olmo_core without replay installed (or with another checkout's).
 ENV = dict(os.environ, DECOUPLE_GCLOUD="TRUE", JAX_PLATFORMS="cpu",
            PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-STEPS = 24
+STEPS, BUG_STEPS = 64, 4
+MARGIN = 0.2  # the pair's largest distance / its floor, measured: 0.099 (the loss at step 0)
 
 
 def _olmo_core_python() -> str | None:
@@ -75,30 +76,34 @@ def pair(tmp_path_factory) -> Path:
     _done([_start(torch_py, "prepare", str(root))])
     _done([_start(sys.executable, "convert", str(root))])
     # The MaxText runs and the OLMo-core runs side by side (each mostly one core).
-    mt = [_start(sys.executable, "maxtext", str(root), "mt_clean"),
-          _start(sys.executable, "maxtext", str(root), "mt_rope", "rope_max_timescale=10000")]
-    _done([_start(torch_py, "olmo-core", str(root), "oc_clean"),
-           _start(torch_py, "olmo-core", str(root), "oc_adam", "--keep-adam-count")])
-    _done([_start(torch_py, "olmo-core", str(root), "oc_qk_eps", "--qk-norm-eps=1e-5"),
-           _start(torch_py, "olmo-core", str(root), "oc_no_rope_taps", "--no-rope-taps")])
+    # The clean pair runs the whole first epoch; a port difference shows at step 0 or 1, so those runs
+    # stop at BUG_STEPS (a bisect compares the steps both runs hold).
+    mt = [_start(sys.executable, "maxtext", str(root), "mt_clean", f"--steps={STEPS}"),
+          _start(sys.executable, "maxtext", str(root), "mt_rope", f"--steps={BUG_STEPS}", "rope_max_timescale=10000")]
+    _done([_start(torch_py, "olmo-core", str(root), "oc_clean", f"--steps={STEPS}"),
+           _start(torch_py, "olmo-core", str(root), "oc_adam", f"--steps={BUG_STEPS}", "--keep-adam-count")])
+    _done([_start(torch_py, "olmo-core", str(root), "oc_qk_eps", f"--steps={BUG_STEPS}", "--qk-norm-eps=1e-5"),
+           _start(torch_py, "olmo-core", str(root), "oc_no_rope_taps", f"--steps={BUG_STEPS}", "--no-rope-taps")])
     _done(mt)
     return root
 
 
-def _bisect(root: Path, a: str, b: str) -> tuple[int, dict]:
+def _bisect(root: Path, a: str, b: str, *extra: str) -> tuple[int, dict]:
     done = subprocess.run([sys.executable, "-m", "replay.cli.app", "bisect", str(root / a), str(root / b),
-                           "--json"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+                           "--json", *extra], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
     assert done.stdout.strip(), done.stderr[-2000:]
     return done.returncode, json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_the_same_weights_and_rows_give_the_same_step_0_loss_bits(pair):
+def test_the_same_weights_and_rows_give_the_same_step_0_loss_within_a_few_ulps(pair):
     from traces import Run
 
     mt, oc = Run.open(pair / "mt_clean"), Run.open(pair / "oc_clean")
-    assert (mt.trace.end, oc.trace.end) == (STEPS, STEPS)
+    assert (mt.trace.end, oc.trace.end) == (STEPS, STEPS)  # the whole first epoch
     loss = [np.float32(r.trace.read(0).metrics_dict(r.schema)["loss"]) for r in (mt, oc)]
-    assert loss[0].view(np.uint32) == loss[1].view(np.uint32), loss
+    # 0-3 float32 ULPs apart over six data seeds (bench/cross_noise_pair.py's pairs; this one 3): one reduction
+    # order against another. A port difference moves it by far more (the RoPE-theta run: see below).
+    assert abs(int(loss[0].view(np.int32)) - int(loss[1].view(np.int32))) <= 4, loss
     for k in range(STEPS):  # MaxText's batch and OLMo-core's rows hash alike, example by example
         assert np.array_equal(mt.trace.read(k).example_hashes, oc.trace.read(k).example_hashes), k
 
@@ -115,8 +120,18 @@ def test_the_clean_pair_is_within_the_noise_floor_at_every_step(pair):
     assert code == 0 and report["within_noise"], report
     assert report["inputs"]["data"]["equal"] and report["steps"] == [0, STEPS] and report["source"] == "traces"
     assert report["names"] == COMPARED, report["names"]  # every op of every layer, from the traces' sketches
-    assert len(report["examined"]) == STEPS and report["max_ratio_within"] < 1, report
+    assert len(report["examined"]) == STEPS and report["max_ratio_within"] < MARGIN, report
     assert all(set(d) == set(COMPARED) for d in report["distances"].values()), report["distances"]
+    assert report["floor_table"]["name"] == "olmo3-pair", report["floor_table"]  # chosen by the runs' frameworks
+
+
+def test_the_trainer_pairs_floor_would_call_the_clean_pair_different(pair):
+    # Why the pair has its own table: the same 64 steps judged by the trainer vs transformers' envelope are a
+    # false alarm (this pair's rounding grows faster), at a forward op after step 0 (measured: step 1,
+    # blocks.1.attention.w_q, 8.4 x).
+    code, report = _bisect(pair, "mt_clean", "oc_clean", "--floor", "trainer")
+    assert code == 1 and report["floor_table"]["name"] == "trainer", report
+    assert report["cause"] == "forward" and report["first_step"] >= 1 and report["ratio"] > 1, report
 
 
 def test_rope_theta_left_at_maxtexts_default_is_named_at_step_0_block_0_rotary(pair):
@@ -125,7 +140,7 @@ def test_rope_theta_left_at_maxtexts_default_is_named_at_step_0_block_0_rotary(p
     code, report = _bisect(pair, "mt_rope", "oc_clean")
     assert code == 1 and report["inputs"]["data"]["equal"], report
     assert (report["first_step"], report["cause"], report["first_layer"]) == (0, "forward", "blocks.0.attention.rope.q")
-    assert report["ratio"] > 100, report
+    assert report["ratio"] > 1000, report  # measured: 7.9e3 x (the floor at step 0: 7.2e-6)
     assert report["floor"]["blocks.0.attention.k_norm"] >= report["distances"]["0"]["blocks.0.attention.k_norm"]
 
 
@@ -134,7 +149,7 @@ def test_a_qk_norm_epsilon_set_on_the_olmo_core_side_is_named_at_step_0_block_0_
     code, report = _bisect(pair, "mt_clean", "oc_qk_eps")
     assert code == 1 and report["inputs"]["data"]["equal"], report
     assert (report["first_step"], report["cause"], report["first_layer"]) == (0, "forward", "blocks.0.attention.q_norm")
-    assert report["ratio"] > 100, report
+    assert report["ratio"] > 1000, report  # measured: 8.0e4 x
 
 
 def test_without_the_rotary_recorded_the_op_is_not_named(pair):
@@ -145,10 +160,17 @@ def test_without_the_rotary_recorded_the_op_is_not_named(pair):
     assert not any(".rope." in n for n in report["names"]), report["names"]
 
 
-def test_olmo_cores_first_adamw_step_is_found_at_step_1(pair):
+def test_olmo_cores_first_adamw_step_is_within_the_pairs_floor_and_found_under_the_trainers(pair):
     # Without the tool's reset OLMo-core's Trainer starts AdamW at count 1 (its state materialized by a
     # zero-gradient step): the first update is 0.735 x optax's. Parameters are not compared across the two
-    # (no parameter name map yet), so it shows at step 1, in the first op that reads an updated weight.
+    # (no parameter name map yet), so it shows at step 1, in the first op that reads an updated weight:
+    # embeddings, 6.6e-3 relative. The pair's own floor is wide from step 1 on (0.23 at step 1: clean pairs of
+    # it part that fast, replay/bisect/cross_floor.py), so it is within it: a known limit, shown here.
     code, report = _bisect(pair, "mt_clean", "oc_adam")
+    assert code == 0 and report["floor_table"]["name"] == "olmo3-pair", report
+    assert report["steps"] == [0, BUG_STEPS] and report["distances"]["1"]["embeddings"] > 1e-3, report
+    # The trainer pair's tighter table names it, 807 x (the clean pair's own step 1 is 8.4 x that table, in
+    # blocks.1.attention.w_q: after the embeddings in causal order).
+    code, report = _bisect(pair, "mt_clean", "oc_adam", "--floor", "trainer")
     assert code == 1 and (report["first_step"], report["cause"], report["first_layer"]) == (1, "forward", "embeddings")
-    assert report["distances"]["0"]["loss"] == 0.0, report
+    assert report["ratio"] > 100, report  # measured: 807 x

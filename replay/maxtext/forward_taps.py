@@ -32,7 +32,6 @@ import replay
 PREFIX = "replay_"
 ARGV = ("record_internal_nn_metrics=true",)  # what the top-level half needs MaxText to call
 _order = itertools.count()
-_names: list[str] = ["maxtext"]  # the naming in effect: "maxtext" or "olmo_core"
 
 
 def _collecting() -> bool:
@@ -88,10 +87,10 @@ def sown(intermediates: Any) -> list[tuple[str, Any]]:
     return out
 
 
-def tap_sown(intermediates: Any) -> None:
-    """Each sown output tapped as a forward tensor, named by the naming in effect."""
+def tap_sown(intermediates: Any, names: str = "maxtext") -> None:
+    """Each sown output tapped as a forward tensor, named as `names` says ("maxtext" or "olmo_core")."""
     rename = None
-    if _names[0] == "olmo_core":
+    if names == "olmo_core":
         from replay.maxtext.olmo_core_names import olmo_core_name as rename
     for name, value in sown(intermediates):
         replay.tap(value, rename(name) if rename else name, kind="forward")
@@ -103,18 +102,21 @@ def tap_forward(names: str = "maxtext") -> None:
 
     if names not in ("maxtext", "olmo_core"):
         raise ValueError(f"forward tap names must be maxtext or olmo_core, not {names!r}")
-    _names[0] = names
     for cls in _classes():
         if not getattr(cls.__call__, "replay_sows", False) and "__call__" in vars(cls):
             cls.__call__ = _sowing(cls.__call__)
-    original = train.record_activation_metrics
-    if getattr(original, "replay_taps", False):
+    patched = train.record_activation_metrics
+    if getattr(patched, "replay_names", None) == names:
         return
+    # The naming is this wrapper's own (not a module-level setting read while tracing): asking for the
+    # other naming wraps MaxText's function afresh.
+    original = getattr(patched, "replay_original", patched)
 
     def record_activation_metrics(metrics: Any, intermediate_outputs: Any, config: Any) -> Any:
         if _collecting():
-            tap_sown(intermediate_outputs)
+            tap_sown(intermediate_outputs, names)
         return original(metrics, intermediate_outputs, config)
 
-    record_activation_metrics.replay_taps = True  # type: ignore[attr-defined]
+    record_activation_metrics.replay_names = names  # type: ignore[attr-defined]
+    record_activation_metrics.replay_original = original  # type: ignore[attr-defined]
     train.record_activation_metrics = record_activation_metrics

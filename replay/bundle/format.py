@@ -300,13 +300,27 @@ def _cleanup() -> None:
 atexit.register(_cleanup)
 
 
+def _refuse_a_bundle_url(path) -> None:
+    """A bundle file on object storage is not opened (bundles are unpacked from local disk): one
+    line saying to copy it here, rather than "no such run"."""
+    from traces.storage import as_path, is_url
+
+    if is_url(path) and as_path(path).is_file():
+        raise NotARunError(f"{as_path(path)}: is a file, not a run folder: a bundle is read from local disk; copy "
+                           "it here first (gcloud storage cp / aws s3 cp) and give its local path")
+
+
 def open_run(path: str | os.PathLike, for_replay: bool = False) -> Run:
     """The run at `path`: a run folder, or a bundle, verified and unpacked to a temporary folder
     (removed when the process exits). `run.bundle` is the bundle's path (None for a folder).
     `for_replay`: refuse a --lite bundle, which holds nothing to replay from."""
     p = Path(path)
     if p.is_dir() or not p.exists():
-        run = Run.open(p)
+        try:
+            run = Run.open(p)
+        except (NotARunError, RunNotFoundError):
+            _refuse_a_bundle_url(path)
+            raise
         run.bundle = None
 
         refused = trust.manifest_problem(run.manifest) if is_bundle_run(run) else None  # a folder unpack wrote

@@ -30,6 +30,7 @@ from replay.record.exported import pack_refusal, stage_for_bundle
 from replay.record.manifest import FACTORY as LOOP_FACTORY
 import shutil
 from replay.record.checkpoints import run_checkpoint_dir
+from traces.storage.ondemand import fetch_checkpoint
 
 
 @dataclass
@@ -115,7 +116,7 @@ def pack(run_path: str | os.PathLike, out: str | os.PathLike, steps: tuple[int, 
         examples_meta, api_files, api_manifest = None, [], {}
         api_run = run.manifest.get("replayable") == LOOP_FACTORY  # a replay.Loop's: replays from its exported program (replay/record/exported.py)
         # A run on object storage: its checkpoint, program and examples come from its local copy,
-        # downloaded once per process (traces/storage/mirror.local_copy: the whole run); the trace
+        # made once per process (traces/storage/ondemand.local_copy: checkpoint C fetched below); the trace
         # above and `packed_from` are the URL's.
         source = run if lite else local_run(run)
         if not lite:
@@ -154,6 +155,7 @@ def pack(run_path: str | os.PathLike, out: str | os.PathLike, steps: tuple[int, 
                            [stage / EXAMPLES], stage))
         if not lite:
             ckpt_dir = source.checkpoint_dir / str(checkpoint)
+            fetch_checkpoint((run_checkpoint_dir(source) if api_run else ckpt_dir.parent) / str(checkpoint))  # remote: now
             if api_run:  # the folder its manifest names (maybe the user's CheckpointManager's), bundled as checkpoints/C
                 ckpt_dir = run_checkpoint_dir(source) / str(checkpoint)
                 if ckpt_dir.is_dir() and ckpt_dir.resolve() != (source.path / "checkpoints" / str(checkpoint)).resolve():

@@ -61,7 +61,9 @@ def print_json(obj: Any) -> None:
 
 
 def _line(prefix: str, style: str, msg: str) -> None:
-    err.print(Text.assemble((prefix, style), " ".join(str(msg).splitlines())), soft_wrap=True)
+    from traces.storage.ondemand import in_url_terms  # a remote run's local copy named by its URL
+
+    err.print(Text.assemble((prefix, style), " ".join(in_url_terms(str(msg)).splitlines())), soft_wrap=True)
 
 
 def status(msg: str) -> None:

@@ -143,15 +143,18 @@ class Replayable(Protocol):
 
 
 def local_run(run: Run) -> Run:
-    """A run on object storage is restored from a local copy (traces/storage/mirror.py: its
-    checkpoints for orbax, its program); the same run read where it is otherwise."""
+    """A run on object storage is restored from a local copy (traces/storage/ondemand.py: its
+    program and examples; each checkpoint fetched when it is read) and compared with its trace
+    read where it is (by ranges, not downloaded); the same run read where it is otherwise."""
     from traces.storage import is_url
 
     if not is_url(run.path):
         return run
-    from traces.storage.mirror import local_copy
+    from traces.storage.ondemand import local_copy
 
-    return Run.open(local_copy(run.path))
+    copy = Run.open(local_copy(run.path))
+    copy._reader = run.trace  # the remote run's reader: the copy holds no trace
+    return copy  # (errors name the URL, not the copy: replay/cli/console._line, ondemand.in_url_terms)
 
 
 def load(run: Run, *, allow_code: bool | None = None, **options: Any) -> Replayable:

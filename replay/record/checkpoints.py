@@ -71,6 +71,17 @@ def open_manager(path: Path, read_only: bool, keep: int = 0) -> Any:
         return ocp.CheckpointManager(location(path), options=options)
 
 
+def _step_folder(manager: Any, step: int, arrays: bool = False) -> Any:
+    """Checkpoint `step`'s folder, made readable first: a remote run's local copy fetches it
+    (traces/storage/ondemand.py; arrays=False: its metadata only), once per process."""
+    where = directory_of(manager) / str(step)
+    if isinstance(where, Path):  # (a URL's epath.Path: orbax reads the bucket itself)
+        from traces.storage.ondemand import fetch_checkpoint
+
+        fetch_checkpoint(where, arrays)
+    return where
+
+
 def directory_of(manager: Any) -> Any:
     return location(str(manager.directory))
 
@@ -122,6 +133,7 @@ def restore(manager: Any, step: int, abstract_state: Any, fingerprint: str | Non
     if step not in have:
         raise CheckpointError(f"{directory_of(manager)}: no checkpoint at step {step} (saved steps: "
                               f"{_list(have) if have else 'none'}); pick a saved step")
+    _step_folder(manager, step, arrays=True)
     check_target(manager, step, abstract_state)  # before orbax starts reading arrays
     try:
         with _quiet_orbax():
@@ -168,12 +180,12 @@ def check_target(manager: Any, step: int, abstract_state: Any) -> None:
 
 def is_composite(manager: Any, step: int) -> bool:
     """Whether checkpoint `step` was saved with a data iterator's state (the Composite layout)."""
-    return (directory_of(manager) / str(step) / STATE).is_dir()
+    return (_step_folder(manager, step) / STATE).is_dir()
 
 
 def has_data(manager: Any, step: int) -> bool:
     """Whether checkpoint `step` holds a data iterator's state."""
-    return (directory_of(manager) / str(step) / DATA).is_dir()
+    return (_step_folder(manager, step) / DATA).is_dir()
 
 
 def state_metadata(manager: Any, step: int) -> Any:
@@ -181,7 +193,9 @@ def state_metadata(manager: Any, step: int) -> Any:
     either layout; None when orbax cannot read it (a restore then says why)."""
     import orbax.checkpoint as ocp
 
-    item = directory_of(manager) / str(step) / (STATE if is_composite(manager, step) else "default")
+    # arrays=True: orbax reads each array's shape and dtype through tensorstore, from the OCDBT
+    # b-tree kept in the array data folders (checked: without d/ this returns None)
+    item = _step_folder(manager, step, arrays=True) / (STATE if is_composite(manager, step) else "default")
     try:
         with _quiet_orbax():
             meta = ocp.StandardCheckpointer().metadata(item)
@@ -196,7 +210,7 @@ def restore_data(manager: Any, step: int, fingerprint: str | None) -> Any:
     import orbax.checkpoint as ocp
 
 
-    where = directory_of(manager) / str(step) / DATA
+    where = _step_folder(manager, step, arrays=True) / DATA
     if not has_data(manager, step):
         saved = ("it is missing" if is_composite(manager, step) else
                  "the checkpoint was saved without run.save(..., data=)")

@@ -37,6 +37,7 @@ import xxhash
 from replay.torch.errors import TorchRecordError
 from traces import Run
 from traces.run import read_manifest
+from traces.storage.ondemand import fetch_checkpoint
 
 FILES_KEY = "checkpoint_files"  # run manifest: {"<step>": {"model.safetensors": "<16 hex>", ...}}
 MODEL_FILE = "model.safetensors"
@@ -129,6 +130,7 @@ def _verified(run_path: Path, step: int, name: str) -> Path:
         raise TorchCheckpointError(f"{run_path}: no torch checkpoint {step} (it has {', '.join(map(str, have)) or 'none'})"
                                    "; use one of those steps")
     path = checkpoint_dir(run_path) / str(step) / name
+    fetch_checkpoint(path.parent)  # a remote run's local copy fetches the step's files first (traces/storage/ondemand.py)
     if name not in recorded:
         raise TorchCheckpointError(f"{path}: checkpoint {step} was saved without {name}; load it without that part")
     if not path.is_file():

@@ -55,10 +55,12 @@ def gcs():
         _restore(old)
 
 
-def _reads_like_gcs() -> None:
+def _reads_like_gcs() -> None:  # (and writes)
     """Makes the emulator's object reads answer as GCS's do: with the object's generation in
     `x-goog-generation` (and metageneration), and honouring `ifGenerationMatch` (412) and
-    `ifGenerationNotMatch` (304 Not Modified) on a GET. gcp-storage-emulator 2026.7 does neither.
+    `ifGenerationNotMatch` (304 Not Modified) on a GET; and its uploads honour `ifGenerationMatch`
+    (412; 0 = create only), so the run lock's refusals are tested on gs:// too.
+    gcp-storage-emulator 2026.7 does none of it.
     tensorstore's gcs driver relies on it: its OCDBT writer (orbax's multi-process save) writes
     manifest.ocdbt, then may revalidate it with ifGenerationNotMatch=<that generation>; the
     emulator's 200 with no generation fails the save with "Malformed StorageGeneration" in
@@ -88,10 +90,38 @@ def _reads_like_gcs() -> None:
                 handler(request, response, storage, *args, **kwargs)
         return read
 
+    def with_write_preconditions(handler):
+        """An upload's ifGenerationMatch (0: only if absent) answered as GCS does: 412 when the
+        object's generation is another. Checked when an upload is made or a resumable one starts;
+        the emulator serves one request at a time, so the check and the write are not interleaved."""
+        def write(request, response, storage, *args, **kwargs):
+            wanted = request.query.get("ifGenerationMatch", [None])[0]
+            if wanted is not None:
+                name = request.query.get("name", [None])[0]
+                if name is None and isinstance(request.data, dict):  # multipart: its "meta"; resumable: the body
+                    name = (request.data.get("meta") or request.data).get("name")
+                try:
+                    current = str(storage.get_file_obj(request.params["bucket_name"], name)["generation"])
+                except NotFound:
+                    current = "0"
+                if current != wanted:
+                    response.status = HTTPStatus.PRECONDITION_FAILED
+                    response.json({"error": {"code": 412, "message": "At least one of the pre-conditions you "
+                                             "specified did not hold.", "errors": [{"reason": "conditionNotMet"}]}})
+                    return None
+            return handler(request, response, storage, *args, **kwargs)
+        return write
+
+    if getattr(objects.insert, "like_gcs", False):
+        return
     for _, handlers in server.HANDLERS:  # the routes' table holds the functions themselves
         for method, handler in list(handlers.items()):
             if handler in (objects.get, objects.download):
                 handlers[method] = with_generation(handler)
+            elif handler is objects.insert:
+                handlers[method] = with_write_preconditions(handler)
+    objects.insert = with_write_preconditions(objects.insert)  # (the server's fallback route looks it up by name)
+    objects.insert.like_gcs = True
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,8 @@ one remote, or both remote), `spike --step` and `audit --verify` of a run in a b
 server on 127.0.0.1: tests/traces/emulators.py) report what they report of the same run on disk
 (verify, which needs a 4-device process of its own, is judged alone), and a remote run that differs
 is reported as differing. What replays restores from the run's local
-copy (traces.storage.mirror.local_copy), downloaded once per process; gs:// takes the same path
+copy (traces.storage.ondemand.local_copy), made once per process with only the checkpoints its
+replays read (each fetched when read) and the trace read by ranges; gs:// takes the same path
 through the same Store interface (tests/traces/test_remote_runs.py reads both). Files a command
 writes beside its report (--plot, -o, --save-batch, unpack's DIR) are local: a URL there is refused
 in one line.
@@ -56,12 +57,39 @@ def both(runs, *args):
     return here, there, text
 
 
-def test_run_replays_a_remote_run_bit_exact_and_a_remote_run_that_differs_is_reported(runs):
+def fresh_copies(monkeypatch):
+    """The test's local copies of remote runs made afresh (one is kept per process), so what they
+    fetched is what this test's commands asked for."""
+    from traces.storage import ondemand
+
+    monkeypatch.setattr(ondemand, "_COPIES", {})
+    monkeypatch.setattr(ondemand, "_LAZY", {})
+    return ondemand
+
+
+def staged_checkpoints(ondemand, url) -> set[int]:
+    """The checkpoint steps of `url`'s local copy that hold any file (an unfetched one is an empty folder)."""
+    folder = ondemand.local_copy(url) / "checkpoints"
+    return {int(p.name) for p in folder.iterdir() if any(f.is_file() for f in p.rglob("*"))}
+
+
+def test_run_replays_a_remote_run_bit_exact_and_a_remote_run_that_differs_is_reported(runs, monkeypatch):
+    from traces import storage
+
+    ondemand = fresh_copies(monkeypatch)
+    storage.reset_counts()
     here, there, text = both(runs, "run", "clean", "--steps", "12:14", "--json")
     assert here.exit_code == there.exit_code == 0, there.output
     report = json.loads(there.stdout)
     assert report["run"] == runs["clean"][1] and report["all_bit_exact"] and report["bit_exact"] == 3, report
     assert json.loads(text) == json.loads(here.stdout)
+    # It fetched checkpoint 10, which it restored, and 30, the newest, whose saved layout replay.init's
+    # replayable reads (traces/storage/ondemand.py); not 0 or 20, nor the trace (read by ranges).
+    url, local = runs["clean"][1], Path(runs["clean"][0])
+    assert ondemand.fetched_checkpoints(url) == {10: "arrays", 30: "arrays"}
+    assert staged_checkpoints(ondemand, url) == {10, 30} and not any((ondemand.local_copy(url) / "trace").iterdir())
+    whole = sum(f.stat().st_size for f in local.rglob("*") if f.is_file())  # 469 KB; read: 382 KB (measured)
+    assert storage.request_counts()["bytes"] < whole, (storage.request_counts(), whole)
     # Negative control: clean's checkpoints and code replayed against lr's trace differ where lr's learning rate does.
     here, there, text = both(runs, "run", "mixed", "--steps", f"{LR_AT - 1}:{LR_AT}", "--json")
     assert here.exit_code == there.exit_code == 1, there.output
@@ -70,10 +98,29 @@ def test_run_replays_a_remote_run_bit_exact_and_a_remote_run_that_differs_is_rep
     assert json.loads(text) == json.loads(here.stdout)
 
 
-def test_bisect_replays_a_local_run_against_a_remote_one_and_two_remote_runs(runs, tmp_path):
+def test_an_error_about_a_remote_runs_checkpoint_names_the_url_not_the_local_copy(runs, s3, tmp_path):  # noqa: F811
+    """Checkpoint 10 damaged in the bucket (one byte of its array data flipped): the restore's
+    one-line error names the checkpoint at its URL (traces.storage.ondemand.in_url_terms)."""
+    local = tmp_path / "damaged"
+    shutil.copytree(runs["clean"][0], local)
+    data = max((local / "checkpoints" / "10").rglob("d/*"), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    url = upload(local, f"{s3}/commands/damaged")
+    result = invoke("run", url, "--steps", "12:14")
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.exit_code == 2 and len(errors) == 1 and "Traceback" not in result.output, result.output
+    assert errors[0].startswith(f"error: {url}/checkpoints/10: checkpoint 10 is damaged"), errors
+    assert "replay-staging" not in result.output, result.output
+
+
+def test_bisect_replays_a_local_run_against_a_remote_one_and_two_remote_runs(runs, tmp_path, monkeypatch):
     """Both refine (replays of the window before the first differing step, then the first op): the
     same report either way, and the one tests/examples/loops.check_bisect_lr checks of the two runs
-    on disk (their own bisect is not repeated here: ~4 CPU s)."""
+    on disk (their own bisect is not repeated here: ~4 CPU s). Of each remote run only the
+    checkpoint its replays restore from (10, before LR_AT) and the newest (its layout) are fetched."""
+    ondemand = fresh_copies(monkeypatch)
     plot = tmp_path / "bisect.png"
     reports = []
     for a, b, extra in ((runs["clean"][0], runs["lr"][1], ["--plot", str(plot)]), (runs["clean"][1], runs["lr"][1], [])):
@@ -84,6 +131,9 @@ def test_bisect_replays_a_local_run_against_a_remote_one_and_two_remote_runs(run
             assert report["notes"].pop() == f"plot written to {plot}", report["notes"]
         reports.append(report)
     assert reports[0] == reports[1]
+    for name in ("clean", "lr"):
+        assert ondemand.fetched_checkpoints(runs[name][1]) == {10: "arrays", 30: "arrays"}, name
+        assert staged_checkpoints(ondemand, runs[name][1]) == {10, 30}, name
     report = reports[0]
     assert (report["first_step"], report["cause"], report["refinement"]["op"]["op"]) == (LR_AT, "update", "eq"), report
     assert report["layer"] == report["fields"][0]["name"] and plot.read_bytes()[:4] == b"\x89PNG"
@@ -166,6 +216,14 @@ def test_files_a_command_writes_are_local_and_a_url_there_is_refused_in_one_line
                         (("unpack", str(tmp_path / "x.rpk"), f"{url}-unpacked"), "DIR")):
         assert_one_line_error(invoke(*args), f"{where} ", "is written to local disk, not to object storage")
     assert_one_line_error(invoke("unpack", f"{url}/x.rpk", str(tmp_path / "x")), "unpack reads a bundle from local disk")
+    # A bundle file in the bucket is not opened as a run: one line saying to copy it here.
+    from traces.storage import open_store
+
+    store, key = open_store(f"{url}-bundle.rpk")
+    store.write_if_absent(key, b"not read")
+    for command in ("show", "run"):
+        assert_one_line_error(invoke(command, f"{url}-bundle.rpk"), f"{url}-bundle.rpk: is a file, not a run folder",
+                              "copy it here first")
 
 
 def test_the_process_is_prepared_from_a_remote_runs_manifest_before_the_command(runs, monkeypatch):

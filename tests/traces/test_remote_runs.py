@@ -133,11 +133,12 @@ def test_a_missing_remote_run_is_one_line(bucket):
     assert_one_line_error(result, f"{bucket}/no/such/run: no such run")
 
 
-@pytest.mark.parametrize("where", ["local", "s3"])
+@pytest.mark.parametrize("where", ["local", "s3", "gcs"])
 def test_conditional_writes_refuse_a_second_writer(tmp_path, request, where):
-    """What the next slice's writer lock and COMPLETE marker stand on. gcp-storage-emulator does not
-    enforce if_generation_match (checked: it overwrites), so GCS's is not tested here."""
-    url = str(tmp_path / "obj") if where == "local" else f"{request.getfixturevalue('s3')}/{tmp_path.name}/obj"
+    """What the writer lock and the COMPLETE marker stand on. On gs:// the emulator honours
+    ifGenerationMatch as GCS does only through the fixture (tests/traces/emulators.py; by itself
+    it overwrites), so this also checks GCSStore sends it."""
+    url = str(tmp_path / "obj") if where == "local" else f"{request.getfixturevalue(where)}/{tmp_path.name}/obj"
     store, key = storage.open_store(url)
     first = store.write_if_absent(key, b"one")
     with pytest.raises(storage.PreconditionFailed):

@@ -118,9 +118,10 @@ def test_a_damaged_tail_object_is_named_on_open_and_a_resume_rewrites_the_tail(t
     same_shown(local.path, url)
 
 
-def test_a_second_writer_is_refused_and_takes_over_only_an_expired_lease(tmp_path, s3):  # noqa: F811
-    """On moto, which enforces conditional writes (gcp-storage-emulator does not: DESIGN.md)."""
-    url = f"{s3}/{tmp_path.name}/run"
+def test_a_second_writer_is_refused_and_takes_over_only_an_expired_lease(tmp_path, bucket):
+    """On moto, which enforces conditional writes, and on the GCS emulator, whose uploads the
+    fixture makes honour ifGenerationMatch as GCS's do (tests/traces/emulators.py)."""
+    url = f"{bucket}/{tmp_path.name}/run"
     first, writer = write(url, 3, finish=False)
     writer.flush()
     with pytest.raises(RunLockedError, match=r"is being written by .* pid \d+ \(its lease ends in"):

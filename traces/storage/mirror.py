@@ -340,26 +340,3 @@ def stopped_note(path) -> str:
             f"records it appended after its last uploaded tail object are not in the bucket: fewer than "
             f"{2 * records} records (a tail object every {records} records or {seconds:g} s, one in flight at most: "
             "REPLAY_TAIL_RECORDS, REPLAY_TAIL_SECONDS); resume it to continue from what is here")
-
-
-_COPIES: dict[str, Path] = {}
-
-
-def local_copy(url) -> Path:
-    """A local copy of the run at `url` (trace, checkpoints, exported program, examples), made
-    once per process in a staging folder removed at exit: what replaying a remote run restores
-    from (orbax reads local folders; tensorstore's gcs and s3 drivers would need the emulators'
-    endpoints configured separately)."""
-    import atexit
-
-    shown = str(as_path(url))
-    if shown not in _COPIES:
-        staging = staging_folder()
-        try:
-            download(shown, staging)
-        except BaseException:
-            shutil.rmtree(staging.parent, ignore_errors=True)
-            raise
-        atexit.register(shutil.rmtree, staging.parent, True)
-        _COPIES[shown] = staging
-    return _COPIES[shown]

@@ -3,8 +3,9 @@ gcp-storage-emulator for gs:// (STORAGE_EMULATOR_HOST) and moto's server for s3:
 (AWS_ENDPOINT_URL). Each starts in a thread of this process in well under a second, on a free port,
 once per test session (per xdist worker), and points the official clients at itself.
 
-Use: `from tests.traces.emulators import gcs, s3, upload` in a test module, then the fixtures
-`gcs` / `s3` give a bucket URL ("gs://replay-test") and `upload(local_run, url)` copies a run.
+Use: the fixtures `gcs` / `s3` (registered once for tests/traces by its conftest.py: never import them
+into a test module, which would make a second emulator) give a bucket URL ("gs://replay-test");
+`from tests.traces.emulators import upload`, then `upload(local_run, url)` copies a run.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ import pytest
 
 from tests.cli_util import assert_one_line_error, invoke
 from tests.examples import loops
-from tests.traces.emulators import s3, upload  # noqa: F401 - fixtures
+from tests.traces.emulators import upload
 
 import optax_loop  # noqa: E402 - tests.examples.loops puts examples/ on sys.path
 

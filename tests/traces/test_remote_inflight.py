@@ -14,7 +14,6 @@ from __future__ import annotations
 import threading
 
 import traces
-from tests.traces.emulators import s3  # noqa: F401 - fixture
 from tests.traces.helpers import make_record, make_schema
 from traces.storage import mirror
 from traces.storage.uploader import Uploader

@@ -15,7 +15,6 @@ import time
 import pytest
 
 from tests.cli_util import invoke
-from tests.traces.emulators import s3  # noqa: F401 - fixtures
 from tests.traces.helpers import make_record, make_schema
 from traces import Run, same_bits
 from traces.errors import RunLockedError

@@ -11,7 +11,6 @@ import pytest
 
 from tests.cli_util import invoke
 from tests.examples import loops
-from tests.traces.emulators import gcs, s3  # noqa: F401 - fixtures
 from traces import storage
 
 import optax_loop  # noqa: E402 - tests.examples.loops puts examples/ on sys.path

@@ -31,7 +31,6 @@ from replay.record.errors import RecordError
 from tests.cli_util import invoke
 from tests.examples import loops  # noqa: F401 - puts examples/ on sys.path
 from tests.replay.test_multihost_loop import mh_loop, record, replay_cli
-from tests.traces.emulators import gcs, s3  # noqa: F401 - fixtures
 from traces import compare, storage
 
 import optax_loop  # noqa: E402

@@ -13,7 +13,7 @@ import traces
 from tests.cli_util import assert_one_line_error, invoke
 from tests.replay.test_audit import make_run as make_audit_run
 from tests.replay.test_audit import resume_repeat
-from tests.traces.emulators import gcs, s3, upload  # noqa: F401 - fixtures
+from tests.traces.emulators import upload
 from tests.traces.helpers import make_record, make_schema
 from traces import storage
 

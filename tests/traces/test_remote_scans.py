@@ -10,7 +10,7 @@ import threading
 from tests.cli_util import invoke
 from tests.replay.test_audit import make_run as make_audit_run
 from tests.replay.test_audit import resume_repeat
-from tests.traces.emulators import s3, upload  # noqa: F401 - fixtures
+from tests.traces.emulators import upload
 from traces import storage
 from traces.storage.path import View
 

@@ -15,7 +15,7 @@ pytest.importorskip("torch")
 
 from tests.cli_util import invoke  # noqa: E402
 from tests.torch.reference_pair import demo  # noqa: E402
-from tests.traces.emulators import s3, upload  # noqa: E402,F401 - fixture
+from tests.traces.emulators import upload  # noqa: E402
 
 READS_SHARED_RUNS = True  # tests/conftest.py orders this file after the ones that make them
 pytestmark = pytest.mark.slow

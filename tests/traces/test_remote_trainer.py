@@ -10,7 +10,6 @@ import json
 import pytest
 
 from tests.cli_util import invoke
-from tests.traces.emulators import gcs, s3  # noqa: F401 - fixtures
 
 
 @pytest.fixture(scope="module")

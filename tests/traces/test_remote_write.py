@@ -13,7 +13,6 @@ import pytest
 
 import traces
 from tests.cli_util import invoke
-from tests.traces.emulators import gcs, s3  # noqa: F401 - fixtures
 from tests.traces.helpers import make_record, make_schema
 from traces import storage
 from traces.errors import RunLockedError

@@ -33,8 +33,13 @@ every module output inside the model (replay/maxtext/forward_taps.py; `=olmo_cor
 OLMo-core's modules), `--sketch-width 64` records distance sketches: with both, `replay bisect` against an
 OLMo-core run names the first op above the noise floor (tools/olmo3_pair.py).
 
-Not yet: a replay restored from MaxText's own checkpoint (replay's
-are used), Grain's iterator state (olmo_grain saves none: its sampler restarts at the checkpoint's
+Not yet: a replay restored from MaxText's own checkpoint, so with MaxText's checkpointing on the
+state is still checkpointed twice (MaxText's and replay's copy). What it needs is known and tested:
+MaxText's checkpoint s (orbax v1's training Checkpointer: folder s/items, the Linen layout, step as
+int32), restored by MaxText's code onto its abstract state (`rebuild.maxtext_checkpoint`), is bit for
+bit replay's state entering step k = s + 1; the missing piece is replay's restore taking another
+folder, label and layout (replay/record/replayable.py and exported.py read RUN/checkpoints/k/default).
+Also not yet: Grain's iterator state (olmo_grain saves none: its sampler restarts at the checkpoint's
 step), and DiLoCo (whose step takes a per-step key as a third argument): refused in one line.
 
 Cost at a million steps: what recording costs any loop (one record a step, streamed to disk).

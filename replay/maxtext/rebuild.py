@@ -111,7 +111,23 @@ def rebuild(argv: list[str]) -> Rebuilt:
     return _built[key]
 
 
-def _run_until_first_step(argv: list[str]) -> Rebuilt:
+def maxtext_checkpoint(argv: list[str], directory: str, label: int) -> Any:
+    """MaxText's own checkpoint `label` (its folder `directory`/`label`, as its checkpoint manager wrote it:
+    the Linen layout under `items`) restored by MaxText's code onto MaxText's abstract state: its `main`
+    run with `load_full_state_path` up to its first step, whose state is captured. MaxText's checkpoint s
+    holds the state AFTER step s (optimizer count s + 1), i.e. replay's state entering step k = s + 1
+    (checked bit for bit, tests/maxtext/test_maxtext.py). MaxText refuses the checkpoint of the run's
+    last step (`steps` reached): there is no step after it to replay anyway.
+
+    The building block for a replay restored from MaxText's checkpoints (not yet wired into `replay run`:
+    its restore reads replay's own checkpoint folder and labels, replay/record/replayable.py)."""
+    # MaxText reads load_full_state_path only with its checkpointing on; the output folder stays a
+    # temporary one, so its manager finds no checkpoint of its own there and loads the path given.
+    return _run_until_first_step([*argv, f"load_full_state_path={directory}/{label}/items"],
+                                 ("enable_checkpointing=true",)).state
+
+
+def _run_until_first_step(argv: list[str], overrides: tuple = OVERRIDES) -> Rebuilt:
     from flax.core.spmd import get_logical_axis_rules
     from maxtext.trainers.pre_train import train
     from maxtext.utils import train_utils
@@ -153,7 +169,7 @@ def _run_until_first_step(argv: list[str]) -> Rebuilt:
     absl_flags_parsed()
     try:
         with tempfile.TemporaryDirectory(prefix="replay-maxtext-") as out:
-            train.main(["train", *argv, *OVERRIDES, *alone, f"base_output_directory={out}"])
+            train.main(["train", *argv, *overrides, *alone, f"base_output_directory={out}"])
     except _Captured:
         pass
     finally:

@@ -4,7 +4,8 @@ MaxText needs Python >= 3.12 and jax >= 0.11: these tests run in the venv tools/
 (maxtext[tpu]==0.2.5, jax 0.12, this package installed editable) and skip elsewhere. A tiny decoder
 (2 layers, 64 wide, vocabulary 256, synthetic data) trains 12 steps on the CPU; the run replays bit
 for bit from its exported program (a bundle) and with MaxText's code (replay.maxtext:make), bisect
-names a learning-rate change down to its op, and a run recorded on two processes replays on two.
+names a learning-rate change down to its op, a run recorded on two processes replays on two, and
+MaxText's own checkpoint s, restored by its code, is replay's state entering step s + 1.
 """
 
 from __future__ import annotations
@@ -198,3 +199,31 @@ def test_gradient_taps_inside_maxtexts_step_are_recorded_and_replay_bit_exact_wi
     report = json.loads(replayed.stdout.strip().splitlines()[-1])
     assert "replayed with your code (replay.maxtext:make)" in report["notes"], report["notes"]
     assert (report["replayed"], report["bit_exact"], report["all_bit_exact"]) == (steps - 1, steps - 1, True), report
+
+
+def test_maxtexts_checkpoint_s_restored_by_its_code_is_the_state_entering_step_s_plus_1(tmp_path):
+    # The label mapping a replay from MaxText's own checkpoints needs (replay.maxtext.rebuild.maxtext_checkpoint):
+    # MaxText's checkpoint s holds the state after step s, replay's checkpoint k the state entering step k.
+    # With checkpoint_period=1 the run today holds both at every step, so they are compared bit for bit
+    # (state_fingerprint: every leaf's path, dtype, shape and bits); the wrong mapping (k = s) must differ.
+    steps, out = 4, tmp_path / "maxtext-out"
+    argv = [a for a in TINY if not a.startswith(("steps=", "enable_checkpointing="))]
+    done = subprocess.run([sys.executable, "-m", "replay.maxtext", str(tmp_path / "ckpt"), str(CONFIG), *argv,
+                           f"steps={steps}", "enable_checkpointing=true", "checkpoint_period=1",
+                           "async_checkpointing=false", "run_name=ckpt", f"base_output_directory={out}"],
+                          env=ENV, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    folder = out / "ckpt" / "checkpoints"
+    assert sorted(int(p.name) for p in folder.iterdir()) == list(range(steps))
+    recorded = json.loads((tmp_path / "ckpt" / "run.json").read_text())["checkpoint_fingerprints"]
+    assert sorted(map(int, recorded)) == list(range(steps)), recorded
+    code = ("import json, sys; from replay.maxtext.rebuild import maxtext_checkpoint; "
+            "from replay.record.fingerprint import state_fingerprint; "
+            "argv = json.load(open(sys.argv[1]))['config']['replay_maxtext_argv']; "
+            "print(json.dumps({s: state_fingerprint(maxtext_checkpoint(argv, sys.argv[2], s)) for s in (0, 2)}))")
+    got = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ckpt" / "run.json"), str(folder)], env=ENV,
+                         capture_output=True, text=True, timeout=900)
+    assert got.returncode == 0, got.stderr[-3000:]
+    restored = json.loads(got.stdout.strip().splitlines()[-1])
+    assert restored == {"0": recorded["1"], "2": recorded["3"]}, (restored, recorded)
+    assert restored["0"] != recorded["0"] and restored["2"] != recorded["2"], (restored, recorded)

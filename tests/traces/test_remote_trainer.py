@@ -34,11 +34,38 @@ def test_the_trainer_records_replays_and_resumes_a_run_in_a_bucket(tmp_path, sto
     assert replayed.exit_code == 0, replayed.output
     report = json.loads(replayed.stdout)
     assert report["checkpoint"] == 0 and report["all_bit_exact"] and report["bit_exact"] == 4, report
+    staged, uploaded = _watch_the_resume(monkeypatch)
     resumed = invoke("train", "--resume", url, "--steps", "9", "--json")
     assert resumed.exit_code == 0, resumed.output
     assert json.loads(resumed.stdout)["started_at"] == 6
+    # The resume staged checkpoint 0 as an empty folder and fetched only 6, the one it restored
+    # (9 it wrote); what it fetched it did not upload again (traces/storage/mirror.py download).
+    folder = staged[0] / "checkpoints"
+    assert {p.name: any(p.iterdir()) for p in folder.iterdir() if p.name.isdigit()} == {"0": False, "6": True, "9": True}
+    assert not [rel for rel in uploaded if rel.startswith(("checkpoints/0/", "checkpoints/6/"))], uploaded
     shown = json.loads(invoke("show", "--json", url).stdout)
     assert shown["status"] == "complete" and shown["steps"]["count"] == 9 and shown["damage"] == []
     bisect = invoke("bisect", "--json", local, url)
     assert bisect.exit_code == 0, bisect.output
     assert json.loads(bisect.stdout)["identical"] is True
+
+
+def _watch_the_resume(monkeypatch) -> tuple[list, list]:
+    """The resumed writer's staging folder (kept, not removed at close) and what it uploaded."""
+    from traces.storage import mirror
+
+    staged: list = []
+    uploaded: list = []
+    close, put = mirror.Mirror.close, mirror.Mirror.put
+
+    def keep(self, remove_staging=True):
+        staged.append(self.staging)
+        close(self, remove_staging=False)
+
+    def record(self, rel, data, replace=False):
+        uploaded.append(rel)
+        return put(self, rel, data, replace)
+
+    monkeypatch.setattr(mirror.Mirror, "close", keep)
+    monkeypatch.setattr(mirror.Mirror, "put", record)
+    return staged, uploaded

@@ -21,8 +21,14 @@ unchanged local code, and every piece is uploaded as an immutable object once it
   each time: fine for small runs, to be split like the trace);
 - the writer lock is a lease object (traces/storage/lease.py), renewed as records are appended.
 
-Resuming downloads the run's trace (sealed segments and the joined tail) and checkpoints to a
-fresh staging folder first: the cost of a resume is the run's size, not O(1).
+Resuming downloads the run's trace (sealed segments and the joined tail) and its other files to
+a fresh staging folder first, but not its checkpoints: the checkpoint folder is staged as a
+replay's local copy stages it (traces/storage/ondemand.py: each step folder EMPTY, fetched when
+read), so the resumed loop downloads the one checkpoint it restores. Files fetched that way are
+not uploaded again (ondemand.fetched_as), and a step folder never fetched is never uploaded or
+deleted in the bucket (the mirror deletes no checkpoint: one orbax prunes under keep_checkpoints
+stays in the bucket, fetched or not). The cost of a resume is the trace, the small files and the
+example store plus one checkpoint, not every checkpoint.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import time
 from pathlib import Path
 
 from traces.errors import NotARunError
-from traces.storage import PreconditionFailed, RemotePath, as_path, open_store, tails
+from traces.storage import PreconditionFailed, RemotePath, as_path, ondemand, open_store, tails
 from traces.storage.lease import Lease
 from traces.storage.uploader import Uploader
 from traces.writer import TraceWriter
@@ -102,7 +108,7 @@ class Mirror:
                     or "tmp" in rel.lower()):
                 continue
             st = p.stat()
-            if self._sent.get(rel) != (st.st_size, st.st_mtime_ns):
+            if (self._sent.get(rel) or ondemand.fetched_as(p)) != (st.st_size, st.st_mtime_ns):
                 self.put(rel, p.read_bytes(), replace=True)
                 self._sent[rel] = (st.st_size, st.st_mtime_ns)
 
@@ -119,6 +125,7 @@ class Mirror:
             self.lease.release()
             if remove_staging:
                 shutil.rmtree(self.staging.parent, ignore_errors=True)
+                ondemand.forget(self.staging)
 
 
 class MirroredTraceWriter(TraceWriter):
@@ -252,15 +259,20 @@ def holds_nothing(url: str) -> bool:
 
 
 def download(url: str, staging: Path) -> dict:
-    """The run's trace and checkpoints, copied to `staging` (the unsealed tail joined from its tail
-    objects); returns {unsealed segment: (bytes, tail objects)} for the writer to continue."""
+    """The run's trace and other files copied to `staging` (the unsealed tail joined from its tail
+    objects), its checkpoint folder staged with EMPTY step folders, each fetched when it is read
+    (traces/storage/ondemand.py); returns {unsealed segment: (bytes, tail objects)} for the writer."""
     root = as_path(url)
     if not isinstance(root, RemotePath) or not (root / "run.json").is_file():
         raise NotARunError(f"{root}: no such run (no run.json)")
+    checkpoints = ondemand.checkpoint_folder((root / "run.json").read_bytes())
     found: dict = {}
     stack = [root]
     while stack:
         folder = stack.pop()
+        if checkpoints is not None and folder.key[len(root.key):].strip("/") == checkpoints:
+            ondemand.stub(folder, staging / checkpoints)
+            continue
         files, dirs = folder.view.listing(folder.key)  # a segment's tail objects listed as the segment, joined
         for name in files:
             if name in (".lock", *MARKERS) or tails.parse_name(name) is not None:
@@ -322,6 +334,7 @@ def resume(cls, url: str, mark: bool):
     except BaseException:
         lease.release()
         shutil.rmtree(staging.parent, ignore_errors=True)
+        ondemand.forget(staging)
         raise
     return run
 

@@ -45,6 +45,7 @@ ARRAY_DATA = "d"  # orbax's (OCDBT) array chunk folders: what a metadata read do
 _LOCK = threading.Lock()
 _COPIES: dict[str, Path] = {}  # the run's URL -> its local copy
 _LAZY: dict[str, tuple[RemotePath, dict[str, int]]] = {}  # local checkpoint folder -> (its URL, {step: fetched})
+_FETCHED: dict[str, tuple[int, int]] = {}  # a lazily fetched file -> (size, mtime_ns): a resume's mirror does not re-upload it
 
 
 def local_copy(url) -> Path:
@@ -75,8 +76,7 @@ def _copy_run(root: RemotePath, staging: Path) -> None:
     staging.mkdir(parents=True)
     manifest = (root / "run.json").read_bytes()
     (staging / "run.json").write_bytes(manifest)
-    where = json.loads(manifest).get("checkpoint_dir", "checkpoints")
-    checkpoints = None if os.path.isabs(where) else Path(where).as_posix().strip("/")
+    checkpoints = checkpoint_folder(manifest)
     for marker in MARKERS:
         if (root / marker).is_file():
             (staging / marker).write_bytes((root / marker).read_bytes())
@@ -94,12 +94,20 @@ def _copy_run(root: RemotePath, staging: Path) -> None:
             if sub == "trace":
                 continue
             if sub == checkpoints:  # its step folders, empty: fetched when one is read
-                _stub(folder / d, staging / sub)
+                stub(folder / d, staging / sub)
             else:
                 stack.append(folder / d)
 
 
-def _stub(remote: RemotePath, local: Path) -> None:
+def checkpoint_folder(manifest: bytes) -> str | None:
+    """The run's checkpoint folder relative to the run (None: outside it, an absolute path)."""
+    where = json.loads(manifest).get("checkpoint_dir", "checkpoints")
+    return None if os.path.isabs(where) else Path(where).as_posix().strip("/")
+
+
+def stub(remote: RemotePath, local: Path) -> None:
+    """The checkpoint folder `remote` staged at `local`: its own files, and each step folder
+    EMPTY, fetched by `fetch_checkpoint` when it is read (also a resume's staging: mirror.py)."""
     files, dirs = remote.view.listing(remote.key)
     for name in files:
         _fetch(remote / name, local / name)
@@ -113,6 +121,22 @@ def _fetch(remote: RemotePath, local: Path) -> None:
         return
     local.parent.mkdir(parents=True, exist_ok=True)
     local.write_bytes(remote.read_bytes())
+    st = local.stat()
+    _FETCHED[os.path.realpath(local)] = (st.st_size, st.st_mtime_ns)
+
+
+def fetched_as(path) -> tuple[int, int] | None:
+    """(size, mtime_ns) of `path` as this process downloaded it; None: not downloaded here."""
+    return _FETCHED.get(os.path.realpath(path)) if _FETCHED else None
+
+
+def forget(local) -> None:
+    """A staging folder removed: its lazy checkpoint folders and fetched files no longer tracked."""
+    prefix = os.path.realpath(local)
+    with _LOCK:
+        for table in (_LAZY, _FETCHED):
+            for key in [k for k in table if k == prefix or k.startswith(prefix + os.sep)]:
+                del table[key]
 
 
 def fetch_checkpoint(step_folder, arrays: bool = True) -> None:

@@ -123,6 +123,12 @@ class Run:
         """Where the trace starts, as recorded in run.json (None for runs from before it was)."""
         return self.manifest.get(TRACE_FIRST_STEP)
 
+    def reading_trace(self, reader: TraceReader) -> "Run":
+        """This run, its trace read through `reader` from now on: a remote run's local copy holds no
+        trace of its own and reads the bucket's by ranges (replay/engine/protocol.local_run)."""
+        self._reader = reader
+        return self
+
     @property
     def trace(self) -> TraceReader:
         """The trace; its `damage` includes run-level damage (see `Run.damage`)."""

@@ -152,9 +152,9 @@ def local_run(run: Run) -> Run:
         return run
     from traces.storage.ondemand import local_copy
 
-    copy = Run.open(local_copy(run.path))
-    copy._reader = run.trace  # the remote run's reader: the copy holds no trace
-    return copy  # (errors name the URL, not the copy: replay/cli/console._line, ondemand.in_url_terms)
+    # The remote run's reader: the copy holds no trace. (Errors name the URL, not the copy:
+    # replay/cli/console._line, ondemand.in_url_terms.)
+    return Run.open(local_copy(run.path)).reading_trace(run.trace)
 
 
 def load(run: Run, *, allow_code: bool | None = None, **options: Any) -> Replayable:

@@ -51,9 +51,10 @@ def check_arguments(checkpoints: Any, keep_checkpoints: Any, entrypoint: str | C
 
 def check_location(path: str | os.PathLike) -> None:
     """Refused on every process alike, before anything is written: several processes recording
-    one run to s3://. Their checkpoints go straight to the bucket (checkpoint_dir), which is built
-    and tested for gs:// only (orbax through tensorstore's gcs driver and gcsfs); S3 would need
-    s3fs and tensorstore's s3 driver, neither set up nor tried."""
+    one run to s3://. Their checkpoints would go straight to the bucket (checkpoint_dir), which
+    works for gs:// only: orbax 0.12.8 (the newest) builds a tensorstore kvstore for gs:// alone
+    and fails an s3:// save with "Checkpoint path should be absolute. Got s3:/b/..." (tried on
+    moto; traces/storage/DESIGN.md "Several processes" says what else S3 would need)."""
     from traces.storage import is_url, url_of
 
     if is_url(path) and url_of(path).startswith("s3://") and processes() > 1:

@@ -17,7 +17,7 @@ from replay.record import examples_store, export, state_layout
 from replay.record import manifest as manifestlib
 from replay.record.entry_check import check_entrypoint
 from replay.record.errors import RecordError
-from replay.record import run_open
+from replay.record.run_open import process_index, processes
 
 RESUMED_KEY = "resumed_programs"  # run.json: the programs of resumes on another process count
 
@@ -40,7 +40,7 @@ def start(run: Opening, program: Any) -> Any:
     """The wrapped step's first call was traced: its schema, program and options into the
     manifest (checked against the run's on a resume), the exported program, the trace opened.
     Returns the example store's writer (None where this process stores no examples)."""
-    if run_open.process_index() == 0 and run.files is not None:
+    if process_index() == 0 and run.files is not None:
         recorded = run.files.manifest.get("record")
         if recorded is not None and recorded != program.options.to_json():
             raise RecordError(f"{run.path}: the step records different options than the run did; resume with "
@@ -50,8 +50,8 @@ def start(run: Opening, program: Any) -> Any:
     if not run.resuming and run.entrypoint is not None:  # make() checked here, not on another machine at replay
         check_entrypoint(run.entrypoint, run.manifest().get("config"), program, run.next_step)
     run.begin(program.schema, program.program_hash, record=program.options.to_json())
-    if run.store_examples and run_open.processes() > 1:
-        raise RecordError(f"{run.path}: replay.init(store_examples=True) on {run_open.processes()} processes: each "
+    if run.store_examples and processes() > 1:
+        raise RecordError(f"{run.path}: replay.init(store_examples=True) on {processes()} processes: each "
                           "holds only its rows; record without it (replays then need the loop's code)")
     if not run.resuming and run.files is not None:  # process 0 writes the run's files
         _record_exported(run, program)
@@ -73,10 +73,10 @@ def _resumed_on_other_processes(run: Opening, program: Any) -> None:
         "process_count"), "program_hash": run.files.manifest.get("program_hash")}
     if latest["program_hash"] == program.program_hash:  # resumed again on the processes it last ran on
         return
-    if latest["process_count"] == run_open.processes():
+    if latest["process_count"] == processes():
         raise RecordError(f"{run.path}: the step compiles to a different program than the run recorded; "
                           "resume with the same code and config")
-    resumes.append({"step": run.next_step, "process_count": run_open.processes(), "program_hash": program.program_hash})
+    resumes.append({"step": run.next_step, "process_count": processes(), "program_hash": program.program_hash})
     run.files.update_manifest(**{RESUMED_KEY: resumes})
 
 
@@ -95,7 +95,7 @@ def _record_exported(run: Opening, program: Any) -> None:
 
 def _open_examples(run: Opening, program: Any) -> Any:
     store = run.manifest().get(examples_store.KEY)
-    if run_open.processes() > 1 and run.files is not None and isinstance(store, dict) and store.get("leaves"):
+    if processes() > 1 and run.files is not None and isinstance(store, dict) and store.get("leaves"):
         # a one-process run resumed on several: no process holds the whole batch; the store ends here
         run.files.update_manifest(**{examples_store.KEY: dict(store, until_step=run.next_step)})
         return None

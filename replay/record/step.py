@@ -14,7 +14,7 @@ from typing import Any, Callable
 from replay.record.errors import RecordError
 from replay.record.hashing import example_hashes
 from replay.record.multihost import gathered_hashes
-from replay.record import run_open
+from replay.record.run_open import processes
 from replay.record.options import StepOptions
 from replay.record.program import Program
 
@@ -37,7 +37,7 @@ class RecordedStep:
             self.program.compile(state, batch)
             run._start_recording(self.program)
             self._started = True
-        hashes = (example_hashes(batch, self.options.batch_axis) if run_open.processes() == 1
+        hashes = (example_hashes(batch, self.options.batch_axis) if processes() == 1
                   else gathered_hashes(batch, self.options.batch_axis))  # several hosts: replay/record/multihost.py
         if len(hashes) != self.program.batch:
             raise RecordError(f"step {run.next_step}: the batch has {len(hashes)} examples, the first had "

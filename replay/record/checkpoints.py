@@ -66,7 +66,8 @@ def open_manager(path: Path, read_only: bool, keep: int = 0) -> Any:
     else:
         options = ocp.CheckpointManagerOptions(save_interval_steps=1, max_to_keep=keep or None, create=True,
                                                cleanup_tmp_directories=False, save_root_metadata=True,
-                                               enable_async_checkpointing=True)
+                                               enable_async_checkpointing=True,
+                                               atomicity_options=_atomicity(path))
     with _quiet_orbax():  # orbax logs that read-only is read-only
         return ocp.CheckpointManager(location(path), options=options)
 
@@ -100,8 +101,56 @@ def location(path: Any) -> Any:
         # wrote since it listed (orbax's multi-process save waits on them; seen: saves never ending)
         for scheme in ("gs", "s3"):
             fsspec.config.conf.setdefault(scheme, {}).setdefault("use_listings_cache", False)
+        if url_of(path).startswith("s3://"):
+            _orbax_writes_s3()
         return epath.Path(url_of(path))
     return Path(path).absolute()
+
+
+def _atomicity(path: Any) -> Any:
+    """How orbax makes a save atomic: its default for gs:// and local folders (gs://: a
+    commit_success.txt; local: a renamed temporary folder); for s3:// the commit file too, as on
+    GCS: S3 has no rename, and s3fs's recursive move of orbax's temporary folder fails
+    (FileNotFoundError copying a folder's key, seen on moto)."""
+    import orbax.checkpoint as ocp
+
+    from traces.storage import is_url, url_of
+
+    if is_url(path) and url_of(path).startswith("s3://"):
+        return ocp.options.AtomicityOptions(mode=ocp.options.AtomicityMode.COMMIT_FILE)
+    return None
+
+
+def _orbax_writes_s3() -> None:
+    """orbax-checkpoint 0.12.8 (the newest) builds a tensorstore kvstore for gs:// only: an s3://
+    folder falls to the file driver ("Checkpoint path should be absolute. Got s3:/b/..."). This
+    gives s3:// tensorstore's s3 driver where orbax picks the gcs one (its private functions;
+    tests/traces/test_remote_processes.py fails if an orbax release renames them), with
+    AWS_ENDPOINT_URL as the spec's endpoint: tensorstore's s3 driver does not read that variable
+    (an S3-compatible store, or the tests' moto, is otherwise never asked)."""
+    import os
+
+    from orbax.checkpoint._src.path import gcs_utils
+    from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+
+    if getattr(ts_utils, "_replay_s3", False):
+        return
+    normalize, use_gcs, gcs_kvstore = ts_utils._normalize_path, ts_utils._use_gcs_driver, gcs_utils.get_kvstore_for_gcs
+
+    def kvstore(path: str) -> dict:
+        if not path.startswith("s3://"):
+            return gcs_kvstore(path)
+        bucket, _, key = path[len("s3://"):].partition("/")
+        spec = {"driver": "s3", "bucket": bucket, "path": key}
+        if os.environ.get("AWS_ENDPOINT_URL"):
+            spec["endpoint"] = os.environ["AWS_ENDPOINT_URL"]
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        return spec | ({"aws_region": region} if region else {})
+
+    ts_utils._normalize_path = lambda p: "s3://" + normalize(p)[len("s3:/"):] if str(p).startswith("s3:/") else normalize(p)
+    ts_utils._use_gcs_driver = lambda d: d.startswith("s3://") or use_gcs(d)
+    gcs_utils.get_kvstore_for_gcs = kvstore
+    ts_utils._replay_s3 = True
 
 
 def steps(manager: Any) -> list[int]:

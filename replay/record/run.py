@@ -49,7 +49,6 @@ class RecordingRun:
                  manifest: dict | None = None, state_step: Callable[[Any], int] | None = None,
                  resume_command: str | None = None):
         run_open.check_arguments(checkpoints, keep_checkpoints, entrypoint, replayable)
-        run_open.check_location(path)
         self.path = Path(path)
         self.finished = False
         self._entrypoint = None if resume else entrypoint  # checked against the step at its first call

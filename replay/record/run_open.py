@@ -49,20 +49,6 @@ def check_arguments(checkpoints: Any, keep_checkpoints: Any, entrypoint: str | C
                           "protocol factory), not both")
 
 
-def check_location(path: str | os.PathLike) -> None:
-    """Refused on every process alike, before anything is written: several processes recording
-    one run to s3://. Their checkpoints would go straight to the bucket (checkpoint_dir), which
-    works for gs:// only: orbax 0.12.8 (the newest) builds a tensorstore kvstore for gs:// alone
-    and fails an s3:// save with "Checkpoint path should be absolute. Got s3:/b/..." (tried on
-    moto; traces/storage/DESIGN.md "Several processes" says what else S3 would need)."""
-    from traces.storage import is_url, url_of
-
-    if is_url(path) and url_of(path).startswith("s3://") and processes() > 1:
-        raise RecordError(f"{url_of(path)}: recording one run from {processes()} processes to s3:// is not supported "
-                          "yet (their checkpoints are written straight to the bucket, built for gs:// only); record "
-                          "it to gs://, or to a shared folder and copy that to the bucket object by object")
-
-
 def open_run(path: Path, resumed: bool, config: Any, entrypoint: str | Callable | None,
              dataset_size: "int | manifestlib.Tokens | None", checkpoints: Any, replayable: str | None,
              manifest: dict | None) -> tuple[Run | None, dict, int, int | None]:

@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 
 from replay.bisect.cross import DENSE_STEPS, cross_bisect
-from traces import Run, Schema, StepRecord
-from traces.fingerprint import fingerprint
-from traces.sketch import sketch
+from tests.traces.helpers import sketched_record
+from traces import Run, Schema
 
 W = 16
 TENSORS = (("state/params", "state"), ("embed", "forward"), ("block_00.attn", "forward"), ("grad/w", "backward"),
@@ -31,13 +30,7 @@ def _write(path, steps: int, torch: bool, bad_from: int | None = None, noise: fl
                 ts[i] = ts[i] * (1 + noise * own.standard_normal(ts[i].shape)).astype(np.float32)
             if bad_from is not None and k >= bad_from and name == bad_tensor:
                 ts[i] = ts[i] + 1e-2
-        sk = [sketch(x, W) for x in ts]
-        w.append(StepRecord(step=k, rng=np.array([k, 0], np.uint32), batch_hash=k + 1,
-                            example_hashes=np.array([2 * k, 2 * k + 1], np.uint64),
-                            metrics=np.array([2.0 + 1e-8 * own.standard_normal()], np.float32),
-                            fingerprints=np.array([fingerprint(x) for x in ts], np.uint64),
-                            rms=np.array([np.sqrt(np.mean(x * x)) for x in ts], np.float32),
-                            sketches=np.stack([s for s, _ in sk]), norms=np.array([n for _, n in sk], np.float32)))
+        w.append(sketched_record(k, ts, 2.0 + 1e-8 * own.standard_normal(), W))
     w.close()
     run.finish()
     return Run.open(path)

@@ -13,9 +13,8 @@ import pytest
 from replay.bisect.cross import cross_bisect
 from replay.bisect.cross_floor import OLMO3_PAIR, TRAINER, choose
 from replay.errors import UserError
-from traces import Run, Schema, StepRecord
-from traces.fingerprint import fingerprint
-from traces.sketch import sketch
+from tests.traces.helpers import sketched_record
+from traces import Run, Schema
 
 W, STEPS = 16, 40
 TENSORS = (("embeddings", "forward"), ("blocks.0.attention.w_q", "forward"))
@@ -38,13 +37,7 @@ def _write(path, manifest: dict, scaled: bool):
         ts = [g.standard_normal((8, 16)).astype(np.float32) for _ in TENSORS]  # 1 + drift: that distance
         if scaled:
             ts[1] = (ts[1].astype(np.float64) * (1 + _drift(k))).astype(np.float32)
-        sk = [sketch(x, W) for x in ts]
-        w.append(StepRecord(step=k, rng=np.array([k, 0], np.uint32), batch_hash=k + 1,
-                            example_hashes=np.array([2 * k, 2 * k + 1], np.uint64),
-                            metrics=np.array([2.0], np.float32),
-                            fingerprints=np.array([fingerprint(x) for x in ts], np.uint64),
-                            rms=np.array([np.sqrt(np.mean(x * x)) for x in ts], np.float32),
-                            sketches=np.stack([s for s, _ in sk]), norms=np.array([n for _, n in sk], np.float32)))
+        w.append(sketched_record(k, ts, 2.0, W))
     w.close()
     run.finish()
     return Run.open(path)

@@ -107,3 +107,19 @@ class FileReads:
     def of(self, path) -> int:
         """Bytes read from `path`, its filter's blocks included."""
         return self.bytes.get(str(path), 0) + 64 * self.filter_blocks.get(str(path), 0)
+
+
+def sketched_record(step: int, tensors: list, loss: float, width: int) -> StepRecord:
+    """A layer-level record of `tensors` (float32 arrays, the schema's order) with their distance
+    sketches of `width`, as a sketched JAX or torch step records them (the cross-framework bisect's
+    trace-only path): fingerprints, RMS, sketches and norms from the tensors themselves."""
+    from traces.fingerprint import fingerprint
+    from traces.sketch import sketch
+
+    sk = [sketch(x, width) for x in tensors]
+    return StepRecord(step=step, rng=np.array([step, 0], np.uint32), batch_hash=step + 1,
+                      example_hashes=np.array([2 * step, 2 * step + 1], np.uint64),
+                      metrics=np.array([loss], np.float32),
+                      fingerprints=np.array([fingerprint(x) for x in tensors], np.uint64),
+                      rms=np.array([np.sqrt(np.mean(x * x)) for x in tensors], np.float32),
+                      sketches=np.stack([s for s, _ in sk]), norms=np.array([n for _, n in sk], np.float32))

@@ -258,10 +258,11 @@ def holds_nothing(url: str) -> bool:
     return not files and not dirs
 
 
-def download(url: str, staging: Path) -> dict:
+def download(url: str, staging: Path, trace: bool = True) -> dict:
     """The run's trace and other files copied to `staging` (the unsealed tail joined from its tail
     objects), its checkpoint folder staged with EMPTY step folders, each fetched when it is read
-    (traces/storage/ondemand.py); returns {unsealed segment: (bytes, tail objects)} for the writer."""
+    (traces/storage/ondemand.py); returns {unsealed segment: (bytes, tail objects)} for the writer.
+    trace=False: the trace left in the bucket (a replay's local copy reads it by ranges)."""
     root = as_path(url)
     if not isinstance(root, RemotePath) or not (root / "run.json").is_file():
         raise NotARunError(f"{root}: no such run (no run.json)")
@@ -270,8 +271,11 @@ def download(url: str, staging: Path) -> dict:
     stack = [root]
     while stack:
         folder = stack.pop()
-        if checkpoints is not None and folder.key[len(root.key):].strip("/") == checkpoints:
+        rel = folder.key[len(root.key):].strip("/")
+        if checkpoints is not None and rel == checkpoints:
             ondemand.stub(folder, staging / checkpoints)
+            continue
+        if rel == "trace" and not trace:
             continue
         files, dirs = folder.view.listing(folder.key)  # a segment's tail objects listed as the segment, joined
         for name in files:

@@ -39,7 +39,6 @@ from pathlib import Path
 from traces.errors import NotARunError
 from traces.storage import RemotePath, as_path, tails
 
-MARKERS = ("INCOMPLETE", "COMPLETE")
 ARRAY_DATA = "d"  # orbax's (OCDBT) array chunk folders: what a metadata read does not need
 
 _LOCK = threading.Lock()
@@ -73,30 +72,10 @@ def local_copy(url) -> Path:
 
 
 def _copy_run(root: RemotePath, staging: Path) -> None:
-    staging.mkdir(parents=True)
-    manifest = (root / "run.json").read_bytes()
-    (staging / "run.json").write_bytes(manifest)
-    checkpoints = checkpoint_folder(manifest)
-    for marker in MARKERS:
-        if (root / marker).is_file():
-            (staging / marker).write_bytes((root / marker).read_bytes())
-    (staging / "trace").mkdir()  # read remotely (local_run)
-    stack = [root]
-    while stack:
-        folder = stack.pop()
-        rel = folder.key[len(root.key):].strip("/")
-        files, dirs = folder.view.listing(folder.key)
-        for name in files:
-            if rel or name not in ("run.json", ".lock", *MARKERS):
-                _fetch(folder / name, staging / rel / name)
-        for d in dirs:
-            sub = f"{rel}/{d}".strip("/")
-            if sub == "trace":
-                continue
-            if sub == checkpoints:  # its step folders, empty: fetched when one is read
-                stub(folder / d, staging / sub)
-            else:
-                stack.append(folder / d)
+    from traces.storage.mirror import download  # a resume's walk of the run, less the trace
+
+    download(str(root), staging, trace=False)
+    (staging / "trace").mkdir(exist_ok=True)  # read remotely (local_run)
 
 
 def checkpoint_folder(manifest: bytes) -> str | None:

@@ -53,7 +53,7 @@ def main() -> None:
         return _child(args)
     import dataclasses
 
-    from replay.bisect.cross_floor import floor_for
+    from replay.bisect.cross_floor import TRAINER
     from trainer.presets import get_preset
     from trainer.reference_train import jax_config, train_reference
 
@@ -76,10 +76,10 @@ def main() -> None:
             base0 = max(series[:5])
             growth = max([(d - base0) / k for k, d in enumerate(series) if k > 0] + [0.0])
             last = args.steps - 1
-            below = all(v <= floor_for(name, kinds[name], k) for k in rows for name, v in rows[k].items())
+            below = all(v <= TRAINER.at(kinds[name], k) for k in rows for name, v in rows[k].items())
             ok &= below
             per[kind] = {"max": max(series), "at_step_0_to_4": base0, "growth_per_step": growth,
-                         "floor_at_last_step": floor_for("", kind, last), "all_below_floor": below}
+                         "floor_at_last_step": TRAINER.at(kind, last), "all_below_floor": below}
         result["by_devices"][str(n)] = per
     result["within_floor"] = ok
     print(json.dumps(result))

@@ -102,11 +102,6 @@ FLOORS = {f.name: f for f in (TRAINER, OLMO3_PAIR)}
 AUTO = "auto"
 
 
-def floor_for(name: str, kind: str, step: int, floor: Floor = TRAINER) -> float:
-    """The relative distance above which `name` (of causal `kind`) at `step` is not rounding noise."""
-    return floor.at(kind, step)
-
-
 def is_maxtext_olmo_core(manifest_a: dict, manifest_b: dict) -> bool:
     """One run recorded by replay.maxtext, the other by replay.torch's OLMo-core callback."""
     loops = {"maxtext" if m.get("loop") == "maxtext" else "olmo_core" if m.get("olmo_core") else None

@@ -196,6 +196,7 @@ class Run:
         if self.mirror is not None:  # checkpoints first: a manifest never names one not uploaded
             self.mirror.files()
             self.mirror.manifest()
+            self.mirror.prune()  # after the manifest: it never names a checkpoint the bucket lacks
 
     def finish(self) -> None:
         """Marks the run complete (the only way to) and releases the lock."""

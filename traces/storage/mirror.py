@@ -25,10 +25,10 @@ Resuming downloads the run's trace (sealed segments and the joined tail) and its
 a fresh staging folder first, but not its checkpoints: the checkpoint folder is staged as a
 replay's local copy stages it (traces/storage/ondemand.py: each step folder EMPTY, fetched when
 read), so the resumed loop downloads the one checkpoint it restores. Files fetched that way are
-not uploaded again (ondemand.fetched_as), and a step folder never fetched is never uploaded or
-deleted in the bucket (the mirror deletes no checkpoint: one orbax prunes under keep_checkpoints
-stays in the bucket, fetched or not). The cost of a resume is the trace, the small files and the
-example store plus one checkpoint, not every checkpoint.
+not uploaded again (ondemand.fetched_as), and a step folder never fetched is never uploaded. A
+step folder orbax prunes under keep_checkpoints (fetched or not) is deleted in the bucket after the
+manifest that no longer names it is uploaded (`prune`). The cost of a resume is the trace, the
+small files and the example store plus one checkpoint, not every checkpoint.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ class Mirror:
         self.url, self.staging, self.lease = str(as_path(url)), staging, lease
         self.manifest_generation: str | None = None
         self._sent: dict[str, tuple] = {}  # other files uploaded: relative path -> (size, mtime)
+        self._steps_seen: set[str] = set()  # checkpoint step folders staged here at some point
         self.tails_found: dict = {}  # from a resume's download: unsealed segment -> (bytes, tail objects)
 
     def _key(self, rel: str) -> str:
@@ -112,6 +113,30 @@ class Mirror:
                 self.put(rel, p.read_bytes(), replace=True)
                 self._sent[rel] = (st.st_size, st.st_mtime_ns)
 
+    def prune(self) -> None:
+        """Deletes from the bucket each checkpoint step folder that was staged here and is gone
+        from the staging folder: orbax pruned it under keep_checkpoints. Called after the manifest
+        that no longer names it is uploaded. A step folder never staged here (a run several
+        processes checkpoint straight to the bucket, where orbax prunes itself) is never touched."""
+        manifest = self.staging / "run.json"
+        rel = ondemand.checkpoint_folder(manifest.read_bytes()) if manifest.is_file() else None
+        if rel is None:
+            return
+        local = self.staging / rel
+        present = {p.name for p in local.iterdir() if p.is_dir() and p.name.isdigit()} if local.is_dir() else set()
+        for gone in sorted(self._steps_seen - present, key=int):
+            self._delete_tree(f"{rel}/{gone}")
+        self._steps_seen = present
+
+    def _delete_tree(self, rel: str) -> None:
+        files, dirs = self.store.list(self._key(rel) + "/")
+        for d in dirs:
+            self._delete_tree(f"{rel}/{d}")
+        for name in files:
+            self.delete(f"{rel}/{name}")
+        for rel_sent in [r for r in self._sent if r.startswith(rel + "/")]:
+            del self._sent[rel_sent]
+
     def release_after_failure(self) -> None:
         try:
             self.lease.release()
@@ -121,6 +146,7 @@ class Mirror:
     def close(self, remove_staging: bool = True) -> None:
         try:
             self.files()
+            self.prune()
         finally:
             self.lease.release()
             if remove_staging:
@@ -331,6 +357,7 @@ def resume(cls, url: str, mark: bool):
         run.mirror.manifest_generation = store.stat(f"{key}/run.json").generation
         run.mirror.manifest()  # a new generation: a stalled earlier writer's manifest writes are refused from now on
         run.mirror.tails_found = found
+        run.mirror.prune()  # notes the staged step folders: one orbax prunes from now on leaves the bucket too
         run.mirror._sent = {p.relative_to(staging).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns)
                             for p in staging.rglob("*") if p.is_file()}
         if mark:

@@ -10,9 +10,12 @@ its jitted step in `maxtext.utils.train_utils.jit_train_step`. This launcher run
 the same program, called as MaxText calls it, also recorded (example hashes of the batch's token
 rows, MaxText's scalar metrics with `learning/loss` as the loss, fingerprints of the state entering
 and leaving each step, and the step exported with the run). `replay.init` opens at the first step,
-after MaxText has started `jax.distributed` (several processes write one run). The state entering
-step k is saved into the run every `checkpoint_period` steps (MaxText's own option; every 10 steps
-when MaxText's checkpointing is off), through replay's checkpoints, not MaxText's manager.
+after MaxText has started `jax.distributed` (several processes write one run). Checkpoints: with MaxText's
+checkpointing on (enable_checkpointing=true, checkpoint_period=P) they are MaxText's own, saved by its
+manager, and the run saves no copy of the state: its config records MaxText's checkpoint folder, and a
+replay with MaxText's code restores MaxText's checkpoint s as the state entering step s + 1, verified
+against the trace (replay/maxtext/checkpoints.py; the state entering step 0 is rebuilt from the argv).
+With MaxText's checkpointing off, replay saves the state entering step k every 10 steps into the run.
 
 Resuming: MaxText started again with its checkpointing on restores its own latest checkpoint; its
 checkpoint s holds the state after step s (optimizer count s + 1, where its loop restarts), replay's
@@ -25,7 +28,7 @@ The run's config is MaxText's plus its argv and process count: `make` (the run's
 rebuilds MaxText's loop from them (replay/maxtext/rebuild.py), so `replay run` and `replay bisect`
 replay with MaxText's code (the recorded program, first ops named), on as many processes as trained;
 where MaxText is not installed it declines and the exported program (with the stored examples of a
-one-process run) replays instead.
+one-process run) replays instead, unless the run's checkpoints are MaxText's own (refused in one line).
 
 `--tap-grads` also taps the gradients inside MaxText's step (`tap_gradients`, the patch point: NNX
 MaxText's `TrainStateNNX.apply_gradients`), and the replay's `make` taps the same. `--tap-forward` taps
@@ -33,14 +36,15 @@ every module output inside the model (replay/maxtext/forward_taps.py; `=olmo_cor
 OLMo-core's modules), `--sketch-width 64` records distance sketches: with both, `replay bisect` against an
 OLMo-core run names the first op above the noise floor (tools/olmo3_pair.py).
 
-Not yet: a replay restored from MaxText's own checkpoint, so with MaxText's checkpointing on the
-state is still checkpointed twice (MaxText's and replay's copy). What it needs is known and tested:
-MaxText's checkpoint s (orbax v1's training Checkpointer: folder s/items, the Linen layout, step as
-int32), restored by MaxText's code onto its abstract state (`rebuild.maxtext_checkpoint`), is bit for
-bit replay's state entering step k = s + 1; the missing piece is replay's restore taking another
-folder, label and layout (replay/record/replayable.py and exported.py read RUN/checkpoints/k/default).
-Also not yet: Grain's iterator state (olmo_grain saves none: its sampler restarts at the checkpoint's
-step), and DiLoCo (whose step takes a per-step key as a third argument): refused in one line.
+Without MaxText's code (a bundle, or MaxText not installed) a run whose checkpoints are MaxText's own
+is refused in one line (the exported program takes MaxText's NNX state; its checkpoints hold the Linen
+layout that MaxText's code converts). Grain's iterator state (dataset_type=grain saves it as s/iter
+beside s/items) is not restored: a replay with MaxText's code draws step k's batch by iterating
+MaxText's rebuilt loader from its start (k + 1 `next` calls; MaxText's pipelines are deterministic in
+the step), and a one-process run feeds its stored rows anyway (olmo_grain saves no iterator state: its
+sampler restarts at the checkpoint's step). Not yet: DiLoCo (whose step takes a per-step key as a
+third argument): refused in one line; MaxText's checkpoints on object storage (gs://) are not listed
+for a replay (its step 0 only).
 
 Cost at a million steps: what recording costs any loop (one record a step, streamed to disk).
 """
@@ -54,6 +58,7 @@ from typing import Any
 import replay
 from replay.engine.code import EntrypointNotFound
 from replay.errors import InputError, ReplayUnavailable, message, user_error_code
+from replay.maxtext.checkpoints import KEY, MaxTextCheckpoints, recorded
 from replay.record.loop import entrypoint
 
 LOSS = "scalar/learning/loss"  # MaxText's metrics: {"scalar": {"learning/loss": ..., ...}}
@@ -77,6 +82,9 @@ def make(config: dict) -> Any:
     captured instead of run (replay/maxtext/rebuild.py): the same model, optimizer, mesh, sharding rules
     and data pipeline MaxText builds, so the replay's program is the one MaxText trained with."""
     # Either refusal lets a replay fall back to the run's exported program (replay/record/exported.py).
+    # A run whose checkpoints are MaxText's own is refused rather than declined: only MaxText's code restores
+    # them, and the exported program would find no checkpoint to start from (replay/maxtext/checkpoints.py).
+    held = recorded(config)
     argv = config.get(ARGV_KEY) if isinstance(config, dict) else None
     if not (isinstance(argv, list) and all(isinstance(a, str) for a in argv)):
         raise EntrypointNotFound("this MaxText run recorded no MaxText argv (recorded before replay.maxtext kept "
@@ -84,12 +92,12 @@ def make(config: dict) -> Any:
     try:
         import maxtext  # noqa: F401
     except ImportError as exc:
-        raise EntrypointNotFound(f"MaxText is not installed here ({exc}), so its loop cannot be rebuilt; "
-                                 "tools/maxtext-env.sh builds an environment with it") from exc
+        raise _declined(f"MaxText is not installed here ({exc}), so its loop cannot be rebuilt; "
+                        "tools/maxtext-env.sh builds an environment with it", held) from exc
     missing = [a for a in argv if a.endswith((".yml", ".yaml")) and "=" not in a and not Path(a).is_file()]
     if missing:  # the run was recorded on another machine or checkout: MaxText's main would fail on it
-        raise EntrypointNotFound(f"the MaxText config file the run was recorded with, {missing[0]}, is not here, "
-                                 "so MaxText's loop cannot be rebuilt")
+        raise _declined(f"the MaxText config file the run was recorded with, {missing[0]}, is not here, "
+                        "so MaxText's loop cannot be rebuilt", held)
     import jax
 
     processes = config.get(PROCESSES_KEY, 1)
@@ -111,7 +119,19 @@ def make(config: dict) -> Any:
 
     built = rebuild(argv)
     built.enter_mesh()
-    return replay.Loop(step=built.jitted, batch_at=built.batch_at, init=built.init, abstract_state=built.abstract_state())
+    steps = config.get("steps") if isinstance(config.get("steps"), int) else None
+    return replay.Loop(step=built.jitted, batch_at=built.batch_at, init=built.init, abstract_state=built.abstract_state(),
+                       checkpoints=MaxTextCheckpoints(argv, held, built, steps) if held else None)
+
+
+def _declined(why: str, held: dict | None) -> Exception:
+    """make() cannot rebuild MaxText's loop here: the exported program stands in (EntrypointNotFound),
+    unless the run's checkpoints are MaxText's own, which only MaxText's code restores (one line, exit 2)."""
+    if held is None:
+        return EntrypointNotFound(why)
+    return ReplayUnavailable(f"this run's checkpoints are MaxText's own ({held['directory']}), which only MaxText's "
+                             f"code restores, and {why}: replay it where MaxText runs (a run recorded with "
+                             "enable_checkpointing=false keeps replay's own checkpoints and replays without MaxText)")
 
 
 def _config_dict(config: Any) -> dict:
@@ -137,8 +157,10 @@ class RecordedMaxTextStep:
         self.jitted, self.run_dir, self.config, self.argv = jitted, run_dir, config, list(argv)
         self.stop_at, self.stop, self.taps = stop_at, stop, list(taps)
         self.forward_names, self.sketch_width = forward_names, sketch_width
-        self.every = int(getattr(config, "checkpoint_period", 0) or 0) if getattr(
-            config, "enable_checkpointing", False) else DEFAULT_EVERY
+        # MaxText's checkpointing on: its checkpoints are the run's (replay/maxtext/checkpoints.py), no copy
+        self.maxtext_saves = bool(getattr(config, "enable_checkpointing", False)) and int(
+            getattr(config, "checkpoint_period", 0) or 0) > 0
+        self.every = 0 if self.maxtext_saves else DEFAULT_EVERY
         self.run: Any = None
         self.step: Any = None
 
@@ -180,16 +202,30 @@ class RecordedMaxTextStep:
                 raise MaxTextError(f"MaxText resumed at step {start} from its checkpoint, but the run {self.run_dir} "
                                    f"was recorded up to step {self.run.next_step - 1}; resume from the checkpoint "
                                    "the run ends at, or record into a new folder")
+            self._record_checkpoints()  # MaxText may resume from (and save into) another output folder
         elif start:
             raise MaxTextError(f"MaxText resumed at step {start} from its own checkpoint, and {self.run_dir} holds no "
                                "run to continue: give the folder the run was recorded in")
         else:
             config = dict(_config_dict(self.config), **{ARGV_KEY: self.argv, PROCESSES_KEY: jax.process_count(),
                                                         TAPS_KEY: self.taps, NAMES_KEY: self.forward_names})
+            if self.maxtext_saves:
+                config[KEY] = self._checkpoints_entry()
             self.run = replay.init(self.run_dir, config=config, store_examples=single,
                                    entrypoint="replay.maxtext:make", dataset_size=_dataset_size(self.config),
                                    manifest={"loop": "maxtext", "maxtext_version": _maxtext_version()})
         self.step = self.run.step(self.jitted, batch_axis=0, loss=LOSS, sketch_width=self.sketch_width)
+
+    def _checkpoints_entry(self) -> dict:
+        """Where MaxText saves its checkpoints (absolute: a replay may run from another folder)."""
+        where = str(self.config.checkpoint_dir)
+        return {"directory": where if "://" in where else str(Path(where).absolute()),
+                "period": int(self.config.checkpoint_period)}
+
+    def _record_checkpoints(self) -> None:
+        config = self.run.manifest.get("config") or {}
+        if self.maxtext_saves and KEY in config and config[KEY] != self._checkpoints_entry():
+            self.run.annotate(config=dict(config, **{KEY: self._checkpoints_entry()}))
 
     def __getattr__(self, name: str) -> Any:
         # MaxText also lowers its step ahead of time (memory stats, `compiled_trainstep_file`):

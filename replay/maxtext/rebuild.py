@@ -119,8 +119,7 @@ def maxtext_checkpoint(argv: list[str], directory: str, label: int) -> Any:
     (checked bit for bit, tests/maxtext/test_maxtext.py). MaxText refuses the checkpoint of the run's
     last step (`steps` reached): there is no step after it to replay anyway.
 
-    The building block for a replay restored from MaxText's checkpoints (not yet wired into `replay run`:
-    its restore reads replay's own checkpoint folder and labels, replay/record/replayable.py)."""
+    What a replay restored from MaxText's checkpoints runs (replay/maxtext/checkpoints.py)."""
     # MaxText reads load_full_state_path only with its checkpointing on; the output folder stays a
     # temporary one, so its manager finds no checkpoint of its own there and loads the path given.
     return _run_until_first_step([*argv, f"load_full_state_path={directory}/{label}/items"],

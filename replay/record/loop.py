@@ -41,6 +41,15 @@ class Loop:
         as the loop defines it, deterministic (no dropout), without changing or donating `state`;
       eval_batches: () -> a fresh finite iterable of held-out batches (examples training never
         feeds), the same on every call and for both runs compared (run A's are used for both).
+    For a loop that checkpoints through its own manager (another layout, another numbering) rather
+    than `run.save` (optional):
+      checkpoints: an object with steps() -> the steps k whose state ENTERING step k it can give
+        (replay's numbering: MaxText's checkpoint s, the state after step s, is k = s + 1) and
+        restore(k) -> that state, a tree like the Loop's state (replay/record/loop_checkpoints.py,
+        `LoopCheckpoints`). Replay uses its own checkpoint k first; a state the loop gives is
+        verified against the trace's recorded fingerprints of the state entering step k (one line,
+        exit 2, when it differs), so the run needs no second copy of the state. With batch_at only:
+        replay restores a data iterator from its own checkpoints.
     """
 
     step: Callable[[Any, Any], tuple[Any, Any]] | None = None
@@ -52,6 +61,7 @@ class Loop:
     eval_batches: Callable[[], Any] | None = None
     nnx_step: Callable | None = None
     nodes: Callable[[], Any] | None = None
+    checkpoints: Any = None
 
     def __post_init__(self):
         if self.nnx_step is not None or self.nodes is not None:
@@ -72,6 +82,14 @@ class Loop:
                               "(its jax.ShapeDtypeStructs): checkpoints are restored onto it")
         if self.init is not None and not callable(self.init):
             raise RecordError("replay.Loop(init=...): must be a function () -> state")
+        missing = [m for m in ("steps", "restore") if not callable(getattr(self.checkpoints, m, None))]
+        if self.checkpoints is not None and missing:
+            raise RecordError(f"replay.Loop(checkpoints=...): a {type(self.checkpoints).__name__} has no "
+                              f"{' or '.join(missing)} method; give an object with steps() -> [k] and restore(k) -> "
+                              "the state entering step k")
+        if self.checkpoints is not None and self.data is not None:
+            raise RecordError("replay.Loop(checkpoints=..., data=...): replay restores a data iterator only from its "
+                              "own checkpoints (run.save(k, state, data=it)); give batch_at with the loop's checkpoints")
         if self.evaluate is not None and not callable(self.evaluate):
             raise RecordError("replay.Loop(evaluate=...): must be a function (state, batch) -> float32 [n], each "
                               "example's loss")

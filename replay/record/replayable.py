@@ -24,7 +24,7 @@ import numpy as np
 
 from replay.errors import ReplayUnavailable
 from replay.record import checkpoints as ckpts
-from replay.record import data_iterator, examples_store, saved_layout
+from replay.record import data_iterator, examples_store, loop_checkpoints, saved_layout
 from replay.record.data_iterator import IteratorFeed, next_batch
 from replay.record.hashing import example_hashes
 from replay.record.loop import MARK, Loop
@@ -57,7 +57,9 @@ class LoopReplay:
         self.loop, self._call = loop, call_user
         self.options = StepOptions.from_json(manifest.get("record") or {})
         self._manifest, self._shown = manifest, run.path
-        self._manager = ckpts.open_manager(ckpts.run_checkpoint_dir(run), read_only=True)
+        own = ckpts.run_checkpoint_dir(run)  # none in a run whose loop keeps its checkpoints (Loop.checkpoints)
+        self._manager = ckpts.open_manager(own, read_only=True) if loop.checkpoints is None or own.is_dir() else None
+        self._run = run
         self.restore_notes: list[str] = []
         self._abstract = call_user(loop.state_shapes)
         self._abstract = _as_saved(self._abstract, loop, self._manager)
@@ -89,9 +91,26 @@ class LoopReplay:
         return self.program.program_hash
 
     def checkpoint_steps(self) -> list[int]:
-        return ckpts.steps(self._manager)
+        return sorted(set(self._own_steps()) | set(self._loop_steps()))
+
+    def _own_steps(self) -> list[int]:
+        return ckpts.steps(self._manager) if self._manager is not None else []
+
+    def _loop_steps(self) -> list[int]:
+        given = self.loop.checkpoints
+        return [] if given is None else [int(k) for k in self._call(given.steps)]
 
     def restore(self, step: int) -> Any:
+        if step not in self._own_steps() and step in self._loop_steps():  # the loop's own (loop_checkpoints.py)
+            given = self.loop.checkpoints
+            state = self._call(given.restore, step)
+            where = (self._call(given.describe, step) if callable(getattr(given, "describe", None))
+                     else f"{function_name(given.restore)}({step}) for {self._shown}")
+            note = loop_checkpoints.verify(state, step, self._run, where)
+            if note is not None and note not in self.restore_notes:
+                self.restore_notes.append(note)
+            self._check_loop_at = step
+            return state
         fingerprint = (self._manifest.get(ckpts.FINGERPRINTS_KEY) or {}).get(str(step))
         if fingerprint is None and not any(str(step) in n for n in self.restore_notes):
             self.restore_notes.append(f"checkpoint {step} has no recorded fingerprint, so it was restored unverified")
@@ -194,7 +213,7 @@ class LoopReplay:
 def _as_saved(abstract: Any, loop: Loop, manager: Any) -> Any:
     """The state's shapes with each leaf the Loop does not place where the newest checkpoint saved
     it (replay/record/saved_layout.py), so the step compiles for the layout the run trained on."""
-    saved = ckpts.steps(manager)
+    saved = ckpts.steps(manager) if manager is not None else []
     if not saved:
         return abstract
     layout = saved_layout.saved_shardings(ckpts.state_metadata(manager, saved[-1]))

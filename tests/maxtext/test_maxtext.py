@@ -201,29 +201,65 @@ def test_gradient_taps_inside_maxtexts_step_are_recorded_and_replay_bit_exact_wi
     assert (report["replayed"], report["bit_exact"], report["all_bit_exact"]) == (steps - 1, steps - 1, True), report
 
 
-def test_maxtexts_checkpoint_s_restored_by_its_code_is_the_state_entering_step_s_plus_1(tmp_path):
-    # The label mapping a replay from MaxText's own checkpoints needs (replay.maxtext.rebuild.maxtext_checkpoint):
-    # MaxText's checkpoint s holds the state after step s, replay's checkpoint k the state entering step k.
-    # With checkpoint_period=1 the run today holds both at every step, so they are compared bit for bit
-    # (state_fingerprint: every leaf's path, dtype, shape and bits); the wrong mapping (k = s) must differ.
-    steps, out = 4, tmp_path / "maxtext-out"
+OWNED_STEPS, PERIOD = 6, 2
+
+
+@pytest.fixture(scope="module")
+def owned(tmp_path_factory) -> dict:
+    """A run recorded with MaxText's checkpointing on: MaxText saves at s % PERIOD == 0 and the last step."""
+    root = tmp_path_factory.mktemp("owned")
     argv = [a for a in TINY if not a.startswith(("steps=", "enable_checkpointing="))]
-    done = subprocess.run([sys.executable, "-m", "replay.maxtext", str(tmp_path / "ckpt"), str(CONFIG), *argv,
-                           f"steps={steps}", "enable_checkpointing=true", "checkpoint_period=1",
-                           "async_checkpointing=false", "run_name=ckpt", f"base_output_directory={out}"],
+    done = subprocess.run([sys.executable, "-m", "replay.maxtext", str(root / "owned"), str(CONFIG), *argv,
+                           f"steps={OWNED_STEPS}", "enable_checkpointing=true", f"checkpoint_period={PERIOD}",
+                           "async_checkpointing=false", "run_name=owned", f"base_output_directory={root / 'out'}"],
                           env=ENV, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    folder = out / "ckpt" / "checkpoints"
-    assert sorted(int(p.name) for p in folder.iterdir()) == list(range(steps))
-    recorded = json.loads((tmp_path / "ckpt" / "run.json").read_text())["checkpoint_fingerprints"]
-    assert sorted(map(int, recorded)) == list(range(steps)), recorded
-    code = ("import json, sys; from replay.maxtext.rebuild import maxtext_checkpoint; "
-            "from replay.record.fingerprint import state_fingerprint; "
-            "argv = json.load(open(sys.argv[1]))['config']['replay_maxtext_argv']; "
-            "print(json.dumps({s: state_fingerprint(maxtext_checkpoint(argv, sys.argv[2], s)) for s in (0, 2)}))")
-    got = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ckpt" / "run.json"), str(folder)], env=ENV,
-                         capture_output=True, text=True, timeout=900)
-    assert got.returncode == 0, got.stderr[-3000:]
-    restored = json.loads(got.stdout.strip().splitlines()[-1])
-    assert restored == {"0": recorded["1"], "2": recorded["3"]}, (restored, recorded)
-    assert restored["0"] != recorded["0"] and restored["2"] != recorded["2"], (restored, recorded)
+    return {"run": root / "owned", "maxtext": root / "out" / "owned" / "checkpoints"}
+
+
+def test_with_maxtexts_checkpointing_on_the_run_keeps_no_copy_and_replays_from_maxtexts_own(owned):
+    # MaxText's checkpoint s is the state after step s: replay's state entering step s + 1. The run holds
+    # no checkpoint of replay's; `replay run --steps 3:4` restores MaxText's checkpoint 2 with MaxText's
+    # code, checks it against the trace's fingerprints of the state entering step 3, and replays.
+    assert sorted(int(p.name) for p in owned["maxtext"].iterdir()) == [0, 2, 4, OWNED_STEPS - 1]
+    manifest = json.loads((owned["run"] / "run.json").read_text())
+    assert not manifest.get("checkpoints") and not manifest.get("checkpoint_fingerprints"), manifest.get("checkpoints")
+    assert not any((owned["run"] / "checkpoints").glob("*/*")), list((owned["run"] / "checkpoints").glob("*"))
+    assert manifest["config"]["replay_maxtext_checkpoints"]["directory"].rstrip("/") == str(owned["maxtext"])
+    for steps, checkpoint in (("3:4", 3), ("0:1", 0)):  # step 0's state: rebuilt from the argv, checked alike
+        done = _replay("run", str(owned["run"]), "--steps", steps, "--json", prng=None)
+        assert done.returncode == 0, done.stderr[-2000:]
+        report = json.loads(done.stdout.strip().splitlines()[-1])
+        assert "replayed with your code (replay.maxtext:make)" in report["notes"], report["notes"]
+        assert report["checkpoint"] == checkpoint and report["contract"]["expect_bits"], report
+        assert (report["replayed"], report["bit_exact"], report["all_bit_exact"]) == (2, 2, True), report
+        assert not any("unverified" in n for n in report["notes"]), report["notes"]
+
+
+def test_a_tampered_maxtext_checkpoint_is_refused_in_one_line(owned):
+    # A bit flipped in MaxText's checkpoint 2 (the largest array file): orbax and MaxText restore it
+    # without complaint; the trace's fingerprints of the state entering step 3 refuse it. Put back after.
+    files = [p for p in (owned["maxtext"] / "2" / "items").rglob("*") if p.is_file() and p.parent.name == "d"]
+    chunk = max(files, key=lambda p: p.stat().st_size)
+    data = chunk.read_bytes()
+    try:
+        chunk.write_bytes(data[:len(data) // 2] + bytes([data[len(data) // 2] ^ 1]) + data[len(data) // 2 + 1:])
+        done = _replay("run", str(owned["run"]), "--steps", "3:4", "--json", prng=None)
+    finally:
+        chunk.write_bytes(data)
+    errors = [ln for ln in done.stderr.splitlines() if ln.startswith("error:")]
+    assert done.returncode == 2 and len(errors) == 1, done.stderr[-3000:]
+    assert f"{owned['maxtext'] / '2'}: MaxText's checkpoint 2" in errors[0] and "entering step 3" in errors[0], errors
+    assert "differs" in errors[0] and "Traceback" not in done.stderr, errors
+
+
+def test_without_maxtexts_code_a_run_on_maxtexts_checkpoints_is_refused_naming_what_to_do():
+    # The exported program takes MaxText's NNX state; MaxText's checkpoints hold its Linen layout, which
+    # only MaxText's code converts: make() refuses (exit 2) rather than fall back to the exported program.
+    from replay.errors import ReplayUnavailable
+    from replay.maxtext import make
+
+    config = {"replay_maxtext_argv": ["/nowhere/base.yml", "steps=2"],
+              "replay_maxtext_checkpoints": {"directory": "/nowhere/checkpoints", "period": 2}}
+    with pytest.raises(ReplayUnavailable, match="MaxText's own .*enable_checkpointing=false keeps replay's own"):
+        make(config)

@@ -1,0 +1,68 @@
+"""MaxText's own checkpoints as a recorded run's checkpoints (`replay.Loop(checkpoints=...)`).
+
+With MaxText's checkpointing on (enable_checkpointing=true, checkpoint_period=P) the launcher saves
+no copy of the state into the run: MaxText's checkpoint manager saves it, and the run's config
+records where (`replay_maxtext_checkpoints`: MaxText's checkpoint folder and period). MaxText's
+checkpoint s holds the state AFTER step s (its optimizer count s + 1, where its loop restarts), so it
+is replay's state entering step k = s + 1; it is restored by MaxText's own code onto MaxText's abstract
+state (rebuild.maxtext_checkpoint: its Linen layout converted to the NNX state its step takes), then
+verified by replay against the trace's fingerprints of the state entering step k
+(replay/record/loop_checkpoints.py): a flipped bit in one of MaxText's array chunks, which orbax
+restores without complaint, is refused in one line naming the checkpoint's folder.
+
+The state entering step 0 is in no MaxText checkpoint (its s = 0 is the state after step 0). It is
+rebuilt, not saved: MaxText's `main` builds it from the run's argv (its seed) whenever the loop is
+rebuilt for a replay (make() needs that rebuild for the program anyway), and it is verified against the
+trace like any other restored state. A saved copy would cost one whole state (parameters and optimizer
+moments: a checkpoint's size) per run, which is what letting MaxText own the checkpoints avoids.
+
+Without MaxText's code (a bundle, or MaxText not installed) nothing here can run: the exported
+program takes the NNX state MaxText's step takes, and turning MaxText's Linen-layout checkpoint into it
+is MaxText's own conversion. make() then refuses in one line rather than falling back to the exported
+program (which would find no checkpoint to start from). A run recorded with MaxText's checkpointing off
+keeps replay's own checkpoints (every 10 steps) and replays without MaxText.
+
+Cost of a restore from MaxText's checkpoint: one MaxText setup up to its first step (model init, data
+pipeline, MaxText's ahead-of-time compile), as a rebuild; of step 0: none beyond the rebuild.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+KEY = "replay_maxtext_checkpoints"  # the run's config: {"directory": MaxText's checkpoint folder, "period": P}
+
+
+def recorded(config: Any) -> dict | None:
+    """What the run's config says of MaxText's checkpoints (None: replay saved its own)."""
+    held = config.get(KEY) if isinstance(config, dict) else None
+    return held if isinstance(held, dict) and isinstance(held.get("directory"), str) else None
+
+
+class MaxTextCheckpoints:
+    """MaxText's checkpoint folder, read as replay's: steps() and restore(k) in replay's numbering."""
+
+    def __init__(self, argv: list[str], held: dict, built: Any, steps: int | None):
+        self.argv, self.directory, self.built, self.last = list(argv), Path(held["directory"]), built, steps
+
+    def steps(self) -> list[int]:
+        # A label's folder holds `items` once MaxText's save is complete. Its checkpoint of the last
+        # step (k = steps) has no step after it to replay, and MaxText refuses to restore it anyway.
+        labels = [int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and (p / "items").is_dir()] \
+            if self.directory.is_dir() else []
+        return [0] + sorted(s + 1 for s in labels if self.last is None or s + 1 < self.last)
+
+    def restore(self, k: int) -> Any:
+        if k == 0:
+            return self.built.init()
+        from replay.maxtext.rebuild import maxtext_checkpoint
+
+        state = maxtext_checkpoint(self.argv, str(self.directory), k - 1)
+        self.built.enter_mesh()  # MaxText's main set its own mesh and rules for the restore: the replay's again
+        return state
+
+    def describe(self, k: int) -> str:
+        if k == 0:
+            return "MaxText's initial state, rebuilt from the run's argv"
+        return f"{self.directory / str(k - 1)}: MaxText's checkpoint {k - 1}"

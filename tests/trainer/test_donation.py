@@ -16,8 +16,9 @@ from trainer.config import apply_overrides
 from trainer.presets import get_preset
 from trainer.constants import TRACE_LEVELS
 
-# tiny as tests/trainer/test_step.py trains it: the same programs, so the session's compilation cache
-# (tests/conftest.py) compiles each level once for both files
+# tiny's step at each level as the trainer's loop lowers it (trainer.mesh.lower_step), the program
+# tests/trainer/test_step.py trains (tests/trainer/loop_programs.py) and, at level layer, every `tiny`
+# run in the suite: the session's compilation cache (tests/conftest.py) compiles each once for all
 CFG = get_preset("tiny")
 
 
@@ -32,8 +33,8 @@ def params_bytes(cfg) -> int:
 
 @pytest.mark.parametrize("level", TRACE_LEVELS)
 def test_the_train_step_writes_the_donated_state_in_place(level):
-    state, batch = abstract(CFG)
-    report = donation.check(step.compile_step(CFG, level).lower(state, batch).compile())
+    state, _ = abstract(CFG)
+    report = donation.check(meshlib.lower_step(CFG, level, meshlib.make_mesh(CFG.mesh))[0].compile())
     assert report["in_place"], report
     assert report["donated_leaves"] >= len(jax.tree.leaves(state)) - 1  # jit drops an unused leaf at most
     assert report["aliased_leaves"] == report["donated_leaves"]

@@ -12,6 +12,7 @@ from trainer.config import apply_overrides
 from trainer.presets import get_preset
 from replay.record.recorder import lanes_to_uint64
 from trainer.step import METRICS, compile_step, get_path, init_state, tensor_schema
+from tests.trainer.loop_programs import loop_step
 
 CFG = get_preset("tiny")
 N_STEPS = 3
@@ -28,10 +29,13 @@ def leaves_bytes(tree) -> list[bytes]:
 
 @pytest.fixture(scope="module")
 def runs():
-    """N_STEPS of tiny at each recording level, from the same initial state."""
+    """N_STEPS of tiny at each recording level, from the same initial state. The trainer loop's own
+    programs (tests/trainer/loop_programs.py): the layer-level one is that of every `tiny` run in the
+    suite (tests/tiny_run.py, test_spike.py's), so the session's compilation cache compiles it once;
+    compile_step called on unplaced arrays lowered another program of its own per level."""
     out = {}
     for level in ("off", "step", "layer"):
-        fn = compile_step(CFG, level)
+        fn = loop_step(CFG, level)
         state, history = init_state(CFG), []
         for k in range(N_STEPS):
             before = jax.device_get(state)
@@ -95,7 +99,7 @@ def test_forward_fingerprints_match_captured_activations(runs):
 
 
 def test_fingerprints_catch_a_one_bit_parameter_change():
-    fn = compile_step(CFG, "layer")
+    fn = loop_step(CFG, "layer")  # the runs fixture's program
     state = init_state(CFG)
     flipped = jax.tree.map(np.array, jax.device_get(state))
     flipped.params["block_01"]["attn"]["o"]["kernel"].view(np.uint32)[0, 0] ^= 1 << 3

@@ -104,3 +104,22 @@ def test_the_hook_is_checked_when_the_loop_is_built():
         dataclasses.replace(base, checkpoints=type("OnlySteps", (), {"steps": lambda self: [0]})())
     with pytest.raises(RecordError, match="data iterator only from its own checkpoints"):
         replay.Loop(step=base.step, data=lambda: iter([]), init=base.init, checkpoints=Held(base))
+
+
+def test_without_the_traces_state_fingerprints_the_runs_checkpoint_fingerprint_checks_else_a_note():
+    # A step-level run (or a step outside the trace) records no state fingerprints: the run's checkpoint
+    # fingerprint of k is used when it has one; with none the state is restored unverified, said in a note.
+    import jax.numpy as jnp
+
+    from replay.record.fingerprint import state_fingerprint
+    from replay.record.loop_checkpoints import verify
+    from replay.record.orbax_io import CheckpointDamagedError
+    from traces import Schema
+
+    state = {"w": jnp.arange(3, dtype=jnp.float32)}
+    run = type("StepLevelRun", (), {"schema": Schema(examples_per_step=1, rng_words=0, metrics=(("loss", "loss"),)), "trace": [], "manifest": {}})()
+    assert "restored unverified" in verify(state, 4, run, "its checkpoint 4")
+    run.manifest = {"checkpoint_fingerprints": {"4": state_fingerprint(state)}}
+    assert verify(state, 4, run, "its checkpoint 4") is None
+    with pytest.raises(CheckpointDamagedError, match="its checkpoint 4: .* has fingerprint"):
+        verify({"w": state["w"].at[1].set(7.0)}, 4, run, "its checkpoint 4")

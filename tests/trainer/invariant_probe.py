@@ -10,9 +10,12 @@ no captured activations) and prints one JSON line: per run the sha256 of the los
 per-example losses and every gradient leaf (in tree order), the compiled program's
 per-device memory (`memory_analysis()`) and the gradient state a device keeps across
 microbatches, read from the traced program (trainer/gradient_memory.py). Reductions: scatter (the trainer's), gather (the
-previous implementation, kept in trainer/invariant.py as the reference) and sequential (an
+previous implementation, kept in trainer/invariant.py as the reference), sequential (an
 injected difference: scatter with a left-to-right sum over each scan step's microbatches
-instead of the tree; strided layouts only).
+instead of the tree; strided layouts only) and interleaved (scatter with the fixed-order softmax and
+RMSNorm VJPs summing their last axis in another order, `interleaved_vjps`: as correct, other rounding;
+its gradients are also compared with scatter's on the same layout within float tolerance,
+"close_to_scatter").
 Cost: one compile of the microbatched gradient per run (3-6 s each on 2 busy cores).
 """
 
@@ -26,9 +29,9 @@ import sys
 
 DEVICES = 8
 SETS = ["mesh.mesh_invariant=true", "mesh.n_microbatches=8", "model.n_layers=1"]  # one block: every kind of leaf
-REDUCTIONS = ("scatter", "gather", "sequential")
+REDUCTIONS = ("scatter", "gather", "sequential", "interleaved")
 DEFAULT_RUNS = ("scatter:1x1", "scatter:2x1", "scatter:4x1", "scatter:2x2", "scatter:8x1",
-                "gather:2x1", "gather:8x1", "sequential:8x1")
+                "gather:2x1", "gather:8x1", "sequential:8x1", "interleaved:1x1")
 
 
 def probe_env(base: dict[str, str] | None = None) -> dict[str, str]:
@@ -52,6 +55,44 @@ def _left_fold(shards_Nx):
     for i in range(1, shards_Nx.shape[0]):
         total = total + shards_Nx[i]
     return total
+
+
+def vjps(softmax_bwd, rms_bwd):
+    """Stand-ins for model._softmax_fixed and model._rms_norm_fixed: the same forward and
+    residuals, the given backward functions."""
+    import jax
+
+    from trainer import model
+
+    softmax = jax.custom_vjp(model._softmax)
+    softmax.defvjp(model._softmax_fixed_fwd, softmax_bwd)
+    rms = jax.custom_vjp(lambda x, s, eps: model._rms_norm(x, s, eps)[0], nondiff_argnums=(2,))
+    rms.defvjp(model._rms_norm_fixed_fwd, rms_bwd)
+    return softmax, rms
+
+
+def interleaved_vjps():
+    """The fixed-order VJPs with each sum over the last axis taken over its even elements, then its
+    odd ones: tree_sum's halving adds then pair neighbours first, not elements half a row apart, so
+    the rounding differs. (Reversing or rolling the row would not do: tree_sum then adds the same
+    pairs, b + a for a + b, and with mesh-invariant settings gives the same bits: measured.)"""
+    import jax.numpy as jnp
+
+    from trainer import model
+
+    def interleaved_sum(x):
+        return model.tree_sum(jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1))
+
+    def softmax_bwd(p, g):
+        return ((g - interleaved_sum(g * p)) * p,)
+
+    def rms_bwd(eps, res, g):
+        x32, scale32, rms = res
+        gs = g * scale32
+        dx = gs * rms - x32 * (rms * rms * rms) * (interleaved_sum(gs * x32) / x32.shape[-1])
+        return dx, interleaved_sum((g * x32 * rms).reshape(-1, x32.shape[-1]).T)[:, 0]
+
+    return vjps(softmax_bwd, rms_bwd)
 
 
 def scattered_vs_gathered(n_devices: int) -> dict:
@@ -93,7 +134,7 @@ def probe(runs: list[tuple[str, int, int]]) -> dict:
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from trainer import gradient_memory, invariant, step
+    from trainer import gradient_memory, invariant, model, step
     from trainer.config import apply_overrides
     from trainer.presets import get_preset
 
@@ -105,7 +146,7 @@ def probe(runs: list[tuple[str, int, int]]) -> dict:
     batch = {"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32)}
     key = jax.random.key(3, impl="threefry2x32")
     grad_bytes = int(sum(np.asarray(g).nbytes for g in jax.tree.leaves(params)))
-    out = {}
+    out, arrays, close = {}, {}, {}
     for reduction, data, fsdp in runs:
         devices = np.asarray(jax.devices()[:data * fsdp]).reshape(data, fsdp)
         mesh = Mesh(devices, invariant.BATCH_AXES)
@@ -113,18 +154,26 @@ def probe(runs: list[tuple[str, int, int]]) -> dict:
         p = jax.device_put(params, NamedSharding(mesh, P()))
         kwargs = {"reduction": "gather"} if reduction == "gather" else {}
         fn = jax.jit(lambda p, b: invariant.value_and_grad(p, cfg, b, key, False, mesh, **kwargs))
-        block_sum = invariant.block_sum
+        block_sum, fixed = invariant.block_sum, (model._softmax_fixed, model._rms_norm_fixed)
         if reduction == "sequential":
             invariant.block_sum = _left_fold
+        if reduction == "interleaved":
+            model._softmax_fixed, model._rms_norm_fixed = interleaved_vjps()
         try:
             traced = fn.trace(p, b)
             compiled = traced.lower().compile()
         finally:
             invariant.block_sum = block_sum
+            model._softmax_fixed, model._rms_norm_fixed = fixed
         (_, aux), grads = compiled(p, b)
         flat = jax.tree_util.tree_flatten_with_path(grads)[0]
         mem = compiled.memory_analysis()
-        out[f"{reduction}:{data}x{fsdp}"] = {
+        name = f"{reduction}:{data}x{fsdp}"
+        arrays[name] = [np.asarray(g) for g in jax.tree.leaves(grads)]
+        if reduction == "interleaved" and f"scatter:{data}x{fsdp}" in arrays:
+            close[name] = all(
+                np.allclose(r, s, rtol=1e-4, atol=1e-7) for r, s in zip(arrays[name], arrays[f"scatter:{data}x{fsdp}"]))
+        out[name] = {
             "loss": _digest(aux["loss"]), "example_loss": _digest(aux["example_loss"]),
             "grads": {jax.tree_util.keystr(path): _digest(g) for path, g in flat},
             "memory": {"argument": int(mem.argument_size_in_bytes), "output": int(mem.output_size_in_bytes),
@@ -133,7 +182,7 @@ def probe(runs: list[tuple[str, int, int]]) -> dict:
         }
     units = {f"scattered_vs_gathered:{n}": scattered_vs_gathered(n) for n in (3,)}
     return {"jax": jax.__version__, "pool": invariant.pool_threads(), "units": units,
-            "grad_bytes": grad_bytes,
+            "grad_bytes": grad_bytes, "close_to_scatter": close,
             "largest_leaf_bytes": int(max(np.asarray(g).nbytes for g in jax.tree.leaves(params))), "runs": out}
 
 

@@ -18,9 +18,10 @@ Runs on the same device count share one process (the CLI's commands in turn, as 
 them): 6 processes for the 9 mesh-invariant runs and 2 replays (two runs at trace level step: every
 metric there, param_norm included, equal on 1 and 4 devices).
 
-The fast tests show in-process that the mesh-invariant step runs every softmax and RMSNorm
-backward through the fixed-order VJPs, and that the gradients are made of what those VJPs
-compute (another summation order, as correct, gives other gradient bits).
+The fast test shows in-process that the mesh-invariant step runs every softmax and RMSNorm
+backward through the fixed-order VJPs; that the gradients are made of what those VJPs compute
+(another summation order, as correct, gives other gradient bits) is test_invariant_scatter.py's,
+whose 8-device probe already compiles this gradient on one device (one compile fewer than here).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.trainer.invariant_probe import vjps
 from tests.trainer.test_train_e2e import env, free_port, replay_cmd
 from traces import Run, compare
 from trainer import invariant, model, step as steplib
@@ -284,19 +286,9 @@ def _batch(cfg) -> dict:
     return {"inputs": jnp.asarray(tokens[:, :-1], jnp.int32), "targets": jnp.asarray(tokens[:, 1:], jnp.int32)}
 
 
-def _vjps(softmax_bwd, rms_bwd):
-    """Stand-ins for model._softmax_fixed and model._rms_norm_fixed: the same forward and
-    residuals, the given backward functions."""
-    softmax = jax.custom_vjp(model._softmax)
-    softmax.defvjp(model._softmax_fixed_fwd, softmax_bwd)
-    rms = jax.custom_vjp(lambda x, s, eps: model._rms_norm(x, s, eps)[0], nondiff_argnums=(2,))
-    rms.defvjp(model._rms_norm_fixed_fwd, rms_bwd)
-    return softmax, rms
-
-
 @contextlib.contextmanager
 def _patched_vjps(monkeypatch, softmax_bwd, rms_bwd):
-    softmax, rms = _vjps(softmax_bwd, rms_bwd)
+    softmax, rms = vjps(softmax_bwd, rms_bwd)
     with monkeypatch.context() as m:
         m.setattr(model, "_softmax_fixed", softmax)
         m.setattr(model, "_rms_norm_fixed", rms)
@@ -324,39 +316,3 @@ def test_every_softmax_and_rmsnorm_backward_of_the_step_is_the_fixed_order_one(m
         plain = apply_overrides(get_preset("tiny"), [])
         jax.make_jaxpr(functools.partial(steplib.train_step, cfg=plain, level="layer"))(state, _batch(plain))
         assert calls == {"softmax": m.n_layers, "rms": m.n_layers * norms_per_block + 1}  # plain: autodiff's
-
-
-@pytest.mark.slow  # two ~6 s compiles of the microbatched gradient
-def test_the_gradients_are_made_of_the_fixed_order_backward(monkeypatch):
-    """Another summation order inside the same VJPs, as correct, changes the gradient bits and
-    not the loss: what the step's gradients hold is what those VJPs compute."""
-
-    def reversed_sum(x):  # the same sum over the last axis, added up in another order
-        return model.tree_sum(x[..., ::-1])
-
-    def softmax_bwd(p, g):
-        return ((g - reversed_sum(g * p)) * p,)
-
-    def rms_bwd(eps, res, g):
-        x32, scale32, rms = res
-        gs = g * scale32
-        dx = gs * rms - x32 * (rms * rms * rms) * (reversed_sum(gs * x32) / x32.shape[-1])
-        return dx, reversed_sum((g * x32 * rms).reshape(-1, x32.shape[-1]).T)[:, 0]
-
-    cfg = apply_overrides(CFG, ["model.n_layers=1"])  # one block has every kind of call site; compiles faster
-    state = steplib.init_state(cfg)
-    key = jax.random.key(3, impl="threefry2x32")
-
-    def grads():
-        fn = jax.jit(lambda p, b: invariant.value_and_grad(p, cfg, b, key, False, None))
-        (loss, _), g = fn(state.params, _batch(cfg))
-        return np.asarray(loss), [np.asarray(x) for x in jax.tree.leaves(g)]
-
-    loss_a, grads_a = grads()
-    with _patched_vjps(monkeypatch, softmax_bwd, rms_bwd):
-        loss_b, grads_b = grads()
-    assert loss_a.tobytes() == loss_b.tobytes()
-    changed = [i for i, (a, b) in enumerate(zip(grads_a, grads_b)) if a.tobytes() != b.tobytes()]
-    assert changed, "the gradients do not depend on the fixed-order VJPs: the step does not use them"
-    for a, b in zip(grads_a, grads_b):
-        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-7)

@@ -12,7 +12,10 @@ invariant_probe.py) compiles the microbatched gradient of `tiny` on meshes of 1,
 compiled programs' memory. Compared with: the previous implementation in the same process, a
 reference recorded from it before the change (tests/trainer/fixtures/invariant_reference.json),
 and an injected difference (another summation order after the same all_to_all), which the
-comparison must catch. Whole training runs on 1, 8 and 2 x 2 devices are compared bit for bit by
+comparison must catch. The same probe shows that the gradients are made of the fixed-order softmax
+and RMSNorm VJPs (trainer/model.py): another summation order inside them, as correct, gives other
+gradient bits and the same loss bits (test_invariant_claims.py shows in-process that the step calls
+them at every call site). Whole training runs on 1, 8 and 2 x 2 devices are compared bit for bit by
 tests/trainer/test_invariant_claims.py.
 """
 
@@ -88,6 +91,19 @@ def test_the_comparison_catches_another_summation_order(probed):
     assert seq["loss"] == tree["loss"]
     changed = [name for name, d in seq["grads"].items() if d != tree["grads"][name]]
     assert len(changed) >= len(seq["grads"]) // 2, changed
+
+
+@pytest.mark.slow
+def test_the_gradients_are_made_of_the_fixed_order_backward(probed):
+    """Another summation order inside the same VJPs (tests/trainer/invariant_probe.interleaved_vjps), as
+    correct, changes the gradient bits and not the loss: what the step's gradients hold is what those
+    VJPs compute. Same layout, batch and key as scatter:1x1."""
+    runs = probed["runs"]
+    fixed, other = runs["scatter:1x1"], runs["interleaved:1x1"]
+    assert other["loss"] == fixed["loss"] and other["example_loss"] == fixed["example_loss"]
+    changed = [name for name, d in other["grads"].items() if d != fixed["grads"][name]]
+    assert changed, "the gradients do not depend on the fixed-order VJPs: the step does not use them"
+    assert probed["close_to_scatter"] == {"interleaved:1x1": True}  # within rtol 1e-4, atol 1e-7 of scatter's
 
 
 @pytest.mark.slow

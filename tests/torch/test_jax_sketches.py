@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.torch.reference_pair import DEMO_STEPS, clean_config, demo, port_run
+from tests.torch.reference_pair import DEMO_STEPS, clean_config, demo, demo_config, port_run
 from traces.sketch import DEFAULT_WIDTH, bucket_and_sign, sketch
 
-STEPS = 3  # of the bits test's config, and the steps whose replay the trace estimate is checked against
+STEPS = 3  # the steps whose replay the trace estimate is checked against
 READS_SHARED_RUNS = True  # tests/conftest.py orders this file after the one that makes the shared runs
 
 
@@ -39,21 +39,29 @@ def _within(got, leaves, width: int = DEFAULT_WIDTH) -> bool:
 
 
 def test_the_sketched_step_keeps_its_bits_and_sketches_the_state_entering_it():
-    from trainer import model
-    from trainer.step import compile_step, get_path, init_state, tensor_schema
+    from trainer import mesh as meshlib, model
+    from trainer.step import get_path, init_state, tensor_schema
 
-    cfg = _sketched(clean_config(STEPS, every=STEPS))
-    cfg = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, warmup_steps=0),  # lr > 0 at step 0
-                              model=dataclasses.replace(cfg.model, n_layers=1))  # one block compiles faster
+    # The demo's JAX config (tests/torch/reference_pair.py: sketches on, level layer) and its step as
+    # the trainer's loop lowers it: the very program the session's shared demo run compiles (this file
+    # reads that run below), so the session's compilation cache compiles it once; only the level-off
+    # program is this test's own. (A one-block copy of the config was two programs of its own.)
+    cfg = demo_config()
+    assert cfg.trace.sketches and cfg.trace.level == "layer"
     names = [n for n, _ in tensor_schema(cfg)]
     shape = (cfg.data.global_batch_size, cfg.model.seq_len)
     rows = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (shape[0], shape[1] + 1)).astype(np.int32)
     batch = {"inputs": jnp.asarray(rows[:, :-1]), "targets": jnp.asarray(rows[:, 1:])}
+    mesh = meshlib.make_mesh(cfg.mesh)
+
+    def program(level: str):
+        lowered, shardings, batch_sharding, abstract = meshlib.lower_step(cfg, level, mesh)
+        compiled = lowered.compile()
+        return compiled, abstract, lambda state: compiled(jax.device_put(state, shardings),
+                                                          jax.device_put(batch, batch_sharding))
 
     # Reading the entering state for its sketches must not make XLA copy the donated state.
-    abstract = jax.eval_shape(lambda: init_state(cfg))
-    spec = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in batch}
-    layer = compile_step(cfg, "layer").lower(abstract, spec).compile()
+    layer, abstract, run_layer = program("layer")
     entry = layer.as_text()
     entry = entry[entry.index("\nENTRY"):]
     params_in = set(re.findall(r"^\s*(%\S+) = \S+ parameter\(", entry, re.M))
@@ -61,10 +69,13 @@ def test_the_sketched_step_keeps_its_bits_and_sketches_the_state_entering_it():
                  for dims, src in re.findall(r"= \w+\[([0-9,]*)\]\S* copy\((%[^)]+)\)", entry) if src in params_in)
     assert copied < 0.01 * sum(x.size for x in jax.tree.leaves(abstract)), copied
 
-    entering = init_state(cfg)
+    # The state entering step 1 (on the host: each program is given its own copy to donate). The
+    # warmup's learning rate is 0 at step 0 only, so step 1 moves the parameters.
+    entering = jax.device_get(run_layer(init_state(cfg))[0])
     leaves0 = [np.asarray(get_path(entering.params, n)) for n in model.param_names(cfg.model)]
-    sketched_state, metrics = layer(entering, batch)  # donates `entering`: its leaves were copied out above
-    off_state, _ = compile_step(cfg, "off")(init_state(cfg), batch)
+    sketched_state, metrics = run_layer(entering)
+    off_state, _ = program("off")[2](entering)
+    assert float(metrics["lr"]) > 0
     # training results keep their bits with sketches on
     for a, b in zip(jax.tree.leaves(sketched_state), jax.tree.leaves(off_state)):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()

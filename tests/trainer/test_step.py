@@ -114,10 +114,12 @@ def test_fingerprints_catch_a_one_bit_parameter_change():
 
 
 def test_dropout_changes_with_the_step_key():
-    cfg = apply_overrides(CFG, ["model.dropout=0.5"])
-    fn = compile_step(cfg, "step")
-    _, a = fn(init_state(cfg), batch(0))
-    moved = init_state(cfg)._replace(step=jax.numpy.asarray(1, jax.numpy.int32))
+    # tiny's own dropout (0.1) and the runs fixture's step-level program (a dropout of 0.5 was a
+    # program compiled for this alone): a mask that ignored the step would give equal losses
+    assert CFG.model.dropout > 0
+    fn = loop_step(CFG, "step")
+    _, a = fn(init_state(CFG), batch(0))
+    moved = init_state(CFG)._replace(step=jax.numpy.asarray(1, jax.numpy.int32))
     _, b = fn(moved, batch(0))
     assert a["loss"] != b["loss"]  # the same batch with another step's dropout mask
 

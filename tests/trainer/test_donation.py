@@ -43,10 +43,14 @@ def test_the_train_step_writes_the_donated_state_in_place(level):
 
 
 def test_the_mesh_invariant_step_writes_the_donated_state_in_place():
-    # One block: every kind of leaf and of call site is in it, and the program compiles about twice as fast.
-    cfg = apply_overrides(CFG, ["mesh.mesh_invariant=true", "mesh.n_microbatches=4", "model.n_layers=1"])
-    state, batch = abstract(cfg)
-    assert donation.check(step.compile_step(cfg, "step").lower(state, batch).compile())["in_place"]
+    # tests/trainer/test_forward_fingerprints.py's mesh-invariant config (one block: every kind of leaf
+    # and of call site) at level layer, the one that reads the most, lowered as the loop lowers it:
+    # that file's program (a step-level one with 4 microbatches was compiled for this test alone)
+    from tests.trainer.test_forward_fingerprints import CONFIGS
+
+    cfg = CONFIGS["mesh-invariant"]
+    assert cfg.mesh.mesh_invariant and cfg.model.n_layers == 1
+    assert donation.check(meshlib.lower_step(cfg, "layer", meshlib.make_mesh(cfg.mesh))[0].compile())["in_place"]
 
 
 def test_a_step_that_copies_its_state_is_not_in_place():

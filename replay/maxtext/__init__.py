@@ -38,10 +38,8 @@ OLMo-core run names the first op above the noise floor (tools/olmo3_pair.py).
 
 Without MaxText's code (a bundle, or MaxText not installed) a run whose checkpoints are MaxText's own
 is refused in one line (the exported program takes MaxText's NNX state; its checkpoints hold the Linen
-layout that MaxText's code converts). Grain's iterator state (dataset_type=grain saves it as s/iter
-beside s/items) is not restored: a replay with MaxText's code draws step k's batch by iterating
-MaxText's rebuilt loader from its start (k + 1 `next` calls; MaxText's pipelines are deterministic in
-the step), and a one-process run feeds its stored rows anyway (olmo_grain saves no iterator state: its
+layout that MaxText's code converts). With dataset_type=grain, MaxText's saved Grain iterator state
+(s/iter) sets the replay's loader there (replay/maxtext/checkpoints.py); olmo_grain saves none (its
 sampler restarts at the checkpoint's step). Not yet: DiLoCo (whose step takes a per-step key as a
 third argument): refused in one line; MaxText's checkpoints on object storage (gs://) are not listed
 for a replay (its step 0 only).

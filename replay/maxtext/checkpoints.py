@@ -16,6 +16,12 @@ rebuilt for a replay (make() needs that rebuild for the program anyway), and it 
 trace like any other restored state. A saved copy would cost one whole state (parameters and optimizer
 moments: a checkpoint's size) per run, which is what letting MaxText own the checkpoints avoids.
 
+With `dataset_type=grain` MaxText also saves its Grain iterator's state (`s/iter`, one JSON file per
+process): the replay's loader is set to it (rebuild.Rebuilt.seek), so step k's batch costs one `next`,
+not k + 1 from the pipeline's start. Whether it is right is checked where the run stored its rows (one
+process): the loader's batch at the first step after the restore is compared with the stored one, a
+difference said in a note, the stored rows fed.
+
 Without MaxText's code (a bundle, or MaxText not installed) nothing here can run: the exported
 program takes the NNX state MaxText's step takes, and turning MaxText's Linen-layout checkpoint into it
 is MaxText's own conversion. make() then refuses in one line rather than falling back to the exported
@@ -60,6 +66,8 @@ class MaxTextCheckpoints:
 
         state = maxtext_checkpoint(self.argv, str(self.directory), k - 1)
         self.built.enter_mesh()  # MaxText's main set its own mesh and rules for the restore: the replay's again
+        if (self.directory / str(k - 1) / "iter").is_dir():  # dataset_type=grain: MaxText saved its iterator too
+            self.built.seek(k, self.directory / str(k - 1) / "iter")
         return state
 
     def describe(self, k: int) -> str:

@@ -16,7 +16,9 @@ traces MaxText's jitted step itself (its shardings and donation kept, as `run.st
 
 Batches: `batch_at(k)` draws from MaxText's own data loader, forward from the last batch drawn (a
 replay asks in step order), or from a fresh iterator when asked for an earlier step (k + 1 `next`
-calls; MaxText's pipelines are deterministic in the step). On several processes (replay's
+calls; MaxText's pipelines are deterministic in the step). A replay restored from MaxText's checkpoint
+of a `dataset_type=grain` run first sets a fresh loader's Grain iterator to the state MaxText saved with
+it (`seek`), so step k costs one `next`. On several processes (replay's
 --coordinator started jax.distributed; MaxText joins it) each loader gives its process's rows of a
 global array, gathered into the global batch (one all-gather of the batch a step). Cost of a rebuild: one MaxText setup
 (model init and data pipeline) and MaxText's ahead-of-time compile of its step, once per argv.
@@ -75,6 +77,25 @@ class Rebuilt:
             self.last = self.loader.load_next_batch()
             self.drawn += 1
         return _global(self.last)
+
+    def seek(self, k: int, saved: Any) -> bool:
+        """A fresh loader whose Grain iterator is set to `saved` (MaxText's checkpoint k - 1's `iter` folder:
+        the iterator after the batch of step k - 1), so batch_at(k) draws one batch, not k + 1. False (nothing
+        changed) where the folder holds no state for this process (another process count: MaxText's
+        expansion_factor_real_data case, not handled) or the loader is not Grain's."""
+        import json
+
+        import grain
+        import jax
+
+        mine = saved / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+        loader = self._new_loader() if mine.is_file() else None
+        grain_iterator = getattr(getattr(loader, "data_iterator", None), "local_iterator", None)
+        if not isinstance(grain_iterator, grain.DatasetIterator):  # MaxText's own test, grain_utility._state_to_text
+            return False
+        grain_iterator.set_state(json.loads(mine.read_text()))
+        self.loader, self.drawn, self.last = loader, k, None
+        return True
 
     def _new_loader(self) -> Any:
         import jax

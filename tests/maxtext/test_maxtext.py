@@ -4,8 +4,10 @@ MaxText needs Python >= 3.12 and jax >= 0.11: these tests run in the venv tools/
 (maxtext[tpu]==0.2.5, jax 0.12, this package installed editable) and skip elsewhere. A tiny decoder
 (2 layers, 64 wide, vocabulary 256, synthetic data) trains 12 steps on the CPU; the run replays bit
 for bit from its exported program (a bundle) and with MaxText's code (replay.maxtext:make), bisect
-names a learning-rate change down to its op, a run recorded on two processes replays on two, and
-MaxText's own checkpoint s, restored by its code, is replay's state entering step s + 1.
+names a learning-rate change down to its op, and a run recorded on two processes replays on two. With
+MaxText's checkpointing on the run keeps no copy of the state: a replay restores MaxText's checkpoint s
+as the state entering step s + 1 (checked against the trace: a flipped bit is refused), and a Grain
+run's loader is set to the iterator state MaxText saved with it.
 """
 
 from __future__ import annotations
@@ -263,3 +265,42 @@ def test_without_maxtexts_code_a_run_on_maxtexts_checkpoints_is_refused_naming_w
               "replay_maxtext_checkpoints": {"directory": "/nowhere/checkpoints", "period": 2}}
     with pytest.raises(ReplayUnavailable, match="MaxText's own .*enable_checkpointing=false keeps replay's own"):
         make(config)
+
+
+def test_a_grain_run_replays_from_maxtexts_checkpoint_with_its_saved_iterator_state(tmp_path):
+    # dataset_type=grain (a parquet file of pre-tokenized 48-token rows made here): MaxText saves its Grain
+    # iterator's state beside each checkpoint (s/iter). A replay from MaxText's checkpoint 2 sets the
+    # rebuilt loader's iterator to it (one `next` for step 3): the loader's batch is the one the run fed.
+    # Given checkpoint 0's iterator state instead (a real state, the wrong step), the loader's batch
+    # differs and the note says so: the saved state is what the replay's loader uses.
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = np.random.default_rng(0).integers(1, 256, (256, 48))
+    pq.write_table(pa.table({"text": rows.tolist()}), tmp_path / "tokens.parquet")
+    tokenizer = Path(maxtext.__file__).parent / "assets" / "tokenizers" / "tokenizer.llama2"
+    argv = [a for a in TINY if not a.startswith(("steps=", "enable_checkpointing=", "dataset_type="))]
+    done = subprocess.run([sys.executable, "-m", "replay.maxtext", str(tmp_path / "g"), str(CONFIG), *argv, "steps=4",
+                           "dataset_type=grain", "grain_file_type=parquet", f"grain_train_files={tmp_path / 'tokens.parquet'}",
+                           "tokenize_train_data=false", f"tokenizer_path={tokenizer}", "grain_worker_count=0",
+                           "enable_checkpointing=true", "checkpoint_period=2", "async_checkpointing=false",
+                           "run_name=g", f"base_output_directory={tmp_path / 'out'}"],
+                          env=ENV, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    saved = tmp_path / "out" / "g" / "checkpoints"
+    state = saved / "2" / "iter" / "process_0-of-1.json"
+    assert state.is_file() and (saved / "0" / "iter" / "process_0-of-1.json").is_file()
+    original = state.read_text()
+    notes = {}
+    for name, text in (("saved", original), ("step 0's", (saved / "0" / "iter" / "process_0-of-1.json").read_text())):
+        state.write_text(text)
+        try:
+            replayed = _replay("run", str(tmp_path / "g"), "--steps", "3:3", "--json", prng=None)
+        finally:
+            state.write_text(original)
+        assert replayed.returncode == 0, replayed.stderr[-2000:]
+        report = json.loads(replayed.stdout.strip().splitlines()[-1])
+        assert report["checkpoint"] == 3 and (report["replayed"], report["bit_exact"]) == (1, 1), report
+        notes[name] = [n for n in report["notes"] if "does not reproduce" in n]
+    assert notes["saved"] == [] and len(notes["step 0's"]) == 1 and "step 3's batch" in notes["step 0's"][0], notes

@@ -190,23 +190,29 @@ def _host(lanes: jax.Array) -> np.ndarray:
     return np.asarray(lanes.addressable_shards[0].data, np.uint32)
 
 
+def leaf_fingerprints(state) -> list[int]:
+    """Every leaf's 64-bit fingerprint in tree order (typed PRNG keys as their key words), as the
+    trace records the state entering a step. On device, 8 bytes a leaf reach the host; the same
+    for any sharding, device or process count. Every process of a multi-process run must call it."""
+    leaves = [_as_bits(x) for x in jax.tree_util.tree_leaves(state)]
+    on_device = [i for i, x in enumerate(leaves) if x.dtype.itemsize < 8 or jax.config.jax_enable_x64]
+    lanes = _leaf_lanes([leaves[i] for i in on_device])
+    values: dict[int, int] = {i: lanes_to_int(_host(l)) for i, l in zip(on_device, lanes)}
+    # 8-byte leaves without x64: the numpy reference, same definition
+    return [values[i] if i in values else host_fingerprint(np.asarray(jax.device_get(x))) for i, x in enumerate(leaves)]
+
+
 def state_fingerprint(state) -> str:
     """16 hex digits: a 64-bit fingerprint of every leaf of `state` (its path, dtype, shape and
-    exact bits), in tree order. Leaves are fingerprinted on device, so only 8 bytes per leaf
-    reach the host, and the result is the same for any sharding, device or process count.
+    exact bits), in tree order (`leaf_fingerprints`, hashed with each leaf's path, dtype and shape).
     In a multi-process run every process must call it (the fingerprints are a collective)."""
     flat = jax.tree_util.tree_flatten_with_path(state)[0]
     paths = [jax.tree_util.keystr(p, simple=True, separator=".") for p, _ in flat]
     leaves = [_as_bits(x) for _, x in flat]
-    on_device = [i for i, x in enumerate(leaves) if x.dtype.itemsize < 8 or jax.config.jax_enable_x64]
-    lanes = _leaf_lanes([leaves[i] for i in on_device])
-    values: dict[int, int] = {i: lanes_to_int(_host(l)) for i, l in zip(on_device, lanes)}
-    for i, x in enumerate(leaves):  # 8-byte leaves without x64: the numpy reference, same definition
-        if i not in values:
-            values[i] = host_fingerprint(np.asarray(jax.device_get(x)))
+    values = leaf_fingerprints(state)
     h = hashlib.blake2b(digest_size=8)
-    for i, (path, x) in enumerate(zip(paths, leaves)):
-        h.update(f"{path}|{np.dtype(x.dtype).name}|{list(x.shape)}|{values[i]:016x};".encode())
+    for path, x, value in zip(paths, leaves, values):
+        h.update(f"{path}|{np.dtype(x.dtype).name}|{list(x.shape)}|{value:016x};".encode())
     return h.hexdigest()
 
 

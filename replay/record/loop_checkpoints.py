@@ -24,11 +24,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Protocol, runtime_checkable
 
-import jax
-import numpy as np
-
 from replay.record import checkpoints as ckpts
-from replay.record.fingerprint import _as_bits, _host, _leaf_lanes, host_fingerprint, lanes_to_int, state_fingerprint
+from replay.record.fingerprint import leaf_fingerprints, state_fingerprint
 from replay.record.orbax_io import CheckpointDamagedError
 
 
@@ -44,16 +41,6 @@ class LoopCheckpoints(Protocol):
 
     # Optional: describe(step) -> str, where that checkpoint is (a folder), for messages; without it
     # they name the restore method.
-
-
-def leaf_fingerprints(state: Any) -> list[int]:
-    """Every leaf's 64-bit fingerprint in tree order, as the trace records the state entering a step
-    (and as `state_fingerprint` hashes them). In a multi-process run every process must call it."""
-    leaves = [_as_bits(x) for x in jax.tree_util.tree_leaves(state)]
-    on_device = [i for i, x in enumerate(leaves) if x.dtype.itemsize < 8 or jax.config.jax_enable_x64]
-    values = dict(zip(on_device, (lanes_to_int(_host(l)) for l in _leaf_lanes([leaves[i] for i in on_device]))))
-    return [values[i] if i in values else host_fingerprint(np.asarray(jax.device_get(x)))
-            for i, x in enumerate(leaves)]
 
 
 def verify(state: Any, step: int, run: Any, where: str) -> str | None:

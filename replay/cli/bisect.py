@@ -31,7 +31,9 @@ def bisect(
                                              "checkout, never a bundle's or the run's own folder.")] = False,
     floor: Annotated[Optional[str], typer.Option("--floor", help="Across frameworks: the noise floor, a measured table "
                                                  "by name (trainer, olmo3-pair) or a JSON file (bench/cross_noise_pair.py "
-                                                 "prints one); default auto: the pair's own where measured, else trainer.")] = None,
+                                                 "prints one), or twin:PATH (a twin of one side differing by rounding "
+                                                 "only: replay/bisect/twin_floor.py); "
+                                                 "default auto: the pair's own where measured, else trainer.")] = None,
 ) -> None:
     """Name the first step, field and cause where two runs differ.
 
@@ -63,6 +65,10 @@ def bisect(
     if is_cross(a, b):  # a torch run against a JAX run: distances against the noise floor
 
         _check_comparable(a, b, allow_incomplete, allow_damaged, names=False)
+        if floor is not None and floor.startswith("twin:"):  # measured from a rounding-level twin of one side
+            from replay.bisect.twin_floor import twin_floor
+
+            floor = twin_floor(floor[len("twin:"):], a, b)
         with named_as_bundle(a), named_as_bundle(b), allowing(allow_code):
             run_cross(a, b, json_out=json_out, plot=plot, no_refine=no_refine, floor=floor)
         return

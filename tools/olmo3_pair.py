@@ -9,8 +9,12 @@ the one that has its framework and they meet only as files in DIR:
     $MT/bin/python tools/olmo3_pair.py convert DIR           # MaxText venv: DIR/hf -> DIR/mt_params (orbax)
     $MT/bin/python tools/olmo3_pair.py maxtext DIR RUN [--steps=N] [k=v ...]   # MaxText's train.main, recorded
     python tools/olmo3_pair.py olmo-core DIR RUN [--steps=N] [--qk-norm-eps=E] [--keep-adam-count] [--no-rope-taps]
-                                                             # OLMo-core's Trainer, recorded (ReplayCallback)
-    replay bisect DIR/RUN_maxtext DIR/RUN_olmo_core
+                                                 [--twin]    # OLMo-core's Trainer, recorded (ReplayCallback)
+    replay bisect DIR/RUN_maxtext DIR/RUN_olmo_core [--floor twin:DIR/RUN_twin]
+
+--twin: the OLMo-core run with one element of every parameter moved by one float32 ULP after loading
+the initial weights (its config records it under "twin"): a rounding-level twin of the OLMo-core side,
+whose distance to it is this config's own noise floor (replay/bisect/twin_floor.py).
 
 The config both sides express (key by key: `olmo_core_model` and `maxtext_argv` below): OLMo-core's
 olmo3_1M (4 layers, d_model 12, 4 heads of 4, no GQA, SwiGLU 256, QK-norm over all heads, post-norm
@@ -36,6 +40,7 @@ VOCAB, SEQ, BATCH, WINDOWS, STEPS = 512, 16, 4, 256, 24
 LAYERS, D_MODEL, HEADS, HEAD_DIM, MLP, WINDOW, THETA, EPS = 4, 12, 4, 4, 256, 8, 500_000, 1e-6
 LR, BETAS, ADAM_EPS, WD = 1e-3, (0.9, 0.95), 1e-8, 0.1
 SEED = 0
+TWIN = "init: the first element of every parameter +1 float32 ULP"
 
 
 def maxtext_order(n: int, seed: int = SEED, epoch: int = 0):
@@ -152,7 +157,7 @@ def maxtext_layout(input_ids):
             "targets_segmentation": tseg}
 
 
-def recorder(run: Path):
+def recorder(run: Path, config: dict | None = None):
     """ReplayCallback hashing each example as MaxText's batch of the same row: replay.maxtext hashes
     the whole batch MaxText's step takes (inputs, targets, positions, segmentations), ReplayCallback
     `input_ids` alone, so equal rows would never pair. (Hook wanted in replay.maxtext instead: hash
@@ -163,7 +168,7 @@ def recorder(run: Path):
         def _global_rows(self, batch):
             return super()._global_rows({**batch, "input_ids": maxtext_layout(batch["input_ids"])})
 
-    return MaxTextRows(str(run))
+    return MaxTextRows(str(run), config=config)
 
 
 def prepare(root: Path, data_seed: int = SEED) -> None:
@@ -192,9 +197,10 @@ def prepare(root: Path, data_seed: int = SEED) -> None:
 
 
 def olmo_core_fit(root: Path, name: str, steps: int = STEPS, keep_adam_count: bool = False,
-                  qk_norm_eps: float | None = None, taps: bool = True) -> Path:
+                  qk_norm_eps: float | None = None, taps: bool = True, twin: bool = False) -> Path:
     """OLMo-core's own Trainer on DIR/tokens_olmo_core.npy, unshuffled, recorded into DIR/NAME.
-    taps=False: the rotary not recorded (`--no-rope-taps`; what the bisect names without it)."""
+    taps=False: the rotary not recorded (`--no-rope-taps`; what the bisect names without it). twin: the
+    initial weights' first element of every parameter moved up by one ULP (`--twin`)."""
     import torch
     from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
     from olmo_core.train import Duration, TrainerConfig
@@ -202,6 +208,11 @@ def olmo_core_fit(root: Path, name: str, steps: int = STEPS, keep_adam_count: bo
     torch.set_num_threads(1)
     module = olmo_core_module(qk_norm_eps)
     load_hf(module, root / "hf")  # the same initial weights MaxText loads (converted from the same files)
+    if twin:
+        with torch.no_grad():
+            for p in module.model.parameters():
+                flat = p.view(-1)
+                flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=p.dtype))
     if taps:
         rope_taps(module.model)
     tok = TokenizerConfig(vocab_size=VOCAB, eos_token_id=0, pad_token_id=0)
@@ -214,7 +225,9 @@ def olmo_core_fit(root: Path, name: str, steps: int = STEPS, keep_adam_count: bo
                            metrics_collect_interval=1000)
     if not keep_adam_count:
         config = config.with_callback("adam_from_zero", adam_from_zero())
-    config = config.with_callback("replay", recorder(root / name))
+    # What this run changes, as its replay config: a twin (--floor twin:PATH) must match its side's
+    side = {"keep_adam_count": keep_adam_count, "qk_norm_eps": qk_norm_eps, "rope_taps": taps}
+    config = config.with_callback("replay", recorder(root / name, {**side, "twin": TWIN} if twin else side))
     config.build(module, loader).fit()
     return root / name
 
@@ -346,7 +359,7 @@ def main(argv: list[str]) -> int:
         else:
             eps = next((float(a.split("=", 1)[1]) for a in rest if a.startswith("--qk-norm-eps=")), None)
             olmo_core_fit(root, argv[2], steps=opts.get("steps", STEPS), keep_adam_count="--keep-adam-count" in rest,
-                          qk_norm_eps=eps, taps="--no-rope-taps" not in rest)
+                          qk_norm_eps=eps, taps="--no-rope-taps" not in rest, twin="--twin" in rest)
     except ImportError as exc:  # each stage runs in the venv that has its framework
         venv = "the MaxText venv (tools/maxtext-env.sh)" if argv[0] in ("convert", "maxtext") else "a venv with torch and ai2-olmo-core"
         print(f"error: {argv[0]} needs {venv}: {exc}", file=sys.stderr)

@@ -99,7 +99,10 @@ def summarize(path: str | Path, verify: bool = False) -> dict[str, Any]:
             "tensors": len(schema.tensors),
             "example_metrics": list(schema.example_metrics),
         },
-        "checkpoints": _checkpoint_steps(manifest.get("checkpoints")),
+        # replay's own, and those the loop's own checkpoints give (a MaxText run's: run.json's loop_checkpoints,
+        # written by its launcher as MaxText saves; show runs none of the run's code)
+        "checkpoints": sorted(set(_checkpoint_steps(manifest.get("checkpoints"))) | set(_loop_checkpoints(manifest)[1])),
+        "loop_checkpoints": _loop_checkpoints(manifest)[0],
         "config": manifest.get("config"),
         "environment": manifest.get("environment"),
         "data": manifest.get("data"),
@@ -170,6 +173,15 @@ def _checkpoint_steps(value: Any) -> list[int]:
     return sorted(steps)
 
 
+def _loop_checkpoints(manifest: dict) -> tuple[str | None, list[int]]:
+    """(folder, steps) of the loop's own checkpoints as its manifest lists them (replay.Loop(checkpoints=...)
+    restores them; replay/maxtext/checkpoints.py LISTED_KEY), or (None, [])."""
+    entry = manifest.get("loop_checkpoints")
+    if not isinstance(entry, dict) or not isinstance(entry.get("directory"), str):
+        return None, []
+    return entry["directory"], _checkpoint_steps(entry.get("steps"))
+
+
 def _verdict(summary: dict, damage: list[traces.Damage], tail: tuple[str, int] | None) -> dict[str, Any]:
     """`problem`: the one error line (exit 2) or None; `warnings` and `notes`: extra lines.
 
@@ -213,7 +225,8 @@ def render(s: dict[str, Any]) -> None:
         ("status", console.styled(s["status"] + writer.get(s.get("writer_status"), ""), status_style)),
         ("format_version", s["format_version"]),
         ("steps", f"{steps['start']}..{steps['last']} ({steps['count']} steps)" if steps["count"] else "none recorded"),
-        ("checkpoints", _list_steps(s["checkpoints"]) if s["checkpoints"] else "none"),
+        ("checkpoints", (_list_steps(s["checkpoints"]) if s["checkpoints"] else "none") + (
+            f" (the loop's own, in {s['loop_checkpoints']})" if s.get("loop_checkpoints") else "")),
         ("examples per step", schema["examples_per_step"]),
         ("metrics", f"{', '.join(schema['metrics'])} ({schema['metric_dtype']})"),
         ("fingerprinted tensors", schema["tensors"]),

@@ -12,7 +12,8 @@ rows, MaxText's scalar metrics with `learning/loss` as the loss, fingerprints of
 and leaving each step, and the step exported with the run). `replay.init` opens at the first step,
 after MaxText has started `jax.distributed` (several processes write one run). Checkpoints: with MaxText's
 checkpointing on (enable_checkpointing=true, checkpoint_period=P) they are MaxText's own, saved by its
-manager, and the run saves no copy of the state: its config records MaxText's checkpoint folder, and a
+manager, and the run saves no copy of the state: its config records MaxText's checkpoint folder (and
+run.json's `loop_checkpoints` the steps they give, for `replay show`, refreshed as MaxText saves), and a
 replay with MaxText's code restores MaxText's checkpoint s as the state entering step s + 1, verified
 against the trace (replay/maxtext/checkpoints.py; the state entering step 0 is rebuilt from the argv).
 With MaxText's checkpointing off, replay saves the state entering step k every 10 steps into the run.
@@ -56,7 +57,7 @@ from typing import Any
 import replay
 from replay.engine.code import EntrypointNotFound
 from replay.errors import InputError, ReplayUnavailable, message, user_error_code
-from replay.maxtext.checkpoints import KEY, MaxTextCheckpoints, recorded
+from replay.maxtext.checkpoints import KEY, LISTED_KEY, MaxTextCheckpoints, listing, recorded
 from replay.record.loop import entrypoint
 
 LOSS = "scalar/learning/loss"  # MaxText's metrics: {"scalar": {"learning/loss": ..., ...}}
@@ -173,6 +174,8 @@ class RecordedMaxTextStep:
             self.stop()  # before step k runs: MaxText has saved its checkpoints of the steps before it
         if self.every and k % self.every == 0:
             self.run.save(k, state)
+        if self.maxtext_saves and k and (k - 1) % int(self.config.checkpoint_period) == 0:
+            self._list_checkpoints()  # MaxText saved its checkpoint k - 1 after step k - 1 (async: maybe not yet)
         _live[:] = [state, batch, self.jitted]
         try:
             return self.step(state, batch)
@@ -209,9 +212,10 @@ class RecordedMaxTextStep:
                                                         TAPS_KEY: self.taps, NAMES_KEY: self.forward_names})
             if self.maxtext_saves:
                 config[KEY] = self._checkpoints_entry()
+            listed = {LISTED_KEY: listing(config[KEY], self._last())} if self.maxtext_saves else {}
             self.run = replay.init(self.run_dir, config=config, store_examples=single,
                                    entrypoint="replay.maxtext:make", dataset_size=_dataset_size(self.config),
-                                   manifest={"loop": "maxtext", "maxtext_version": _maxtext_version()})
+                                   manifest={"loop": "maxtext", "maxtext_version": _maxtext_version(), **listed})
         self.step = self.run.step(self.jitted, batch_axis=0, loss=LOSS, sketch_width=self.sketch_width)
 
     def _checkpoints_entry(self) -> dict:
@@ -224,6 +228,22 @@ class RecordedMaxTextStep:
         config = self.run.manifest.get("config") or {}
         if self.maxtext_saves and KEY in config and config[KEY] != self._checkpoints_entry():
             self.run.annotate(config=dict(config, **{KEY: self._checkpoints_entry()}))
+        self._list_checkpoints()
+
+    def _last(self) -> int | None:
+        steps = getattr(self.config, "steps", None)
+        return steps if isinstance(steps, int) else None
+
+    def _list_checkpoints(self) -> None:
+        """The manifest's list of the steps MaxText's checkpoints give (LISTED_KEY, what `replay show` lists),
+        refreshed when MaxText has saved one: a directory listing, run.json rewritten only when it changed."""
+        import jax
+
+        if not self.maxtext_saves or self.run is None or jax.process_index():  # process 0 writes run.json
+            return
+        now = listing(self._checkpoints_entry(), self._last())
+        if self.run.manifest.get(LISTED_KEY) != now:
+            self.run.annotate(**{LISTED_KEY: now})
 
     def __getattr__(self, name: str) -> Any:
         # MaxText also lowers its step ahead of time (memory stats, `compiled_trainstep_file`):
@@ -232,6 +252,7 @@ class RecordedMaxTextStep:
 
     def finish(self) -> None:
         if self.run is not None:
+            self._list_checkpoints()  # an asynchronous save finished after the last step that listed it
             self.run.finish()
 
 

@@ -8,7 +8,11 @@ is replay's state entering step k = s + 1; it is restored by MaxText's own code 
 state (rebuild.maxtext_checkpoint: its Linen layout converted to the NNX state its step takes), then
 verified by replay against the trace's fingerprints of the state entering step k
 (replay/record/loop_checkpoints.py): a flipped bit in one of MaxText's array chunks, which orbax
-restores without complaint, is refused in one line naming the checkpoint's folder.
+restores without complaint, is refused in one line naming the checkpoint's folder. On several processes
+each restores its shards of the same checkpoint and checks the whole state (the fingerprints are a
+collective every process computes), so all refuse alike. The launcher also lists the steps MaxText's
+folder gives in run.json (`loop_checkpoints`, refreshed after each period's save and at the end), which
+`replay show` reads without running any of the run's code.
 
 The state entering step 0 is in no MaxText checkpoint (its s = 0 is the state after step 0). It is
 rebuilt, not saved: MaxText's `main` builds it from the run's argv (its seed) whenever the loop is
@@ -38,6 +42,26 @@ from pathlib import Path
 from typing import Any
 
 KEY = "replay_maxtext_checkpoints"  # the run's config: {"directory": MaxText's checkpoint folder, "period": P}
+# The run's manifest: the steps the loop's own checkpoints give and their folder, what `replay show` lists
+# (it runs no code of the run's; replay/cli/show.py reads this key)
+LISTED_KEY = "loop_checkpoints"
+
+
+def on_disk(directory: str, last: int | None) -> list[int]:
+    """The steps k (replay's numbering) MaxText's checkpoint folder gives: 0 (rebuilt from the argv) and
+    s + 1 for each checkpoint s MaxText finished saving (its folder holds `items`). Its checkpoint of the
+    last step (k = `last`, the run's steps) has no step after it to replay, and MaxText refuses to restore
+    it anyway. A folder on object storage (gs://) is not listed: step 0 only."""
+    local = None if "://" in directory else Path(directory)  # a Path would turn gs:// into gs:/
+    labels = [int(p.name) for p in local.iterdir() if p.name.isdigit() and (p / "items").is_dir()] \
+        if local is not None and local.is_dir() else []
+    return [0] + sorted(s + 1 for s in labels if last is None or s + 1 < last)
+
+
+def listing(held: dict, last: int | None) -> dict:
+    """The manifest's LISTED_KEY entry: MaxText's checkpoint folder and the steps it gives now."""
+    return {"directory": held["directory"], "steps": on_disk(held["directory"], last),
+            "by": "MaxText's checkpoint manager (its checkpoint s is the state entering step s + 1)"}
 
 
 def recorded(config: Any) -> dict | None:
@@ -51,13 +75,10 @@ class MaxTextCheckpoints:
 
     def __init__(self, argv: list[str], held: dict, built: Any, steps: int | None):
         self.argv, self.directory, self.built, self.last = list(argv), Path(held["directory"]), built, steps
+        self.held = held
 
     def steps(self) -> list[int]:
-        # A label's folder holds `items` once MaxText's save is complete. Its checkpoint of the last
-        # step (k = steps) has no step after it to replay, and MaxText refuses to restore it anyway.
-        labels = [int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and (p / "items").is_dir()] \
-            if self.directory.is_dir() else []
-        return [0] + sorted(s + 1 for s in labels if self.last is None or s + 1 < self.last)
+        return on_disk(self.held["directory"], self.last)
 
     def restore(self, k: int) -> Any:
         if k == 0:

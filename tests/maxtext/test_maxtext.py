@@ -4,7 +4,8 @@ MaxText needs Python >= 3.12 and jax >= 0.11: these tests run in the venv tools/
 (maxtext[tpu]==0.2.5, jax 0.12, this package installed editable) and skip elsewhere. A tiny decoder
 (2 layers, 64 wide, vocabulary 256, synthetic data) trains 12 steps on the CPU; the run replays bit
 for bit from its exported program (a bundle) and with MaxText's code (replay.maxtext:make), bisect
-names a learning-rate change down to its op, and a run recorded on two processes replays on two. With
+names a learning-rate change down to its op, and a run recorded on two processes (MaxText's checkpointing
+on) replays on two from MaxText's checkpoint, each process checking it (a flipped bit refused on both). With
 MaxText's checkpointing on the run keeps no copy of the state: a replay restores MaxText's checkpoint s
 as the state entering step s + 1 (checked against the trace: a flipped bit is refused), and a Grain
 run's loader is set to the iterator state MaxText saved with it.
@@ -43,9 +44,9 @@ def _record(root: Path, name: str, *extra: str) -> Path:
     return run
 
 
-def _record_on_two_processes(root: Path, name: str) -> Path:
+def _record_on_two_processes(root: Path, name: str, *extra: str) -> Path:
     """MaxText's own CPU multi-process start (max_utils.initialize_jax_for_cpu: coordinator port 1234)."""
-    run, sets = root / name, [a for a in TINY if a != "skip_jax_distributed_system=true"]
+    run, sets = root / name, [a for a in TINY if a != "skip_jax_distributed_system=true"] + list(extra)
     procs = [subprocess.Popen([sys.executable, "-m", "replay.maxtext", str(run), str(CONFIG), *sets, f"run_name={name}",
                                f"base_output_directory={root / 'maxtext-out'}"],
                               env=dict(ENV, JAX_COORDINATOR_ADDRESS="127.0.0.1", JOB_INDEX="0", JOB_COMPLETION_INDEX=str(i),
@@ -78,9 +79,15 @@ def test_the_run_records_every_step_with_maxtexts_loss(runs):
     assert manifest["config"]["base_emb_dim"] == 64 and manifest["config"]["steps"] == STEPS  # MaxText's own config
 
 
+TWO_PERIOD = 3
+
+
 @pytest.fixture(scope="module")
 def two(tmp_path_factory) -> Path:
-    return _record_on_two_processes(tmp_path_factory.mktemp("two"), "two")
+    """Recorded with MaxText's checkpointing on (period 3: its 0, 3, 6, 9, 11, replay's 1, 4, 7, 10), into
+    one run folder and MaxText's one checkpoint folder (both processes' shards)."""
+    return _record_on_two_processes(tmp_path_factory.mktemp("two"), "two", "enable_checkpointing=true",
+                                    f"checkpoint_period={TWO_PERIOD}", "async_checkpointing=false")
 
 
 def test_two_processes_record_one_run_of_the_global_batch(runs, two):
@@ -92,26 +99,56 @@ def test_two_processes_record_one_run_of_the_global_batch(runs, two):
     one = json.loads(_replay("show", str(runs["clean"]), "--json").stdout.strip().splitlines()[-1])
     # per_device_batch_size=4 on each process's one device: the trace holds both processes' rows
     assert (shown["steps"]["count"], shown["schema"]["examples_per_step"]) == (STEPS, 8), shown["schema"]
-    assert one["schema"]["examples_per_step"] == 4 and shown["checkpoints"] == [0, 10]
+    assert one["schema"]["examples_per_step"] == 4
+    # The checkpoints are MaxText's (replay saved none): show lists the steps they give, as the launcher saw
+    # MaxText save them (its 0, 3, 6, 9: replay's 1, 4, 7, 10; its 11, the last step's, gives no step to replay)
+    assert not manifest.get("checkpoints") and shown["checkpoints"] == [0, 1, 4, 7, 10], shown["checkpoints"]
+    assert shown["loop_checkpoints"] == manifest["config"]["replay_maxtext_checkpoints"]["directory"], shown
 
 
 def test_the_two_process_run_replays_bit_exact_on_two_processes_with_maxtexts_code(two):
     # No examples are stored (each process held only its rows): the batches are MaxText's own, its
-    # loader rebuilt on each process, the global batch gathered; checkpoint 0 restored from both shards.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, "-m", "replay.cli.app", "run", str(two), "--steps", f"3:{STEPS - 1}",
-                               "--json", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-                               "--process-id", str(i)], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
-    outs = [p.communicate(timeout=900) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    # loader rebuilt on each process, the global batch gathered. --steps 5:11 starts from MaxText's
+    # checkpoint 3 (replay's 4), restored by MaxText's code on both processes (each its shards) and
+    # verified on both against the trace's fingerprints of the state entering step 4 (a collective).
+    codes, outs = _replay_on_two_processes(two, f"5:{STEPS - 1}")
+    assert codes == [0, 0], [err[-2000:] for _, err in outs]
     report = json.loads(outs[0][0].strip().splitlines()[-1])
     assert "replayed with your code (replay.maxtext:make)" in report["notes"], report["notes"]
     assert report["contract"]["expect_bits"], report["contract"]
-    assert (report["replayed"], report["bit_exact"], report["all_bit_exact"]) == (STEPS - 3, STEPS - 3, True), report
-    assert (report["checkpoint"], report["warmup_bit_exact"]) == (0, 3), report
+    assert (report["replayed"], report["bit_exact"], report["all_bit_exact"]) == (STEPS - 5, STEPS - 5, True), report
+    assert (report["checkpoint"], report["warmup_bit_exact"]) == (4, 1), report
+    assert not any("unverified" in n for n in report["notes"]), report["notes"]
+
+
+def test_a_tampered_maxtext_checkpoint_is_refused_on_both_processes_in_one_line(two):
+    # A bit flipped in MaxText's checkpoint 3 (its largest array file, put back after): each process restores
+    # its shards and checks the whole state (the fingerprints are a collective), so both refuse, alike.
+    where = Path(json.loads((two / "run.json").read_text())["config"]["replay_maxtext_checkpoints"]["directory"]) / "3"
+    chunk = max((p for p in (where / "items").rglob("*") if p.is_file() and p.parent.name == "d"),
+                key=lambda p: p.stat().st_size)
+    data = chunk.read_bytes()
+    try:
+        chunk.write_bytes(data[:len(data) // 2] + bytes([data[len(data) // 2] ^ 1]) + data[len(data) // 2 + 1:])
+        codes, outs = _replay_on_two_processes(two, f"5:{STEPS - 1}")
+    finally:
+        chunk.write_bytes(data)
+    errors = [[ln for ln in err.splitlines() if ln.startswith("error:")] for _, err in outs]
+    assert codes == [2, 2] and [len(e) for e in errors] == [1, 1], [err[-2000:] for _, err in outs]
+    assert errors[0] == errors[1] and f"{where}: MaxText's checkpoint 3" in errors[0][0], errors
+    assert "entering step 4 differs" in errors[0][0] and not any("Traceback" in err for _, err in outs), errors
+
+
+def _replay_on_two_processes(run: Path, steps: str) -> tuple[list[int], list[tuple[str, str]]]:
+    """`replay run RUN --steps A:B --json` started once per process, as a user starts it on two hosts."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-m", "replay.cli.app", "run", str(run), "--steps", steps, "--json",
+                               "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
+                              env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=900) for p in procs]
+    return [p.returncode for p in procs], outs
 
 
 def test_the_two_process_run_on_one_process_is_refused_in_one_line(two):
@@ -228,6 +265,8 @@ def test_with_maxtexts_checkpointing_on_the_run_keeps_no_copy_and_replays_from_m
     assert not manifest.get("checkpoints") and not manifest.get("checkpoint_fingerprints"), manifest.get("checkpoints")
     assert not any((owned["run"] / "checkpoints").glob("*/*")), list((owned["run"] / "checkpoints").glob("*"))
     assert manifest["config"]["replay_maxtext_checkpoints"]["directory"].rstrip("/") == str(owned["maxtext"])
+    # what `replay show` lists: MaxText's 0, 2, 4 as replay's 1, 3, 5 (its 5, the last step's, gives none)
+    assert manifest["loop_checkpoints"]["steps"] == [0, 1, 3, 5], manifest["loop_checkpoints"]
     for steps, checkpoint in (("3:4", 3), ("0:1", 0)):  # step 0's state: rebuilt from the argv, checked alike
         done = _replay("run", str(owned["run"]), "--steps", steps, "--json", prng=None)
         assert done.returncode == 0, done.stderr[-2000:]

@@ -137,6 +137,21 @@ def test_show_complete_run_json(tmp_path):
     assert [m["repr"] for m in last["metrics"]][2] == "-0.0"
 
 
+def test_show_lists_the_checkpoints_the_loops_own_manager_saved(tmp_path):
+    # A run whose loop keeps its own checkpoints (a MaxText run with its checkpointing on: replay saved none)
+    # lists them in run.json's loop_checkpoints as its launcher sees them saved; show names them and the folder.
+    manifest = dict(MANIFEST, checkpoints=[], loop_checkpoints={"directory": "/data/mt/checkpoints", "steps": [0, 4, 1]})
+    run = traces.Run.create(tmp_path / "run", SCHEMA, manifest)
+    run.writer().append(_record(0))
+    run.finish()
+    data = json.loads(invoke("show", str(tmp_path / "run"), "--json").stdout)
+    assert (data["checkpoints"], data["loop_checkpoints"]) == ([0, 1, 4], "/data/mt/checkpoints"), data
+    table = invoke("show", str(tmp_path / "run")).stdout
+    assert "0, 1, 4 (the loop's own, in /data/mt/checkpoints)" in " ".join(table.split()), table
+    plain = json.loads(invoke("show", str(make_run(tmp_path / "plain")), "--json").stdout)
+    assert (plain["checkpoints"], plain["loop_checkpoints"]) == ([0, 3, 6], None)
+
+
 def test_show_running_run_is_a_snapshot(tmp_path):
     run = traces.Run.create(tmp_path / "run", SCHEMA, MANIFEST)
     try:

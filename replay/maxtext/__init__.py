@@ -41,9 +41,9 @@ Without MaxText's code (a bundle, or MaxText not installed) a run whose checkpoi
 is refused in one line (the exported program takes MaxText's NNX state; its checkpoints hold the Linen
 layout that MaxText's code converts). With dataset_type=grain, MaxText's saved Grain iterator state
 (s/iter) sets the replay's loader there (replay/maxtext/checkpoints.py); olmo_grain saves none (its
-sampler restarts at the checkpoint's step). Not yet: DiLoCo (whose step takes a per-step key as a
-third argument): refused in one line; MaxText's checkpoints on object storage (gs://) are not listed
-for a replay (its step 0 only).
+sampler restarts at the checkpoint's step). MaxText's checkpoints on object storage (base_output_directory
+gs://...) are listed through traces.storage and restored by MaxText's code from the bucket. Not yet: DiLoCo
+(whose step takes a per-step key as a third argument): refused in one line.
 
 Cost at a million steps: what recording costs any loop (one record a step, streamed to disk).
 """

@@ -38,8 +38,9 @@ pipeline, MaxText's ahead-of-time compile), as a rebuild; of step 0: none beyond
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
+
+from traces.storage import as_path
 
 KEY = "replay_maxtext_checkpoints"  # the run's config: {"directory": MaxText's checkpoint folder, "period": P}
 # The run's manifest: the steps the loop's own checkpoints give and their folder, what `replay show` lists
@@ -51,10 +52,11 @@ def on_disk(directory: str, last: int | None) -> list[int]:
     """The steps k (replay's numbering) MaxText's checkpoint folder gives: 0 (rebuilt from the argv) and
     s + 1 for each checkpoint s MaxText finished saving (its folder holds `items`). Its checkpoint of the
     last step (k = `last`, the run's steps) has no step after it to replay, and MaxText refuses to restore
-    it anyway. A folder on object storage (gs://) is not listed: step 0 only."""
-    local = None if "://" in directory else Path(directory)  # a Path would turn gs:// into gs:/
-    labels = [int(p.name) for p in local.iterdir() if p.name.isdigit() and (p / "items").is_dir()] \
-        if local is not None and local.is_dir() else []
+    it anyway. A folder on object storage (gs://, s3://) is listed through traces.storage (the bucket's
+    client and its usual credentials): one listing, and one per checkpoint."""
+    folder = as_path(directory)  # a Path would turn gs:// into gs:/
+    labels = [int(p.name) for p in folder.iterdir() if p.name.isdigit() and (p / "items").is_dir()] \
+        if folder.is_dir() else []
     return [0] + sorted(s + 1 for s in labels if last is None or s + 1 < last)
 
 
@@ -74,24 +76,25 @@ class MaxTextCheckpoints:
     """MaxText's checkpoint folder, read as replay's: steps() and restore(k) in replay's numbering."""
 
     def __init__(self, argv: list[str], held: dict, built: Any, steps: int | None):
-        self.argv, self.directory, self.built, self.last = list(argv), Path(held["directory"]), built, steps
-        self.held = held
+        self.argv, self.built, self.last = list(argv), built, steps
+        self.directory = held["directory"].rstrip("/")  # a local folder or a gs:// URL, as MaxText was given it
 
     def steps(self) -> list[int]:
-        return on_disk(self.held["directory"], self.last)
+        return on_disk(self.directory, self.last)
 
     def restore(self, k: int) -> Any:
         if k == 0:
             return self.built.init()
         from replay.maxtext.rebuild import maxtext_checkpoint
 
-        state = maxtext_checkpoint(self.argv, str(self.directory), k - 1)
+        state = maxtext_checkpoint(self.argv, self.directory, k - 1)
         self.built.enter_mesh()  # MaxText's main set its own mesh and rules for the restore: the replay's again
-        if (self.directory / str(k - 1) / "iter").is_dir():  # dataset_type=grain: MaxText saved its iterator too
-            self.built.seek(k, self.directory / str(k - 1) / "iter")
+        saved = as_path(self.directory) / str(k - 1) / "iter"
+        if saved.is_dir():  # dataset_type=grain: MaxText saved its iterator too
+            self.built.seek(k, saved)
         return state
 
     def describe(self, k: int) -> str:
         if k == 0:
             return "MaxText's initial state, rebuilt from the run's argv"
-        return f"{self.directory / str(k - 1)}: MaxText's checkpoint {k - 1}"
+        return f"{self.directory}/{k - 1}: MaxText's checkpoint {k - 1}"

@@ -343,3 +343,48 @@ def test_a_grain_run_replays_from_maxtexts_checkpoint_with_its_saved_iterator_st
         assert report["checkpoint"] == 3 and (report["replayed"], report["bit_exact"]) == (1, 1), report
         notes[name] = [n for n in report["notes"] if "does not reproduce" in n]
     assert notes["saved"] == [] and len(notes["step 0's"]) == 1 and "step 3's batch" in notes["step 0's"][0], notes
+
+
+@pytest.fixture(scope="module")
+def gcs_env() -> dict:
+    """A GCS emulator on 127.0.0.1 (gcp-storage-emulator, made to answer as GCS does: tests/traces/emulators.py)
+    for the subprocesses only: its variables go into their environment, not this process's (tests/traces'
+    own session emulator keeps the process-wide ones)."""
+    pytest.importorskip("gcp_storage_emulator", reason="pip install gcp-storage-emulator (in the MaxText venv) "
+                        "for the gs:// test")
+    from gcp_storage_emulator.server import create_server
+
+    from tests.traces.emulators import _free_port, _reads_like_gcs
+
+    _reads_like_gcs()
+    port = _free_port()
+    server = create_server("127.0.0.1", port, in_memory=True, default_bucket="replay-maxtext")
+    server.start()
+    server._api._httpd.socket.listen(128)  # as tests/traces/emulators.py: parallel requests overflow 5
+    url = f"http://127.0.0.1:{port}"
+    try:
+        yield dict(ENV, STORAGE_EMULATOR_HOST=url, TENSORSTORE_GCS_HTTP_URL=url, FSSPEC_GS_TOKEN="anon",
+                   GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false", TENSORSTORE_GCS_REQUEST_CONCURRENCY="1")
+    finally:
+        server.stop()
+
+
+def test_maxtexts_checkpoints_on_gcs_are_listed_and_a_replay_restores_from_them(tmp_path, gcs_env):
+    # MaxText saves into gs:// (base_output_directory a bucket URL); the run (local) lists the steps its
+    # checkpoints give, read through traces.storage (a pathlib.Path would turn gs:// into gs:/), and
+    # `replay run --steps 3:3` restores MaxText's checkpoint 2 from the bucket with MaxText's code.
+    argv = [a for a in TINY if not a.startswith(("steps=", "enable_checkpointing="))]
+    done = subprocess.run([sys.executable, "-m", "replay.maxtext", str(tmp_path / "gs"), str(CONFIG), *argv, "steps=4",
+                           "enable_checkpointing=true", "checkpoint_period=2", "async_checkpointing=false", "run_name=g",
+                           "base_output_directory=gs://replay-maxtext/out"],
+                          env=gcs_env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    listed = json.loads((tmp_path / "gs" / "run.json").read_text())["loop_checkpoints"]
+    assert listed["directory"].rstrip("/") == "gs://replay-maxtext/out/g/checkpoints" and listed["steps"] == [0, 1, 3]
+    replayed = subprocess.run([sys.executable, "-m", "replay.cli.app", "run", str(tmp_path / "gs"), "--steps", "3:3",
+                               "--json"], env=gcs_env, capture_output=True, text=True, timeout=900)
+    assert replayed.returncode == 0, replayed.stderr[-2000:]
+    report = json.loads(replayed.stdout.strip().splitlines()[-1])
+    assert "replayed with your code (replay.maxtext:make)" in report["notes"], report["notes"]
+    assert report["checkpoint"] == 3 and (report["replayed"], report["bit_exact"], report["all_bit_exact"]) == (1, 1, True)
+    assert not any("unverified" in n for n in report["notes"]), report["notes"]

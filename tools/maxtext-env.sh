@@ -24,7 +24,8 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import maxtext" 2>/de
   "$VENV/bin/pip" install -q "maxtext[tpu]==0.2.5"
 fi
 "$VENV/bin/pip" install -q --no-deps -e .
-"$VENV/bin/pip" install -q "pytest>=8" "pytest-xdist>=3.8" "hypothesis>=6.100"
+# the GCS emulator: tests/maxtext's gs:// test records MaxText's checkpoints into a local bucket
+"$VENV/bin/pip" install -q "pytest>=8" "pytest-xdist>=3.8" "hypothesis>=6.100" "gcp-storage-emulator>=2024.8"
 if [ "${1:-}" = "--suite" ]; then
   shift
   JAX_PLATFORMS=cpu "$VENV/bin/python" -m pytest -n 0 -q -p no:cacheprovider -m "not slow" tests/traces tests/replay tests/examples "$@"

@@ -13,8 +13,8 @@ import pytest
 from replay.bisect.cross import cross_bisect
 from replay.bisect.cross_floor import OLMO3_PAIR, TRAINER, choose
 from replay.errors import UserError
-from tests.traces.helpers import sketched_record
-from traces import Run, Schema
+from tests.traces.helpers import drifting_run
+from traces import Schema
 
 W, STEPS = 16, 40
 TENSORS = (("embeddings", "forward"), ("blocks.0.attention.w_q", "forward"))
@@ -29,24 +29,10 @@ def _drift(k: int) -> float:
     return 0.5 * float(np.sqrt(TRAINER.at("forward", k) * OLMO3_PAIR.at("forward", k)))
 
 
-def _write(path, manifest: dict, scaled: bool):
-    run = Run.create(path, SCHEMA, manifest)
-    w = run.writer()
-    for k in range(STEPS):
-        g = np.random.default_rng(k)  # the step's shared tensors; the OLMo-core side's second one scaled by
-        ts = [g.standard_normal((8, 16)).astype(np.float32) for _ in TENSORS]  # 1 + drift: that distance
-        if scaled:
-            ts[1] = (ts[1].astype(np.float64) * (1 + _drift(k))).astype(np.float32)
-        w.append(sketched_record(k, ts, 2.0, W))
-    w.close()
-    run.finish()
-    return Run.open(path)
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("floor_pair")
-    return _write(root / "mt", MAXTEXT, False), _write(root / "oc", OLMO_CORE, True)
+    return drifting_run(root / "mt", SCHEMA, MAXTEXT, STEPS), drifting_run(root / "oc", SCHEMA, OLMO_CORE, STEPS, _drift)
 
 
 def test_auto_picks_the_pairs_own_table_only_for_maxtext_against_olmo_core():
@@ -96,7 +82,7 @@ def test_the_cli_takes_floor_and_refuses_it_for_one_framework(pair, tmp_path):
     assert done.exit_code == 1 and json.loads(done.stdout.strip().splitlines()[-1])["floor_table"]["name"] == "trainer"
     done = cli.invoke(app, ["bisect", str(mt.path), str(oc.path), "--floor", "nonesuch"])
     assert done.exit_code == 2 and done.stderr.count("\n") == 1 and "neither a floor's name" in done.stderr, done.stderr
-    other = _write(tmp_path / "mt2", MAXTEXT, True)
+    other = drifting_run(tmp_path / "mt2", SCHEMA, MAXTEXT, STEPS, _drift)
     done = cli.invoke(app, ["bisect", str(mt.path), str(other.path), "--floor", "trainer"])
     lines = done.stderr.strip().splitlines()
     assert done.exit_code == 2 and len(lines) == 1 and "--floor sets the noise floor of a bisect across" in lines[0]

@@ -13,8 +13,8 @@ from replay.bisect.cross import cross_bisect
 from replay.bisect.cross_floor import OLMO3_PAIR
 from replay.bisect.twin_floor import twin_floor
 from replay.errors import UserError
-from tests.traces.helpers import sketched_record
-from traces import Run, Schema
+from tests.traces.helpers import drifting_run
+from traces import Schema
 
 W, STEPS, LATE = 16, 40, 36
 TENSORS = (("embeddings", "forward"), ("blocks.0.attention.w_q", "forward"))
@@ -31,17 +31,7 @@ EVENT = 2 * twin_drift(LATE)  # 1.0e-3: within 10 x the twin's distance at step 
 
 
 def _write(path, manifest: dict, drift=lambda k: 0.0, steps: int = STEPS):
-    """A run of the shared tensors, the second one scaled by 1 + drift(step) (that relative distance)."""
-    run = Run.create(path, SCHEMA, manifest)
-    w = run.writer()
-    for k in range(steps):
-        g = np.random.default_rng(k)
-        ts = [g.standard_normal((8, 16)).astype(np.float32) for _ in TENSORS]
-        ts[1] = (ts[1].astype(np.float64) * (1 + drift(k))).astype(np.float32)
-        w.append(sketched_record(k, ts, 2.0, W))
-    w.close()
-    run.finish()
-    return Run.open(path)
+    return drifting_run(path, SCHEMA, manifest, steps, drift)
 
 
 @pytest.fixture(scope="module")

@@ -123,3 +123,21 @@ def sketched_record(step: int, tensors: list, loss: float, width: int) -> StepRe
                       fingerprints=np.array([fingerprint(x) for x in tensors], np.uint64),
                       rms=np.array([np.sqrt(np.mean(x * x)) for x in tensors], np.float32),
                       sketches=np.stack([s for s, _ in sk]), norms=np.array([n for _, n in sk], np.float32))
+
+
+def drifting_run(path, schema: Schema, manifest: dict, steps: int, drift=lambda k: 0.0):
+    """A finished run of `schema`'s tensors (step k's drawn from seed k, so two such runs share them), the
+    second scaled by 1 + drift(k): that relative distance from a run with no drift, as a cross-framework pair
+    or a rounding-level twin would record it (the floor tests' synthetic traces)."""
+    from traces import Run
+
+    run = Run.create(path, schema, manifest)
+    w = run.writer()
+    for k in range(steps):
+        g = np.random.default_rng(k)
+        ts = [g.standard_normal((8, 16)).astype(np.float32) for _ in schema.tensors]
+        ts[1] = (ts[1].astype(np.float64) * (1 + drift(k))).astype(np.float32)
+        w.append(sketched_record(k, ts, 2.0, schema.sketch_width))
+    w.close()
+    run.finish()
+    return Run.open(path)

@@ -318,8 +318,8 @@ class MemoryIndex:
         return self._sorted()[0][::BLOCK_ENTRIES]
 
     def table(self, lo: int, hi: int | None) -> tuple[np.ndarray, np.ndarray]:
-        """The (hash, slot) entries with lo <= hash < hi (hi None: no upper bound), sorted."""
+        """The (hash, slot) entries with lo <= hash < hi (hi None: no upper bound), sorted; slots uint32."""
         hs, slots = self._sorted()
         a = np.searchsorted(hs, np.uint64(lo), "left")
         b = hs.size if hi is None else np.searchsorted(hs, np.uint64(hi), "left")
-        return hs[a:b], slots[a:b].astype(np.int64)
+        return hs[a:b], slots[a:b]  # uint32, as FileIndex.table's

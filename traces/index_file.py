@@ -234,11 +234,23 @@ class FileIndex:
         return _hits(hashes, slots, queries, limit)
 
     def table(self, lo: int, hi: int | None) -> tuple[np.ndarray, np.ndarray]:
-        """The (hash, slot) entries with lo <= hash < hi (hi None: no upper bound), sorted."""
+        """The (hash, slot) entries with lo <= hash < hi (hi None: no upper bound), sorted; slots
+        uint32 (offsets in the segment). The audit reads the whole table this way, a hash range
+        at a time: the blocks are one read, each block's checksum checked, and each column copied
+        out once (no join, no widening: at 1.4M steps that is 1.43G entries)."""
         if not self.blocks:
-            return np.zeros(0, np.uint64), np.zeros(0, np.int64)
+            return np.zeros(0, np.uint64), np.zeros(0, np.uint32)
         first, stop = self._table_blocks(lo, hi)
-        hs, slots = self._blocks(list(range(first, stop)))
-        a = np.searchsorted(hs, np.uint64(lo), "left")
-        b = hs.size if hi is None else np.searchsorted(hs, np.uint64(hi), "left")
-        return hs[a:b], slots[a:b].astype(np.int64)
+        K, size = self.K, 12 * self.K
+        data = self._read(self._table_at + first * size, (stop - first) * size)
+        view, crc32 = memoryview(data), zlib.crc32
+        crcs = self._heads()[1][first:stop].tolist()
+        bad = [k for k, c in enumerate(crcs) if crc32(view[k * size : (k + 1) * size]) != c]
+        if bad:
+            raise IndexUnusable(f"block {first + bad[0]}'s checksum does not match")
+        rows = np.frombuffer(data, np.uint8).reshape(stop - first, size)
+        n = min(stop * K, self.entries) - first * K  # the last block is padded past the entries
+        hs = rows[:, : 8 * K].view("<u8").reshape(-1)[:n]  # a copy: the rows interleave hashes and slots
+        a = int(np.searchsorted(hs, np.uint64(lo), "left"))
+        b = n if hi is None else int(np.searchsorted(hs, np.uint64(hi), "left"))
+        return hs[a:b], rows[:, 8 * K :].view("<u4").reshape(-1)[a:b]

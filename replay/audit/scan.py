@@ -4,14 +4,15 @@ Every repeat of an example is a repeat of its hash, so the audit splits the hash
 ranges and judges each range on its own: all sightings of the hashes in it, sorted by
 (hash, slot), are what replay/audit/__init__.py's rules need. For a run's trace the sorted hashes come
 from the segments' indexes (traces/index.py: each segment's hashes already sorted), a range
-at a time, so memory is bounded by the range (PARTITION_ENTRIES sightings), not the run. Only
+at a time (replay/audit/tables.py), so memory is bounded by the range, not the run. Only
 three things are global and small: the per-step count of same-batch copies (which decides
 whether a batch's copies are evidence of duplicate content), the per-step row keys that find
 whole replayed batches, and the findings themselves.
 
 At 1.4M steps of 1,024 examples: the index tables are read once (~17 GB, 12 bytes a sighting),
-a range's hashes sorted alone and only repeated hashes' sightings ordered by slot (all of them
-when most hashes repeat: several epochs); memory ~0.5 GB plus 8 bytes a repeat found. With
+a range's hashes sorted alone, in cache-sized pieces, and only repeated hashes' sightings ordered
+by slot (all of them when most hashes repeat: several epochs); memory: two ranges and the
+unsealed tail's table (peak RSS 0.27 GB at 350k steps, bench.scale) plus 8 bytes a repeat found. With
 `verify` the records' checksums are read beside it in a thread (BytesCheck, another ~17 GB).
 Both together do not fit a 24 GB page cache, so with `verify` the audit runs at the disk's
 speed; the tables alone may stay cached between audits. When the dataset size is unknown
@@ -27,12 +28,14 @@ import numpy as np
 
 import traces
 from traces import columns
-from traces.index import IndexUnusable, examples_key
+from traces.index import examples_key
 from traces.sorting import stable_argsort
 from traces.storage import is_remote
 from traces.trace import READ_AHEAD
+from replay.audit.tables import Piece, request_ahead
 
-PARTITION_ENTRIES = 1 << 22  # ~0.5 GB of working arrays a range
+SORT_ENTRIES = 1 << 17  # sorted at once within a range: numpy sorts what fits the cache ~2x faster an entry
+_SAMPLE_EVERY = 64  # of each piece's sorted hashes, where to cut a range into sorts
 _EMPTY = np.zeros(0, np.int64)
 
 
@@ -200,109 +203,73 @@ def memory_keys(hashes_SxB: np.ndarray) -> np.ndarray:
     return examples_key(np.ascontiguousarray(hashes_SxB, dtype=np.uint64))
 
 
-# ------------------------------------------------------------------------------ a trace, range by range
+# ------------------------------------------------------------------------------ a range of hashes
 
 
-def _ranges(reader: traces.TraceReader, segments: list[int], entries: int) -> list[tuple[int, int | None]]:
-    """Hash ranges [lo, hi) of about PARTITION_ENTRIES sightings each, cut at quantiles of the
-    segments' block fences (every 256th sorted hash), so uneven hashes split evenly too; even
-    cuts of the hash space when there are too few fences for that (small segments)."""
-    parts = max(1, -(-entries // PARTITION_ENTRIES))
-    if parts == 1:
-        return [(0, None)]
-    for k in range(0, len(segments), READ_AHEAD):
-        _ahead(reader, segments[k : k + READ_AHEAD], lambda index: index.heads_span())
-    sample = np.sort(np.concatenate([reader.with_index(i, lambda index: index.sample()) for i in segments]))
-    if sample.size >= 8 * parts:
-        cuts = [int(c) for c in np.unique(sample[(np.arange(1, parts) * sample.size) // parts]) if int(c) > 0]
-    else:
-        cuts = [(k << 64) // parts for k in range(1, parts)]
-    bounds = [0] + cuts
-    return list(zip(bounds, bounds[1:] + [None]))
+def _repeats(pieces: list[Piece], M: int) -> tuple[np.ndarray, int, dict[int, int]]:
+    """(the hashes seen more than once, sorted; distinct hashes; times seen -> how many) of the
+    range's M sightings. The pieces are sorted, so the range splits at common cut values into
+    sub-ranges of about SORT_ENTRIES, each concatenated and sorted alone: equal hashes meet in one
+    sub-range, and a sort that fits the cache costs ~half a sort of the whole range an entry."""
+    parts = -(-M // SORT_ENTRIES)
+    cuts = np.zeros(0, np.uint64)
+    if parts > 1:
+        sample = np.sort(np.concatenate([p.hs[::_SAMPLE_EVERY] for p in pieces]))
+        cuts = np.unique(sample[(np.arange(1, parts) * sample.size) // parts])
+    edges = [[0, *np.searchsorted(p.hs, cuts, "left").tolist(), p.hs.size] for p in pieces]
+    repeated, distinct, seen = [], 0, {}
+    for k in range(cuts.size + 1):
+        s = np.concatenate([p.hs[e[k] : e[k + 1]] for p, e in zip(pieces, edges)])
+        if not s.size:
+            continue
+        s.sort()
+        same = s[1:] == s[:-1]
+        if not same.any():  # no hash of the sub-range repeats: the common case within one epoch
+            distinct, seen[1] = distinct + s.size, seen.get(1, 0) + s.size
+            continue
+        starts = np.flatnonzero(np.r_[True, ~same])
+        counts = np.diff(starts, append=s.size)
+        repeated.append(s[starts[counts > 1]])
+        distinct += starts.size
+        for t, c in zip(*np.unique(counts, return_counts=True)):
+            seen[int(t)] = seen.get(int(t), 0) + int(c)
+    return (np.concatenate(repeated) if repeated else np.zeros(0, np.uint64)), distinct, seen
 
 
-def range_part(pieces: list[tuple[np.ndarray, np.ndarray]], N: int, B: int, copies) -> Part:
-    """`analyze` of one hash range given as per-segment pieces (hashes sorted, global slots),
-    segments in slot order. Only hashes seen more than once need their slots in order: the
-    range's hashes are sorted alone (numpy's SIMD sort, no argsort), which gives the distinct
-    count and times seen, and the sightings of the repeated hashes (rare within one epoch)
-    are gathered from the pieces by bisection and analysed. When most hashes repeat (several
-    epochs) the whole range is sorted by (hash, slot) instead, as `analyze` expects."""
-    hs = np.concatenate([h for h, _ in pieces]) if pieces else np.zeros(0, np.uint64)
-    M = hs.size
+def range_part(pieces: list[Piece], N: int, B: int, copies) -> Part:
+    """`analyze` of one hash range given as per-segment pieces, segments in slot order. Only
+    hashes seen more than once need their slots in order: the range's hashes are sorted alone
+    (numpy's SIMD sort of cache-sized sub-ranges, no argsort), which gives the distinct count and
+    times seen, and the sightings of the repeated hashes (rare within one epoch) are gathered
+    from the pieces by bisection and analysed. When most hashes repeat (several epochs) the
+    whole range is sorted by (hash, slot) instead, as `analyze` expects."""
+    pieces = [p for p in pieces if p.hs.size]
+    M = sum(p.hs.size for p in pieces)
     if M == 0:
         return Part()
-    s = np.sort(hs)
-    new = np.empty(M, bool)
-    new[0] = True
-    np.not_equal(s[1:], s[:-1], out=new[1:])
-    if new.all():  # no hash of the range repeats: the common case within one epoch
+    repeated, distinct, seen = _repeats(pieces, M)
+    if not repeated.size:
         return Part(distinct=M, seen={1: M})
-    starts = np.flatnonzero(new)
-    counts = np.diff(starts, append=M)
-    repeated = s[starts[counts > 1]]
     if repeated.size * 8 > M:
-        order, hs = stable_argsort(hs)  # pieces come in slot order: stable keeps (hash, slot)
-        return analyze(hs, np.concatenate([g for _, g in pieces])[order], N, B, copies)
+        order, hs = stable_argsort(np.concatenate([p.hs for p in pieces]))  # pieces in slot order: stable keeps (hash, slot)
+        return analyze(hs, np.concatenate([p.global_slots() for p in pieces])[order], N, B, copies)
     sub_h, sub_g = [], []
-    for h, g in pieces:
-        lo, hi = np.searchsorted(h, repeated, "left"), np.searchsorted(h, repeated, "right")
+    for p in pieces:
+        lo, hi = np.searchsorted(p.hs, repeated, "left"), np.searchsorted(p.hs, repeated, "right")
         n = hi - lo
         at = np.repeat(lo - np.r_[0, np.cumsum(n)[:-1]], n) + np.arange(int(n.sum()))
-        sub_h.append(h[at])
-        sub_g.append(g[at])
+        sub_h.append(p.hs[at])
+        sub_g.append(p.global_slots(at))
     sub_h, sub_g = np.concatenate(sub_h), np.concatenate(sub_g)
     order = np.lexsort((sub_g, sub_h))
     part = analyze(sub_h[order], sub_g[order], N, B, copies)
-    times, how_many = np.unique(counts, return_counts=True)
-    part.distinct, part.seen = int(starts.size), {int(t): int(c) for t, c in zip(times, how_many)}
+    part.distinct, part.seen = distinct, dict(sorted(seen.items()))
     return part
 
 
-def range_distinct(pieces: list[tuple[np.ndarray, np.ndarray]]) -> int:
-    hs = np.sort(np.concatenate([h for h, _ in pieces])) if pieces else np.zeros(0, np.uint64)
-    return int(hs.size and np.count_nonzero(hs[1:] != hs[:-1]) + 1)
-
-
-def trace_pieces(reader: traces.TraceReader, start: int, stop: int):
-    """Per hash range, the list of (hashes sorted, global slots) of each segment's sightings in
-    steps start..stop-1, segments in order; read from the segments' indexes."""
-    B = reader.schema.examples_per_step
-    segments = [i for i, s in enumerate(reader.segments) if s.first_step < stop and s.first_step + s.count > start]
-    entries = sum(reader.segments[i].count for i in segments) * B
-    for lo, hi in _ranges(reader, segments, entries):
-        pieces = []
-        for k, i in enumerate(segments):
-            if k % READ_AHEAD == 0:  # remote: a window's block heads, then the window's tables, at once
-                window = segments[k : k + READ_AHEAD]
-                _ahead(reader, window, lambda index: index.heads_span())
-                _ahead(reader, window, lambda index: index.table_span(lo, hi))
-            seg = reader.segments[i]
-            hs, slots = reader.with_index(i, lambda index: index.table(lo, hi))
-            slots += seg.first_step * B  # in place: table() returns a fresh int64 array
-            if seg.first_step < start or seg.first_step + seg.count > stop:
-                keep = (slots >= start * B) & (slots < stop * B)
-                hs, slots = hs[keep], slots[keep]
-            pieces.append((hs, slots))
-        yield pieces
-
-
-def _ahead(reader: traces.TraceReader, segments: list[int], span) -> None:
-    """On object storage, requests the part `span(index)` of these segments' index files at once
-    (one round trip for the window instead of one a segment); what cannot be planned (no index
-    file, a damaged one) is left to the reader's own read, where it is handled."""
-    if not is_remote(reader.dir):
-        return
-    ranges = []
-    for i in segments:
-        try:
-            index = reader._file_index(i)
-            part = None if index is None else span(index)
-            if part is not None:
-                ranges.append((index.path.key, *part))
-        except IndexUnusable:
-            pass
-    reader.dir.view.prefetch(ranges)
+def range_distinct(pieces: list[Piece]) -> int:
+    pieces = [p for p in pieces if p.hs.size]
+    return _repeats(pieces, sum(p.hs.size for p in pieces))[1] if pieces else 0
 
 
 class BytesCheck:
@@ -346,7 +313,7 @@ def trace_keys(reader: traces.TraceReader, start: int, stop: int) -> np.ndarray:
     keys = []
     for k, (i, lo, hi) in enumerate(spans):
         if k % READ_AHEAD == 0:
-            _ahead(reader, [j for j, _, _ in spans[k : k + READ_AHEAD]], _examples_key_span)
+            request_ahead(reader, [j for j, _, _ in spans[k : k + READ_AHEAD]], _examples_key_span)
         keys.append(reader.column(i, "examples_key")[lo:hi])
     return np.concatenate(keys or [_EMPTY]).astype(np.uint64)
 
@@ -370,7 +337,7 @@ def _frames_ahead(reader: traces.TraceReader, steps: list[int]) -> None:
         return
     where = {s: reader._segment_index(s) for s in steps if s in reader}
     unknown = sorted({i for i in where.values() if reader.segments[i].offsets is None})
-    _ahead(reader, unknown, lambda index: index.column_span("offsets") if index.column_crc else None)
+    request_ahead(reader, unknown, lambda index: index.column_span("offsets") if index.column_crc else None)
     ranges = []
     for step, i in where.items():
         seg = reader.segments[i]

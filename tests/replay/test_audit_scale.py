@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from replay.audit import scan as audit_scan
+from replay.audit import tables as audit_tables
 from replay.audit import audit, audit_hashes, audit_trace, read_example_hashes
 from replay.bisect.data import seen_before
 from tests.replay.test_audit import B, make_run, mix, order_ids, resume_repeat
@@ -38,9 +39,16 @@ def scenarios():
             "sampler-bug": (sampler_bug, 100), "replayed-batches": (replayed, 100_000)}
 
 
+def small_sorts(monkeypatch) -> None:
+    """Many ranges, each sorted in several sub-ranges, even for a small trace."""
+    monkeypatch.setattr(audit_tables, "PARTITION_ENTRIES", 40)
+    monkeypatch.setattr(audit_scan, "SORT_ENTRIES", 8)
+    monkeypatch.setattr(audit_scan, "_SAMPLE_EVERY", 2)
+
+
 @pytest.mark.parametrize("name", list(scenarios()))
 def test_the_audit_of_a_trace_in_hash_ranges_is_the_in_memory_audit(tmp_path, monkeypatch, name):
-    monkeypatch.setattr(audit_scan, "PARTITION_ENTRIES", 40)  # many ranges, even for a small trace
+    small_sorts(monkeypatch)
     hashes, n = scenarios()[name]
     run = make_run(tmp_path / "run", hashes, n, segment_records=16)
     in_memory = audit_hashes(read_example_hashes(Run.open(run)), 0, n, None, "manifest")
@@ -53,7 +61,7 @@ def test_the_audit_of_a_trace_in_hash_ranges_is_the_in_memory_audit(tmp_path, mo
 
 
 def test_the_comparison_of_audits_sees_a_planted_repeat(tmp_path, monkeypatch):
-    monkeypatch.setattr(audit_scan, "PARTITION_ENTRIES", 40)
+    small_sorts(monkeypatch)
     clean = mix(order_ids(100, 60))
     planted = clean.copy()
     planted[45, 2] = planted[44, 1]
@@ -65,7 +73,7 @@ def test_the_comparison_of_audits_sees_a_planted_repeat(tmp_path, monkeypatch):
 
 
 def test_source_copies_give_the_same_audit_streamed(tmp_path, monkeypatch):
-    monkeypatch.setattr(audit_scan, "PARTITION_ENTRIES", 40)
+    small_sorts(monkeypatch)
     hashes = mix(order_ids(100, 60))
     hashes[10, 1] = hashes[10, 2]
     distinct = np.unique(hashes)

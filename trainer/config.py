@@ -146,7 +146,7 @@ class TraceConfig:
     level: Literal["off", "step", "layer"] = "layer"  # what each step records (trainer/step.py)
     layer_every: int = 1  # level=layer: layer fingerprints every N steps; step fields every step
     # level=layer: also each tensor's distance sketch (trainer/sketches.py), so bisect measures distances from
-    # the trace alone; off by default: on the tiny preset it costs more than the layer level's 3% budget
+    # the trace alone; off by default: it costs ~1.5-2% of a demo step's CPU (trainer/sketches.py), not ~free
     sketches: bool = False
 
     def __post_init__(self) -> None:

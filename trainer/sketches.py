@@ -14,14 +14,17 @@ step, which the update overwrites in place (donation): `never` gives the step a 
 is never true but that XLA cannot prove false, so the update's scalar hyperparameters are passed
 through it (as for the state fingerprints) and the sketch reductions are scheduled first.
 
-Cost: one more pass over every recorded tensor (and the state) each layer-level step, 260 bytes
-a tensor a record, O(1) in the run's length: at a million steps and 100 tensors, 26 GB of trace
-(record at the layer level's cadence, trace.layer_every). `python -m bench.step_sketches`,
-2 shared CPU cores at load 8-11, 2026-12-01: tiny preset +2.0 ms CPU on a 9.7 ms step (21%;
-6% by wall), demo preset +2.1% CPU / +2.4% wall on a 0.31 s step. Off by default: on small
-models it is far over the layer level's 3% budget. The sums are a float32 scatter-add
-(replay/record/fingerprint.py): bit-reproducible on CPU; not checked on GPU, where XLA's
-scatter-add may use atomics (a resume's re-recorded records must match bit for bit).
+Cost: 260 bytes a tensor a record, O(1) in the run's length: at a million steps and 100 tensors,
+26 GB of trace (record at the layer level's cadence, trace.layer_every). Compute: each tensor's
+signed rows and one scatter-add of them (replay/record/fingerprint.py `sketch_rows`: the signs and
+row segments hashed once a program, one XOR permutation for all tensors); the norms are the
+fingerprint pass's RMS * sqrt(elements), no pass of their own. `python -m bench.step_sketches
+--preset demo --rounds 30`, 2 shared CPU cores, 2026-12-06, 3 runs: +1.8% / +1.4% / +4.1% CPU
+(the last at load ~2.9), +1.6% / +2.4% / +2.2% wall, on a ~0.21 s step (before: +3.5% / +3.75%
+/ +3.4% CPU, per-tensor sign hashes and a norm pass). Off by default: over the ~1% that would
+make it free beside the layer level's 3% budget. The sums are a float32 scatter-add:
+bit-reproducible on CPU; not checked on GPU, where XLA's scatter-add may use atomics (a
+resume's re-recorded records must match bit for bit).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from replay.record.fingerprint import sketch_and_norm
+from replay.record.fingerprint import sketch_rows
 from traces.sketch import DEFAULT_WIDTH
 from trainer.config import ConfigError
 
@@ -55,25 +58,27 @@ def check(cfg: Any) -> None:
                           "trace tensors are fingerprints, not tensors to measure): switch one of them off")
 
 
-def _tree_sketch(leaves: list[jax.Array], w: int) -> tuple[jax.Array, jax.Array]:
-    if not leaves:
-        return jnp.zeros((w,), jnp.float32), jnp.zeros((), jnp.float32)
-    pairs = [sketch_and_norm(x, w) for x in leaves]
-    total = pairs[0][0]
-    for s, _ in pairs[1:]:
-        total = total + s
-    return total, jnp.sqrt(sum(jnp.square(n) for _, n in pairs))
+def _norms(rms: jax.Array, sizes: list[float]) -> jax.Array:
+    """float32 L2 norms from the RMS the fingerprint pass already took (rms * sqrt(elements)): no
+    second pass over the tensors; within a few float32 roundings of sqrt(sum of squares)."""
+    return rms * jnp.asarray([float(n) ** 0.5 for n in sizes], jnp.float32)
 
 
-def of_state(cfg: Any, param_leaves: list[jax.Array], opt_leaves: list[jax.Array]) -> StateSketch | None:
+def of_state(cfg: Any, param_leaves: list[jax.Array], opt_leaves: list[jax.Array],
+             rms: tuple[jax.Array, jax.Array]) -> StateSketch | None:
     """The sketches of `state/params` (leaves in model.param_names order) and `state/opt_state`
-    (jax.tree.leaves order) entering the step; None without trace.sketches."""
+    (jax.tree.leaves order) entering the step; None without trace.sketches. `rms`: the two pytree
+    summaries' float32[1] RMS (trainer/step.py `_tree_summary`), which give the norms."""
     w = width(cfg)
     if not w:
         return None
     check(cfg)
-    (sp, np_), (so, no) = _tree_sketch(param_leaves, w), _tree_sketch(opt_leaves, w)
-    return jnp.stack([sp, so]), jnp.stack([np_, no])
+    rows = sketch_rows(list(param_leaves) + list(opt_leaves), w)  # one call: one sign table
+    zero = jnp.zeros((w,), jnp.float32)
+    sp = jnp.sum(rows[:len(param_leaves)], axis=0) if param_leaves else zero
+    so = jnp.sum(rows[len(param_leaves):], axis=0) if opt_leaves else zero
+    sizes = [float(sum(x.size for x in param_leaves)), float(sum(x.size for x in opt_leaves))]
+    return jnp.stack([sp, so]), _norms(jnp.concatenate([rms[0].reshape(1), rms[1].reshape(1)]), sizes)
 
 
 def never(state_sketch: StateSketch | None) -> jax.Array | bool:
@@ -86,16 +91,16 @@ def never(state_sketch: StateSketch | None) -> jax.Array | bool:
     return (jnp.sum(jnp.square(sketches)) + jnp.sum(norms)) < 0
 
 
-def assemble(state_sketch: StateSketch | None, tensors: list[jax.Array]) -> dict[str, jax.Array]:
+def assemble(state_sketch: StateSketch | None, tensors: list[jax.Array], rms: jax.Array) -> dict[str, jax.Array]:
     """{"sketches": float32[T, W], "norms": float32[T]} for the record, in schema order: the state's
     two, then `tensors` (the forward layers, gradients and parameters after the update, as the
-    step fingerprints them); {} without trace.sketches (state_sketch None)."""
+    step fingerprints them); {} without trace.sketches (state_sketch None). `rms`: the float32 RMS
+    the step recorded for `tensors` (its first len(tensors) rows), which give their norms."""
     if state_sketch is None:
         return {}
     w = state_sketch[0].shape[-1]
-    pairs = [sketch_and_norm(x, w) for x in tensors]
     sketches, norms = [state_sketch[0]], [state_sketch[1]]
-    if pairs:
-        sketches.append(jnp.stack([s for s, _ in pairs]))
-        norms.append(jnp.stack([n for _, n in pairs]))
+    if tensors:
+        sketches.append(sketch_rows(tensors, w))
+        norms.append(_norms(rms[:len(tensors)], [x.size for x in tensors]))
     return {"sketches": jnp.concatenate(sketches), "norms": jnp.concatenate(norms)}

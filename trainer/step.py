@@ -183,7 +183,8 @@ def train_step(state: TrainState, batch: dict, *, cfg: Config, level: str = "ste
         state_summaries = [_tree_summary([get_path(state.params, n) for n in names]),
                            _tree_summary(jax.tree.leaves(state.opt_state))]
         # trace.sketches: the state's distance sketches, read before the update like its summaries (None when off)
-        state_sketch = sketches.of_state(cfg, [get_path(state.params, n) for n in names], jax.tree.leaves(state.opt_state))
+        state_sketch = sketches.of_state(cfg, [get_path(state.params, n) for n in names], jax.tree.leaves(state.opt_state),
+                                         (state_summaries[0][1], state_summaries[1][1]))
         # The update must depend on these reductions: otherwise XLA may schedule them after it
         # and so copies every donated parameter and moment before the step (the whole state,
         # every step; lax.optimization_barrier does not survive XLA:CPU's pipeline, and
@@ -240,7 +241,7 @@ def train_step(state: TrainState, batch: dict, *, cfg: Config, level: str = "ste
         parts = state_summaries + [(lanes, rms)] + [aux[k] for k in ("replicas", "check") if k in aux]
         metrics["fingerprints"] = jnp.concatenate([lanes for lanes, _ in parts])
         metrics["rms"] = jnp.concatenate([rms for _, rms in parts])
-        metrics.update(sketches.assemble(state_sketch, tensors))  # "sketches", "norms" with trace.sketches
+        metrics.update(sketches.assemble(state_sketch, tensors, rms))  # "sketches", "norms" with trace.sketches
     return new_state, metrics
 
 

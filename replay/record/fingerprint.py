@@ -27,7 +27,7 @@ from traces.sketch import CHUNK_ROWS, ROW_SEED, SIGN_SEED, check_width
 import hashlib
 
 __all__ = ["fingerprint_lanes", "fingerprints_and_sums_of_squares", "fingerprint_tree", "lanes_to_int", "sketch_and_norm",
-           "sketches_of",
+           "sketches_of", "sketch_rows",
            "state_fingerprint", "tree_to_ints"]
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
@@ -217,39 +217,89 @@ def state_fingerprint(state) -> str:
 
 
 # ------------------------------------------------------------------------ distance sketches
+#
+# Why not in the fingerprint's own reduce (issue 34): one variadic reduce a tensor over the rows of
+# [chunks, CHUNK_ROWS, W], with outputs per (chunk, bucket) for the two lanes, the sum of squares and
+# the sketch (each row's columns gathered by c XOR offset(r)), does read each tensor once (one loop
+# fusion a tensor in the HLO), but XLA:CPU emits that partial variadic reduce with its gather as a
+# scalar loop: 8.4 ms wall / 15.9 ms CPU for 6 x [1024, 512] float32 against 2.4 / 4.3 ms for the
+# fingerprint plus `sketch_rows` below (`python -m bench.sketch_overhead --shapes 6x1024x512
+# --one-pass`, idle machine, 2026-12-06). So the fingerprint stays the full reduce it was (same
+# bits) and the sketch is a scatter-add of whole signed rows, with what depends on the index only
+# hashed once a program, and its norm from the fingerprint's sum of squares (trainer/sketches.py).
 
-def sketch_and_norm(x, width: int) -> tuple[jax.Array, jax.Array]:
-    """float32[W] distance sketch and float32 L2 norm of `x` (traces/sketch.py), as the global tensor.
+# The sign table is shared up to this many elements (1 byte each); larger tensors hash their own.
+SHARED_SIGN_ELEMENTS = 1 << 24
 
-    The tensor's elements as rows of W (a reshape, free when the last axis is a multiple of W;
-    padded with zeros otherwise), signed per element, then ONE scatter-add of whole rows into
-    segment (row chunk, row offset): float32 sums of at most CHUNK_ROWS / W rows on average,
-    then a reduce over chunks, then the XOR permutation of a [W, W] table. Within
-    traces/sketch.py's tolerance of the float64 reference. Global indices (iota): call it
-    outside shard_map.
-    """
-    width = check_width(width)
-    x = jnp.asarray(x)
+
+def _negative_rows(rows: int, width: int) -> jax.Array:
+    """bool[rows, W]: element e = r * W + c has sign -1 (traces/sketch.py). It depends on e only, so
+    one table serves every tensor of a program (a slice of the first rows), hashed once."""
+    e = lax.add(lax.mul(lax.broadcasted_iota(jnp.uint32, (rows, width), 0), _u32(width)),
+                lax.broadcasted_iota(jnp.uint32, (rows, width), 1))
+    return lax.shift_right_logical(_fmix32(lax.add(lax.mul(e, _u32(GOLDEN)), _u32(SIGN_SEED))), _u32(31)) == _u32(1)
+
+
+def _as_rows(x, width: int) -> jax.Array:
+    """float32[rows, W]: the values in row-major order, zero-padded to whole rows (at least one)."""
     if jnp.issubdtype(x.dtype, jnp.complexfloating):
-        raise TypeError(f"sketch_and_norm: complex dtype {x.dtype} has no distance sketch")
+        raise TypeError(f"sketch: complex dtype {x.dtype} has no distance sketch")
     v = x.astype(jnp.float32).reshape(-1)
     n = v.shape[0]
     rows = max(1, -(-n // width))
     if rows * width != n:
         v = jnp.pad(v, (0, rows * width - n))
-    v = v.reshape(rows, width)
-    e = (lax.broadcasted_iota(jnp.uint32, (rows, width), 0) * jnp.uint32(width)
-         + lax.broadcasted_iota(jnp.uint32, (rows, width), 1))
-    negative = (_fmix32(e * jnp.uint32(GOLDEN) + jnp.uint32(SIGN_SEED)) >> 31) == 1
-    signed = jnp.where(negative, -v, v)
-    r = jnp.arange(rows, dtype=jnp.uint32)
-    offset = _fmix32(r * jnp.uint32(GOLDEN) + jnp.uint32(ROW_SEED)) & jnp.uint32(width - 1)
-    chunks = -(-rows // CHUNK_ROWS)
-    seg = ((r // jnp.uint32(CHUNK_ROWS)) * jnp.uint32(width) + offset).astype(jnp.int32)
-    table = jax.ops.segment_sum(signed, seg, num_segments=chunks * width).reshape(chunks, width, width).sum(axis=0)
-    # sketch[b] = sum over offsets k of table[k, b XOR k]
+    return v.reshape(rows, width)
+
+
+def _segments(rows: int, width: int) -> jax.Array:
+    """int32[rows]: row r's segment, chunk * W + offset(r); like the signs, a function of r only."""
+    r = lax.iota(jnp.uint32, rows)
+    offset = lax.bitwise_and(_fmix32(lax.add(lax.mul(r, _u32(GOLDEN)), _u32(ROW_SEED))), _u32(width - 1))
+    return lax.convert_element_type(lax.add(lax.mul(lax.div(r, _u32(CHUNK_ROWS)), _u32(width)), offset), jnp.int32)
+
+
+def _offset_table(v: jax.Array, negative: jax.Array, segments: jax.Array, width: int) -> jax.Array:
+    """float32[W, W]: table[k, c] = sum of the signed v[r, c] over the rows r of offset k. ONE scatter-add
+    of whole rows into segment (row chunk, row offset): float32 sums of at most CHUNK_ROWS / W rows on
+    average, then a reduce over chunks."""
+    chunks = -(-v.shape[0] // CHUNK_ROWS)
+    table = jax.ops.segment_sum(jnp.where(negative, -v, v), segments, num_segments=chunks * width)
+    return table if chunks == 1 else table.reshape(chunks, width, width).sum(axis=0)
+
+
+def sketch_rows(xs, width: int) -> jax.Array:
+    """float32[T, W] distance sketches of T tensors (traces/sketch.py), as global tensors, without
+    their norms (a caller that fingerprints the same tensors has their sums of squares).
+
+    What depends on the element index only (the signs, each row's segment) is hashed once, for the
+    largest tensor up to SHARED_SIGN_ELEMENTS, and sliced for the others; the XOR permutation of
+    the T [W, W] offset tables (sketch[b] = sum over k of table[k, b XOR k]) is one gather for all.
+    On XLA:CPU every small op is a kernel of its own: per tensor, only the signed rows and their
+    scatter remain. Within traces/sketch.py's tolerance of the float64 reference. Global indices
+    (iota): call it outside shard_map."""
+    width = check_width(width)
+    if not xs:
+        return jnp.zeros((0, width), jnp.float32)
+    vs = [_as_rows(jnp.asarray(x), width) for x in xs]
+    shared = max((v.shape[0] for v in vs if v.size <= SHARED_SIGN_ELEMENTS), default=0)
+    negative, segments = (_negative_rows(shared, width), _segments(shared, width)) if shared else (None, None)
+    tables = []
+    for v in vs:
+        rows = v.shape[0]
+        if v.size <= SHARED_SIGN_ELEMENTS:
+            tables.append(_offset_table(v, negative[:rows], segments[:rows], width))
+        else:
+            tables.append(_offset_table(v, _negative_rows(rows, width), _segments(rows, width), width))
     k = np.arange(width, dtype=np.int32)
-    sketch = jnp.take_along_axis(table, jnp.asarray(k[None, :] ^ k[:, None]), axis=1).sum(axis=0)
+    return jnp.stack(tables)[:, k[:, None], k[:, None] ^ k[None, :]].sum(axis=1)  # [t, k, b] = table_t[k, b XOR k]
+
+
+def sketch_and_norm(x, width: int) -> tuple[jax.Array, jax.Array]:
+    """float32[W] distance sketch and float32 L2 norm of `x` (traces/sketch.py), as the global tensor:
+    `sketch_rows` of one tensor, and the norm of its float32 values."""
+    x = jnp.asarray(x)
+    sketch = sketch_rows([x], width)[0]
     flat = x.astype(jnp.float32)
     return sketch, jnp.sqrt(jnp.sum(flat * flat))
 
@@ -258,5 +308,6 @@ def sketches_of(xs, width: int) -> tuple[jax.Array, jax.Array]:
     """float32[T, W] sketches and float32[T] norms of T tensors (rows in the order given)."""
     if not xs:
         return jnp.zeros((0, width), jnp.float32), jnp.zeros((0,), jnp.float32)
-    pairs = [sketch_and_norm(x, width) for x in xs]
-    return jnp.stack([s for s, _ in pairs]), jnp.stack([n for _, n in pairs])
+    xs = [jnp.asarray(x) for x in xs]
+    norms = [jnp.sqrt(jnp.sum(x.astype(jnp.float32) * x.astype(jnp.float32))) for x in xs]
+    return sketch_rows(xs, width), jnp.stack(norms)

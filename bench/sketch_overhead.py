@@ -5,7 +5,7 @@ The layer-level record of trainer/step.py fingerprints every forward layer, grad
 parameter after the update. This measures, on the trainer's `--preset` (default tiny), with
 the parameters standing in for the gradients and parameters (same shapes) and activations of
 the layer shapes: `fp` (fingerprints and sums of squares, one jitted program, as recorded
-today), `fp+sketch` (the same plus `sketches_of`, in one program: what a v2 record computes),
+today), `fp+sketch` (the same plus `sketch_rows`, in one program: what a v2 record computes),
 and `step` (the trainer's train step at level off). Rounds interleave the three; medians of
 wall and of process CPU time (others share this CPU: the CPU ratio is the steadier). Prints
 one JSON line: the sketch's cost relative to the step (budget beside it: the layer level's

@@ -34,7 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from replay.record.fingerprint import sketch_rows
+from replay.record.fingerprint import norms_from_rms, sketch_rows
 from traces.sketch import DEFAULT_WIDTH
 from trainer.config import ConfigError
 
@@ -58,12 +58,6 @@ def check(cfg: Any) -> None:
                           "trace tensors are fingerprints, not tensors to measure): switch one of them off")
 
 
-def _norms(rms: jax.Array, sizes: list[float]) -> jax.Array:
-    """float32 L2 norms from the RMS the fingerprint pass already took (rms * sqrt(elements)): no
-    second pass over the tensors; within a few float32 roundings of sqrt(sum of squares)."""
-    return rms * jnp.asarray([float(n) ** 0.5 for n in sizes], jnp.float32)
-
-
 def of_state(cfg: Any, param_leaves: list[jax.Array], opt_leaves: list[jax.Array],
              rms: tuple[jax.Array, jax.Array]) -> StateSketch | None:
     """The sketches of `state/params` (leaves in model.param_names order) and `state/opt_state`
@@ -78,7 +72,7 @@ def of_state(cfg: Any, param_leaves: list[jax.Array], opt_leaves: list[jax.Array
     sp = jnp.sum(rows[:len(param_leaves)], axis=0) if param_leaves else zero
     so = jnp.sum(rows[len(param_leaves):], axis=0) if opt_leaves else zero
     sizes = [float(sum(x.size for x in param_leaves)), float(sum(x.size for x in opt_leaves))]
-    return jnp.stack([sp, so]), _norms(jnp.concatenate([rms[0].reshape(1), rms[1].reshape(1)]), sizes)
+    return jnp.stack([sp, so]), norms_from_rms(jnp.concatenate([rms[0].reshape(1), rms[1].reshape(1)]), sizes)
 
 
 def never(state_sketch: StateSketch | None) -> jax.Array | bool:
@@ -102,5 +96,5 @@ def assemble(state_sketch: StateSketch | None, tensors: list[jax.Array], rms: ja
     sketches, norms = [state_sketch[0]], [state_sketch[1]]
     if tensors:
         sketches.append(sketch_rows(tensors, w))
-        norms.append(_norms(rms[:len(tensors)], [x.size for x in tensors]))
+        norms.append(norms_from_rms(rms[:len(tensors)], [x.size for x in tensors]))
     return {"sketches": jnp.concatenate(sketches), "norms": jnp.concatenate(norms)}

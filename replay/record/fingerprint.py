@@ -26,8 +26,8 @@ from traces.fingerprint import fingerprint as host_fingerprint
 from traces.sketch import CHUNK_ROWS, ROW_SEED, SIGN_SEED, check_width
 import hashlib
 
-__all__ = ["fingerprint_lanes", "fingerprints_and_sums_of_squares", "fingerprint_tree", "lanes_to_int", "sketch_and_norm",
-           "sketches_of", "sketch_rows",
+__all__ = ["fingerprint_lanes", "fingerprints_and_sums_of_squares", "fingerprint_tree", "lanes_to_int", "norms_from_rms",
+           "sketch_and_norm", "sketch_rows",
            "state_fingerprint", "tree_to_ints"]
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
@@ -304,10 +304,8 @@ def sketch_and_norm(x, width: int) -> tuple[jax.Array, jax.Array]:
     return sketch, jnp.sqrt(jnp.sum(flat * flat))
 
 
-def sketches_of(xs, width: int) -> tuple[jax.Array, jax.Array]:
-    """float32[T, W] sketches and float32[T] norms of T tensors (rows in the order given)."""
-    if not xs:
-        return jnp.zeros((0, width), jnp.float32), jnp.zeros((0,), jnp.float32)
-    xs = [jnp.asarray(x) for x in xs]
-    norms = [jnp.sqrt(jnp.sum(x.astype(jnp.float32) * x.astype(jnp.float32))) for x in xs]
-    return sketch_rows(xs, width), jnp.stack(norms)
+def norms_from_rms(rms, sizes) -> jax.Array:
+    """float32[T] L2 norms of T tensors from the RMS their fingerprint pass already took
+    (`fingerprints_and_sums_of_squares`): rms * sqrt(elements), within a few float32 roundings of
+    sqrt(sum of squares), without a second pass over the tensors. `sizes`: their element counts."""
+    return rms * jnp.asarray([float(max(1, int(n))) ** 0.5 for n in sizes], jnp.float32)

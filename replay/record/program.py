@@ -271,12 +271,11 @@ class Program:
                 # last reader), so the record holds the sketches of the state actually fed.
                 # The norms are the fingerprint pass's RMS * sqrt(elements), as the trainer's
                 # (trainer/sketches.py): no second pass over the tensors for their sums of squares.
-                from replay.record.fingerprint import sketch_rows
+                from replay.record.fingerprint import norms_from_rms, sketch_rows
 
                 xs = [x for _, _, x in tensors]
                 record["sketches"] = sketch_rows(xs, o.sketch_width)
-                sizes = jnp.asarray([float(max(1, int(np.prod(np.shape(x))))) ** 0.5 for x in xs], jnp.float32)
-                record["norms"] = record["rms"] * sizes
+                record["norms"] = norms_from_rms(record["rms"], [np.prod(np.shape(x)) for x in xs])
         schema = Schema(examples_per_step=B, rng_words=int(record["rng"].shape[0]),
                         metrics=tuple(zip(trace_names, kinds)), tensors=tuple((n, k) for n, k, _ in tensors),
                         example_metrics=tuple(n for n, _ in examples),

@@ -81,6 +81,7 @@ def summarize(path: str | Path, verify: bool = False) -> dict[str, Any]:
     damage = [traces.Damage(bundle_terms(run, d.path), d.offset, d.step, bundle_terms(run, d.reason)) for d in damage]
     tail = (bundle_terms(run, str(reader.tail[0])), reader.tail[1]) if reader.tail is not None else None
 
+    loop_folder, loop_steps = _loop_checkpoints(manifest)
     summary: dict[str, Any] = {
         "path": shown(path),  # a URL as given (a Path argument turns gs:// into gs:/)
         "format_version": manifest["format_version"],
@@ -101,8 +102,8 @@ def summarize(path: str | Path, verify: bool = False) -> dict[str, Any]:
         },
         # replay's own, and those the loop's own checkpoints give (a MaxText run's: run.json's loop_checkpoints,
         # written by its launcher as MaxText saves; show runs none of the run's code)
-        "checkpoints": sorted(set(_checkpoint_steps(manifest.get("checkpoints"))) | set(_loop_checkpoints(manifest)[1])),
-        "loop_checkpoints": _loop_checkpoints(manifest)[0],
+        "checkpoints": sorted(set(_checkpoint_steps(manifest.get("checkpoints"))) | set(loop_steps)),
+        "loop_checkpoints": loop_folder,
         "config": manifest.get("config"),
         "environment": manifest.get("environment"),
         "data": manifest.get("data"),

@@ -20,6 +20,7 @@ become the sort key): less than the file it writes.
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import struct
 import zlib
@@ -151,6 +152,22 @@ def decode_columns(schema: Schema, data: bytes, first_step: int, n: int) -> Step
     return StepColumns(first_step, **parts)
 
 
+def _rows_in_small_pages(rows: int, width: int) -> np.ndarray:
+    """An uninitialised uint64 [rows, width] array whose memory the kernel backs 4 KB at a time
+    as the rows fill. numpy asks for transparent huge pages for arrays of 4 MB or more, and then
+    the first write into each 2 MB zeroes a whole huge page on the thread that writes it: the
+    training loop's, for the builder of the segment being appended to (20-70 ms a fault on this
+    project's VM, every 256 records at 1,024 examples a step: bench.seal_pause)."""
+    if rows * width == 0:
+        return np.empty((rows, width), np.uint64)
+    pages = mmap.mmap(-1, rows * width * 8, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:  # also where transparent huge pages are on for every mapping
+        pages.madvise(mmap.MADV_NOHUGEPAGE)
+    except (AttributeError, OSError):  # not Linux, or a kernel without them
+        pass
+    return np.frombuffer(pages, np.uint64).reshape(rows, width)
+
+
 class IndexBuilder:
     """Collects a segment's records (their fixed fields) as they are written or re-read.
 
@@ -166,7 +183,7 @@ class IndexBuilder:
         self._hash_end = self._hash_at + 8 * B
         self.small = np.dtype([(n, self.prefix.fields[n][0]) for n in self.prefix.names if n != "example_hashes"])
         self._buf = bytearray()
-        self._hashes = np.empty((max(capacity, 1) if keep_hashes else 0, B), np.uint64)  # pages used as filled
+        self._hashes = _rows_in_small_pages(max(capacity, 1) if keep_hashes else 0, B)  # pages used as filled
         self._keys: list[int] = []
         self._mix = splitmix64(np.arange(B, dtype=np.uint64) + np.uint64(_MIX_SEED)) | np.uint64(1)
         self._offsets: list[int] = []
@@ -186,7 +203,7 @@ class IndexBuilder:
         row = np.frombuffer(raw, np.uint64, self.schema.examples_per_step, self._hash_at)
         if self.keep_hashes:
             if n == self._hashes.shape[0]:
-                grown = np.empty((2 * n, self._hashes.shape[1]), np.uint64)
+                grown = _rows_in_small_pages(2 * n, self._hashes.shape[1])
                 grown[:n] = self._hashes
                 self._hashes = grown
             self._hashes[n] = row

@@ -253,6 +253,34 @@ def test_building_an_index_needs_less_memory_than_its_file(tmp_path):
     assert peak < 0.5 * hash_bytes + (24 << 20), (peak, hash_bytes)  # 24 MB: a chunk's fixed working arrays
 
 
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage").exists() or not Path("/proc/self/smaps").exists(),
+                    reason="needs Linux's transparent huge pages and /proc/self/smaps")
+def test_the_rows_appends_fill_are_not_in_huge_pages():
+    """The builder's hashes, which the loop's appends fill, are mapped without transparent huge
+    pages (numpy asks for them for any array of 4 MB or more): the first write into a huge page
+    zeroes 2 MB on the loop's thread, 20-70 ms a fault on this project's VM (bench.seal_pause)."""
+    schema = Schema(examples_per_step=1024, rng_words=2, metrics=(("loss", "loss"),))
+    builder = IndexBuilder(schema, 0, 1024)  # 8 MB of hashes
+    raw_rec = np.zeros(1, index_mod.record_prefix(schema))
+    builder.add(raw_rec.tobytes(), 100, 0)
+    flags = _vm_flags(builder.hashes().ctypes.data)
+    assert "nh" in flags and "hg" not in flags, flags
+    assert _vm_flags(np.empty((1024, 1024), np.uint64).ctypes.data) != flags  # the check tells them apart
+
+
 if __name__ == "__main__":
     out = Path(sys.argv[1])
     out.mkdir(parents=True)

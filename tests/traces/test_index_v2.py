@@ -112,3 +112,39 @@ def test_compare_skips_segments_whose_summaries_match_and_finds_the_difference(t
     assert not c.identical and c.first_step == step
     differing = (step // PER) * PER
     assert {first for first, *_ in read} <= {differing}  # equal segments before it: their headers only
+
+
+def test_prefetch_asks_for_exactly_the_pages_a_search_touches(run, monkeypatch):
+    """FileIndex.prefetch advises (posix_fadvise WILLNEED) each page a filter block of a query lies
+    in, and no other page: with 40-byte 'pages' a 64-byte block spans two or three, so a page
+    set off by one, or the whole filter advised, differs from the pages touched."""
+    from traces import index_file
+
+    path, schema, recs = run
+    advised = []
+    monkeypatch.setattr(index_file.os, "posix_fadvise", lambda fd, at, size, how: advised.append((at, size, how)))
+    monkeypatch.setattr(index_file, "PAGE", 40)
+    index = Run.open(path).trace.index(1)
+    queries = np.array([recs[20].example_hashes[3], np.uint64(12345)], np.uint64)
+    index.prefetch(queries)
+    assert all(how == index_file.os.POSIX_FADV_WILLNEED for *_, how in advised)
+    pages = {p for at, size, _ in advised for p in range(at // 40, (at + size) // 40)}
+    blocks = example_filter.block_of(queries, index.filter_blocks).astype(np.int64)
+    starts = [index._filter_at + 64 * int(b) for b in blocks]
+    assert len(set(blocks.tolist())) == 2 and all(at % 40 for at in starts)  # two blocks, neither page-aligned
+    assert pages == {p for at in starts for p in range(at // 40, (at + 63) // 40 + 1)}
+
+
+
+def test_a_search_asks_for_each_segments_filter_pages_before_reading_them(run, monkeypatch):
+    from traces import index_file
+
+    path, schema, recs = run
+    events = []
+    monkeypatch.setattr(index_file.os, "posix_fadvise", lambda fd, at, size, how: events.append("advice"))
+    maybe = FileIndex.maybe
+    monkeypatch.setattr(FileIndex, "maybe", lambda self, q: events.append("read") or maybe(self, q))
+    h = recs[5].example_hashes[2]
+    assert fed(Run.open(path), [h], limit=5)[int(h)] == brute_fed(recs, h, STEPS, 5)
+    reads = [k for k, e in enumerate(events) if e == "read"]
+    assert len(reads) == 6 and all(events[k - 1] == "advice" for k in reads)  # six sealed segments

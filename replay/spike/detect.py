@@ -56,7 +56,7 @@ def robust(values: np.ndarray, floor: float = 0.0) -> tuple[float, float]:
     return med, max(MAD_SCALE * float(np.median(np.abs(v - med))), floor, 1e-12)
 
 
-ROLLING_CHUNK = 8192  # windows scored at once: bounds the (chunk, window) working arrays (~3 MB each)
+ROLLING_CHUNK = 2048  # windows scored at once: bounds the (chunk, window) working arrays (~0.8 MB each)
 
 
 def _row_nanmedian(rows: np.ndarray) -> np.ndarray:
@@ -69,6 +69,29 @@ def _row_nanmedian(rows: np.ndarray) -> np.ndarray:
     out = (lo + hi) / 2
     out[k == 0] = np.nan
     return out
+
+
+def _finite_rows_median_mad(rows: np.ndarray, work: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(_row_nanmedian(rows), _row_nanmedian(|rows - median|)) of rows with no NaN, the same
+    values with one sort instead of two: each row sorted, its deviations |s - median| fall then
+    rise along it (rounding is monotone), so their k smallest are a contiguous run of s and the
+    k-th smallest is the least, over runs of k, of the larger end's deviation (a run's largest
+    is at an end; every run of k holds one at least the k-th). The values picked are elements
+    of the same deviations the second sort ordered: the same bits. `work`: (2, >= rows, width)
+    float64, reused chunk after chunk (fresh arrays of this size cost page faults a chunk)."""
+    m, w = rows.shape
+    lo, hi = (w - 1) // 2, w // 2  # _row_nanmedian's indices when every value counts
+    s = work[0, :m]
+    s[...] = rows
+    s.sort(axis=1)
+    med = (s[:, lo] + s[:, hi]) / 2
+    # Deviations held a column of s a row (w, m): the runs' ends and their least are then
+    # whole-row operations (~2x faster than along each short row); s's memory is free for them.
+    dev, ends = (work[k].reshape(-1)[: w * m].reshape(w, m) for k in (1, 0))
+    np.subtract(s.T, med, out=dev)
+    np.abs(dev, out=dev)
+    kth = [np.maximum(dev[: w - j], dev[j:], out=ends[: w - j]).min(axis=0) for j in (lo, hi)]  # runs of j + 1
+    return med, (kth[0] + kth[1]) / 2
 
 
 def rolling_scores(values_N: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -86,14 +109,18 @@ def rolling_scores(values_N: np.ndarray, window: int) -> tuple[np.ndarray, np.nd
     windows = np.lib.stride_tricks.sliding_window_view(finite, window)[:-1]  # row i = v[i : i+window], before i+window
     counted = np.r_[0, np.cumsum(np.isfinite(v))]
     finite_in = counted[window:-1] - counted[: n - window]  # finite values in row i's window
+    work = np.empty((2, min(ROLLING_CHUNK, windows.shape[0]), window))
     for lo in range(0, windows.shape[0], ROLLING_CHUNK):
         win = windows[lo : lo + ROLLING_CHUNK]
         at = slice(window + lo, window + lo + win.shape[0])
         enough = finite_in[lo : lo + win.shape[0]] >= MIN_WINDOW
         with np.errstate(all="ignore"), warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN windows: masked out below
-            med = _row_nanmedian(win)
-            mad = _row_nanmedian(np.abs(win - med[:, None]))
+            if np.all(finite_in[lo : lo + win.shape[0]] == window):  # no NaN: one sort a row
+                med, mad = _finite_rows_median_mad(win, work)
+            else:
+                med = _row_nanmedian(win)
+                mad = _row_nanmedian(np.abs(win - med[:, None]))
         sp = np.maximum(np.maximum(MAD_SCALE * mad, REL_FLOOR * np.abs(med)), 1e-12)
         med[~enough], sp[~enough] = np.nan, np.nan
         base[at], spread[at] = med, sp
@@ -194,8 +221,10 @@ def scan(run: Run, window: int = DEFAULT_WINDOW, threshold: float = DEFAULT_THRE
          metric: str = DEFAULT_METRIC) -> Scan:
     """Every recorded step whose `metric` (the loss) scores at least `threshold` against the previous window.
 
-    Vectorised over the run (rows of windows sorted by numpy, _row_nanmedian): 4.7 s measured
-    at 1.4M steps and --window 50 on a loaded 2-core machine; memory ~40 bytes a step."""
+    Vectorised over the run (rows of windows sorted by numpy: one sort a row where no value is
+    NaN, _finite_rows_median_mad; two, _row_nanmedian, where some are): rolling_scores of 1.4M
+    finite losses at --window 50 in 0.29 s on this 2-core VM (0.62 s with two sorts a row);
+    memory ~40 bytes a step."""
     check_window(window, threshold)
     steps, loss = _loss_curve(run, metric)
     if steps.size <= window:

@@ -203,11 +203,21 @@ def _examined(start: int, end: int) -> list[int]:
     return sorted({int(round(x)) for x in np.linspace(start, end - 1, DENSE_STEPS)})
 
 
+def named_floor(spec: str | None, run_a: Run, run_b: Run) -> Floor:
+    """The floor `--floor SPEC` names for this pair: `twin:PATH`, a rounding-level twin of one side
+    (replay/bisect/twin_floor.py), else a table's name, a floor file or auto (cross_floor.choose)."""
+    from replay.bisect.twin_floor import PREFIX, twin_floor
+
+    if spec is not None and spec.startswith(PREFIX):
+        return twin_floor(spec[len(PREFIX):], run_a, run_b)
+    return choose(spec, run_a.manifest, run_b.manifest)
+
+
 def cross_bisect(run_a: Run, run_b: Run, refine: bool = True, floor: str | Floor | None = None) -> CrossReport:
     """The cross-framework report for a torch run and a JAX run (either order). `refine=False`
     allows no replay: a JAX run without sketches is then judged on its metrics alone. `floor`: a
-    Floor, or what `--floor` takes (cross_floor.choose: a table's name, a file, None for the pair's own)."""
-    noise = floor if isinstance(floor, Floor) else choose(floor, run_a.manifest, run_b.manifest)
+    Floor, or what `--floor` takes (named_floor: twin:PATH, a table's name, a file, None for the pair's own)."""
+    noise = floor if isinstance(floor, Floor) else named_floor(floor, run_a, run_b)
     torch_side = "A" if framework(run_a) == "torch" else "B"
     t, j = (run_a, run_b) if torch_side == "A" else (run_b, run_a)
     names_src = (t.manifest.get("names") or {}).get("source", "")

@@ -65,10 +65,6 @@ def bisect(
     if is_cross(a, b):  # a torch run against a JAX run: distances against the noise floor
 
         _check_comparable(a, b, allow_incomplete, allow_damaged, names=False)
-        if floor is not None and floor.startswith("twin:"):  # measured from a rounding-level twin of one side
-            from replay.bisect.twin_floor import twin_floor
-
-            floor = twin_floor(floor[len("twin:"):], a, b)
         with named_as_bundle(a), named_as_bundle(b), allowing(allow_code):
             run_cross(a, b, json_out=json_out, plot=plot, no_refine=no_refine, floor=floor)
         return

@@ -67,6 +67,21 @@ def test_a_twin_identical_to_its_side_falls_back_to_the_tables_step_0_floor(runs
     assert late.first_step == LATE and late.ratio > 50, late.to_json()  # no growth measured: the late event is named
 
 
+def test_the_python_api_takes_the_floor_twin_path_as_the_cli_does(runs, tmp_path):
+    """cross_bisect(floor="twin:PATH") opens the twin itself: the report of a twin_floor built by hand,
+    and a different twin gives a different one (so the path is not ignored)."""
+    a, twin, early = runs["a"], runs["twin"], runs["early"]
+    by_path = cross_bisect(a, early, floor=f"twin:{twin.path}").to_json()
+    assert by_path == cross_bisect(a, early, floor=twin_floor(str(twin.path), a, early, twin)).to_json()
+    assert by_path["first_step"] == 1 and by_path["floor_table"]["name"] == f"twin:{twin.path}"
+    same = cross_bisect(a, early, floor=f"twin:{runs['same'].path}").to_json()
+    assert same["floor_table"] != by_path["floor_table"]
+    other = _write(tmp_path / "other", {**MAXTEXT, "config": {"lr": 2e-3}}).path
+    with pytest.raises(UserError) as e:
+        cross_bisect(a, early, floor=f"twin:{other}")
+    assert e.value.exit_code == 2 and "config is not run A's" in str(e.value) and "\n" not in str(e.value)
+
+
 def test_a_twin_not_of_either_side_is_a_one_line_error(runs, tmp_path):
     a, b = runs["a"], runs["early"]
     bad = {"framework": _write(tmp_path / "f", {**MAXTEXT, "environment": {"framework": "tensorflow"}}),

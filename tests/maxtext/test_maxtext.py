@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.ports import free_port
 
 maxtext = pytest.importorskip("maxtext", reason="MaxText is not installed here: run tools/maxtext-env.sh "
                               "(a Python 3.12 venv with maxtext[tpu]==0.2.5)")
@@ -141,9 +142,7 @@ def test_a_tampered_maxtext_checkpoint_is_refused_on_both_processes_in_one_line(
 
 def _replay_on_two_processes(run: Path, steps: str) -> tuple[list[int], list[tuple[str, str]]]:
     """`replay run RUN --steps A:B --json` started once per process, as a user starts it on two hosts."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "replay.cli.app", "run", str(run), "--steps", steps, "--json",
                                "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
                               env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
@@ -354,10 +353,10 @@ def gcs_env() -> dict:
                         "for the gs:// test")
     from gcp_storage_emulator.server import create_server
 
-    from tests.traces.emulators import _free_port, _reads_like_gcs
+    from tests.traces.emulators import reads_like_gcs
 
-    _reads_like_gcs()
-    port = _free_port()
+    reads_like_gcs()
+    port = free_port()
     server = create_server("127.0.0.1", port, in_memory=True, default_bucket="replay-maxtext")
     server.start()
     server._api._httpd.socket.listen(128)  # as tests/traces/emulators.py: parallel requests overflow 5

@@ -18,7 +18,6 @@ code (a multi-process run keeps no example store, so the exported program has no
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +28,7 @@ import numpy as np
 import pytest
 
 from replay.record.hashing import example_hashes
+from tests.ports import free_port
 from traces import Run, compare
 
 HERE = Path(__file__).resolve().parent / "multihost"
@@ -36,12 +36,6 @@ sys.path.insert(0, str(HERE))
 import mh_loop  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env(devices: int) -> dict:
@@ -52,7 +46,7 @@ def _env(devices: int) -> dict:
 
 
 def record(path: Path, processes: int, lr: float) -> Run:
-    port = str(_port())
+    port = str(free_port())
     args = lambda pid: [sys.executable, str(HERE / "mh_loop.py"), str(path), str(processes), str(pid), port, str(lr)]  # noqa: E731
     procs = [subprocess.Popen(args(pid), cwd=HERE, env=_env(4 // processes), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for pid in range(processes)]
@@ -71,7 +65,7 @@ def runs(tmp_path_factory):
 def replay_cli(*args: str, processes: int = 1) -> list[tuple[int, str, str]]:
     """`replay ARGS` started once per process (4 CPU devices in all, as recorded), each with its
     --process-id; (exit code, stdout, stderr) of each."""
-    port = str(_port())
+    port = str(free_port())
     ranks = lambda pid: ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(processes),  # noqa: E731
                          "--process-id", str(pid)] if processes > 1 else []
     procs = [subprocess.Popen([sys.executable, "-m", "replay.cli.app", *args, *ranks(pid)], cwd=HERE,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from olmo_core.train.callbacks import Callback, CheckpointerCallback
 from olmo_core.train.train_module import TransformerDataParallelConfig, TransformerTrainModuleConfig
 
 from replay.torch.olmo_core import ReplayCallback
+from tests.ports import free_port
 
 VOCAB, SEQ, BATCH, STEPS, K = 512, 16, 4, 10, 5
 SAVE_EVERY = 3
@@ -188,9 +188,7 @@ def launch(root: Path, fits: list[tuple[str, int, str | None]], world: int, time
     from OLMo-core's checkpoint, on any world size. Raises RuntimeError with a failed rank's output
     tail and every rank's exit code; the ranks still running `grace` seconds after one failed are
     killed (-9). One process for several fits: importing torch and olmo_core costs more than a fit."""
-    with socket.socket() as s:  # a free port for the rendezvous
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # for the rendezvous
     repo = Path(__file__).resolve().parents[2]
     argv = [sys.executable, "-m", "tests.torch.olmo_core_runs", str(root)] + [f"{n}:{k}:{v or ''}" for n, k, v in fits]
     procs, logs = [], [root / f"{fits[0][0]}.{len(fits)}fits.rank{r}of{world}.log" for r in range(world)]

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from pathlib import Path
 
 import pytest
+
+from tests.ports import free_port
 
 BUCKET = "replay-test"
 
@@ -23,19 +24,13 @@ BUCKET = "replay-test"
 logging.getLogger("werkzeug").setLevel(logging.WARNING)  # both servers log every request at INFO
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def gcs():
     pytest.importorskip("gcp_storage_emulator", reason="pip install -e '.[dev]' brings gcp-storage-emulator")
     from gcp_storage_emulator.server import create_server
 
-    _reads_like_gcs()
-    port = _free_port()
+    reads_like_gcs()
+    port = free_port()
     server = create_server("127.0.0.1", port, in_memory=True, default_bucket=BUCKET)
     server.start()
     # http.server listens with a backlog of 5 and serves one request at a time: two processes' parallel
@@ -56,7 +51,7 @@ def gcs():
         _restore(old)
 
 
-def _reads_like_gcs() -> None:  # (and writes)
+def reads_like_gcs() -> None:  # (and writes)
     """Makes the emulator's object reads answer as GCS's do: with the object's generation in
     `x-goog-generation` (and metageneration), and honouring `ifGenerationMatch` (412) and
     `ifGenerationNotMatch` (304 Not Modified) on a GET; and its uploads honour `ifGenerationMatch`
@@ -130,7 +125,7 @@ def s3():
     pytest.importorskip("moto.server", reason="pip install -e '.[dev]' brings moto[server]")
     from moto.server import ThreadedMotoServer
 
-    port = _free_port()
+    port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",

@@ -11,7 +11,7 @@ the bucket and none in a staging folder, and `replay run URL --num-processes 2` 
 bit-exact (each process restoring from its own download). The same for the trainer (tiny preset,
 asynchronous checkpoints; the run on gs:// against the same run on two processes to a local
 folder), which needs the emulator to answer object reads with their generation as GCS does
-(tests/traces/emulators.py `_reads_like_gcs`). The example loop also to s3:// on moto (orbax's
+(tests/traces/emulators.py `reads_like_gcs`). The example loop also to s3:// on moto (orbax's
 arrays through tensorstore's s3 driver, its folders through s3fs: replay/record/checkpoints.py
 `location`), and one checkpoint saved and restored there in one process (cheap)."""
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli_util import invoke
+from tests.ports import free_port
 from tests.replay.test_multihost_loop import mh_loop, record, replay_cli
 from traces import compare, storage
 
@@ -99,9 +99,7 @@ def test_the_trainer_on_two_processes_records_to_gs_replays_bit_exact_and_bisect
 
 def _two_processes(*args: str) -> list[tuple[int, str, str]]:
     """`replay ARGS` as two processes of one jax.distributed job on 127.0.0.1, one CPU device each."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "REPLAY_DEBUG")} | {"JAX_PLATFORMS": "cpu"}
     procs = [subprocess.Popen([sys.executable, "-m", "replay.cli.app", *args, "--coordinator", f"127.0.0.1:{port}",
                                "--num-processes", "2", "--process-id", str(pid)], cwd=ROOT, env=env,

@@ -41,7 +41,8 @@ import numpy as np
 import pytest
 
 from tests.trainer.invariant_probe import vjps
-from tests.trainer.test_train_e2e import env, free_port, replay_cmd
+from tests.ports import free_port
+from tests.trainer.test_train_e2e import env, replay_cmd
 from traces import Run, compare
 from trainer import invariant, model, step as steplib
 from trainer.config import apply_overrides, from_dict

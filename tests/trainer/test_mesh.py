@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from tests.ports import free_port
 from trainer import mesh as M
 from trainer import step
 from trainer.config import MeshConfig, apply_overrides
@@ -216,19 +217,11 @@ print(json.dumps({"range": [start, stop], "rows": np.asarray(rows.addressable_sh
 """
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_global_batch_and_checkpoint(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip())
-    port = str(_free_port())
+    port = str(free_port())
     procs = [subprocess.Popen([sys.executable, "-c", _PROC, str(i), port, str(tmp_path / "ck")], env=env, cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
     outs = []

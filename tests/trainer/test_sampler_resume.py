@@ -22,6 +22,7 @@ import pytest
 
 from replay.audit import audit
 from replay.bisect import bisect
+from tests.ports import free_port
 from traces import Run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,21 +63,13 @@ def _env(devices: int) -> dict:
     return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("sampler-resume")
     one = subprocess.run([sys.executable, "-c", _ONE_PROCESS, str(root), str(K)], env=_env(2), cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
     assert one.returncode == 0, one.stderr[-3000:]
-    port = str(_free_port())
+    port = str(free_port())
     procs = [subprocess.Popen([sys.executable, "-c", _TWO_PROCESSES, str(i), port, str(root), str(K)], env=_env(1),
                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
     for p in procs:

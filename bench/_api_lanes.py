@@ -33,14 +33,16 @@ LANES = ("off", *RECORD_LEVELS)  # "off": the loop's step unwrapped, then each r
 
 
 class Lane:
-    def __init__(self, example: Any, config: dict, level: str, root: Path):
+    def __init__(self, example: Any, config: dict, level: str, root: Path, sketch_width: int = 0):
+        """`sketch_width`: the layer lane also records distance sketches of this width (run.step's)."""
         self.level = level
         self.loop = example.make(config)
         self.run = None
         self.step_fn = self.loop.step
         if level != "off":
             self.run = replay.init(root / level, config=config, entrypoint=example.make)
-            self.step_fn = self.run.step(level=level, metric_kinds=getattr(example, "METRIC_KINDS", {}))(self.loop.step)
+            self.step_fn = self.run.step(level=level, metric_kinds=getattr(example, "METRIC_KINDS", {}),
+                                         sketch_width=sketch_width if level == "layer" else 0)(self.loop.step)
         self.state = self.loop.init()
         self._batches = self.loop.data() if self.loop.batch_at is None else None
         self.k = 0

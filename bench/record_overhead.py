@@ -14,10 +14,13 @@ exaggerates).
 
 Two sizes by default: the example's own scaled to a ~1 ms step here (where any per-step host work
 is the whole ratio; budgets step <= 5%, layer <= 10%, issue 34) and a wider MLP whose step is
-tens of milliseconds (budgets step <= 1%, layer <= 3%). Prints one JSON line: per size, the
-overheads with their budgets beside them, the absolute cost per step in microseconds, the
-medians, and whether the lanes trained bit-identically (the wrapper must not change what the
-step computes); the 1-minute load average before and after (this machine is shared).
+tens of milliseconds (budgets step <= 1%, layer <= 3%). `--sketch-width W`: the layer lane also
+records each tensor's distance sketch (run.step(sketch_width=W), off by default), against the same
+budgets (issue 34 wants sketches cheap enough to be on at the layer level); recorded_sketch_width
+is what its trace holds. Prints one JSON line: per size, the overheads with their budgets beside
+them, the absolute cost per step in microseconds, the medians, and whether the lanes trained
+bit-identically (the wrapper must not change what the step computes); the 1-minute load average
+before and after (this machine is shared).
 """
 
 from __future__ import annotations
@@ -35,13 +38,15 @@ import jax
 import numpy as np
 
 from bench import _api_lanes
+from traces import Run
 
 # Issue 34: (step level, layer level) per size; the small size is the example's ~1 ms step.
 BUDGETS = {"small": {"step_overhead": 0.05, "layer_overhead": 0.10},
            "wide": {"step_overhead": 0.01, "layer_overhead": 0.03}}
 
 
-def measure(hidden: int, batch: int, rounds: int, steps_per_round: int, warmup_rounds: int, budgets: dict) -> dict:
+def measure(hidden: int, batch: int, rounds: int, steps_per_round: int, warmup_rounds: int, budgets: dict,
+            sketch_width: int = 0) -> dict:
     """The three lanes at one size, interleaved: wall, process CPU and the loop's own thread's CPU
     (what recording leaves on the loop's critical path) per step, as medians over rounds."""
     config = _api_lanes.check_config("optax_loop", {"steps": (warmup_rounds + rounds) * steps_per_round, "batch": batch,
@@ -49,7 +54,7 @@ def measure(hidden: int, batch: int, rounds: int, steps_per_round: int, warmup_r
     example = importlib.import_module("optax_loop")
     samples = {lvl: {"wall": [], "cpu": [], "loop": []} for lvl in _api_lanes.LANES}
     with tempfile.TemporaryDirectory() as tmp:
-        lanes = [_api_lanes.Lane(example, config, lvl, Path(tmp)) for lvl in _api_lanes.LANES]
+        lanes = [_api_lanes.Lane(example, config, lvl, Path(tmp), sketch_width) for lvl in _api_lanes.LANES]
         try:
             for r in range(warmup_rounds + rounds):
                 for lane in lanes[r % 3:] + lanes[:r % 3]:
@@ -63,10 +68,11 @@ def measure(hidden: int, batch: int, rounds: int, steps_per_round: int, warmup_r
         finally:
             for lane in lanes:
                 lane.finish()
+        recorded_width = Run.open(Path(tmp) / "layer").schema.sketch_width  # what the layer lane's trace holds
     identical = all(np.asarray(x).tobytes() == np.asarray(y).tobytes() for s in states[1:] for x, y in zip(states[0], s))
     med = {lvl: {k: statistics.median(v) for k, v in got.items()} for lvl, got in samples.items()}
     off = med["off"]
-    out = {"hidden": hidden, "batch": batch}
+    out = {"hidden": hidden, "batch": batch, "sketch_width": sketch_width, "recorded_sketch_width": recorded_width}
     for lvl in ("step", "layer"):
         m = med[lvl]
         paired = statistics.median(s / o for s, o in zip(samples[lvl]["wall"], samples["off"]["wall"])) - 1
@@ -89,12 +95,16 @@ def main(argv: list[str] | None = None) -> None:
                    help="comma-separated HIDDENxBATCHxSTEPS_PER_ROUND: the example's own size (a ~1 ms step on "
                         "this CPU; the small budgets), then a wider one whose step is tens of milliseconds (the "
                         "wide budgets: every size after the first)")
+    p.add_argument("--sketch-width", type=int, default=0,
+                   help="the layer lane also records distance sketches of this width (run.step(sketch_width=...); "
+                        "a power of two, 8..65536); 0: none, the default of run.step")
     a = p.parse_args(argv)
     load_before = os.getloadavg()[0]
     sizes = []
     for i, spec in enumerate(a.sizes.split(",")):
         hidden, batch, steps = (int(x) for x in spec.split("x"))
-        sizes.append(measure(hidden, batch, a.rounds, steps, a.warmup_rounds, BUDGETS["small" if i == 0 else "wide"]))
+        sizes.append(measure(hidden, batch, a.rounds, steps, a.warmup_rounds, BUDGETS["small" if i == 0 else "wide"],
+                             a.sketch_width))
     result = {
         "bench": "record_overhead", "loop": "examples/optax_loop.py", "sizes": sizes,
         "within_budget": {f"{s['hidden']}x{s['batch']}": s["within_budget"] for s in sizes},

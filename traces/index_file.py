@@ -163,6 +163,11 @@ class FileIndex:
             pages = np.unique(np.concatenate([np.minimum(first + d, last) for d in range(reach + 1)]))
             _willneed(self.path, _page_runs(pages))
 
+    def advise_table(self, lo: int, hi: int | None) -> None:
+        """Asks the kernel for the bytes table(lo, hi) will read (posix_fadvise WILLNEED), without
+        waiting: the audit's reader thread asks for a whole range's tables before reading them."""
+        _willneed(self.path, [self.table_span(lo, hi)])
+
     def _heads(self) -> tuple[np.ndarray, np.ndarray]:
         if self._fence is None:
             data = self._read(*self.heads_span())

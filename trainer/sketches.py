@@ -17,7 +17,8 @@ through it (as for the state fingerprints) and the sketch reductions are schedul
 Cost: 260 bytes a tensor a record, O(1) in the run's length: at a million steps and 100 tensors,
 26 GB of trace (record at the layer level's cadence, trace.layer_every). Compute: each tensor's
 signed rows and one scatter-add of them (replay/record/fingerprint.py `sketch_rows`: the signs and
-row segments hashed once a program, one XOR permutation for all tensors); the norms are the
+row segments hashed once a call, one XOR permutation for its tensors; two calls a step, the
+state's before the update and the other tensors' after it); the norms are the
 fingerprint pass's RMS * sqrt(elements), no pass of their own. `python -m bench.step_sketches
 --preset demo --rounds 30`, 2 shared CPU cores, 2026-12-06, 3 runs: +1.8% / +1.4% / +4.1% CPU
 (the last at load ~2.9), +1.6% / +2.4% / +2.2% wall, on a ~0.21 s step (before: +3.5% / +3.75%

@@ -9,7 +9,6 @@ ranges of 86 reads each; the next range is read in a thread while one is judged.
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -99,23 +98,15 @@ def trace_pieces(reader: traces.TraceReader, start: int, stop: int):
 def _advise(reader: traces.TraceReader, segments: list[int], lo: int, hi: int | None) -> None:
     """Asks the kernel to read these segments' table bytes for [lo, hi) ahead (local files whose
     index is open; anything else, a damaged one included, is left to the read itself)."""
-    if is_remote(reader.dir) or not hasattr(os, "posix_fadvise"):
+    if is_remote(reader.dir):
         return
     for i in segments:
         index = reader.segments[i].index
-        if not isinstance(index, FileIndex):
-            continue
-        try:
-            at, size = index.table_span(lo, hi)
-            fd = os.open(index.path, os.O_RDONLY)
-        except (IndexUnusable, OSError):
-            continue  # the read will say what is wrong
-        try:
-            os.posix_fadvise(fd, at, size, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+        if isinstance(index, FileIndex):
+            try:
+                index.advise_table(lo, hi)
+            except IndexUnusable:
+                pass  # the read will say what is wrong
 
 
 def request_ahead(reader: traces.TraceReader, segments: list[int], span) -> None:

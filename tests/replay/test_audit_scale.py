@@ -72,6 +72,27 @@ def test_the_comparison_of_audits_sees_a_planted_repeat(tmp_path, monkeypatch):
         assert_same(a, b)
 
 
+def test_each_range_of_index_tables_is_asked_of_the_kernel_before_it_is_read(tmp_path, monkeypatch):
+    """The audit's reader thread advises (FileIndex.advise_table) exactly the bytes each sealed
+    segment's table(lo, hi) then reads, before reading them."""
+    from traces import index as index_mod, index_file
+
+    small_sorts(monkeypatch)
+    monkeypatch.setattr(index_mod, "BLOCK_ENTRIES", 4)  # many table blocks a segment: each range reads a few
+    run = make_run(tmp_path / "run", mix(order_ids(100, 60)), 100, segment_records=16)
+    events = []
+    monkeypatch.setattr(index_file, "_willneed", lambda path, spans: events.append(("advice", path.name, *spans)))
+    table = index_file.FileIndex.table
+    monkeypatch.setattr(index_file.FileIndex, "table", lambda self, lo, hi: events.append(
+        ("read", self.path.name, self.table_span(lo, hi))) or table(self, lo, hi))
+    ranges = list(audit_tables.trace_pieces(Run.open(run).trace, 0, 60))
+    reads = [k for k, e in enumerate(events) if e[0] == "read"]
+    assert len(ranges) > 1 and len(reads) == 3 * len(ranges)  # three sealed segments (60 steps, 16 a segment)
+    for k in reads:
+        advised = [e for e in events[:k] if e[0] == "advice" and e[1] == events[k][1]]
+        assert advised and advised[-1][2] == events[k][2], (events[k], advised[-1:])
+
+
 def test_source_copies_give_the_same_audit_streamed(tmp_path, monkeypatch):
     small_sorts(monkeypatch)
     hashes = mix(order_ids(100, 60))

@@ -135,7 +135,6 @@ def test_prefetch_asks_for_exactly_the_pages_a_search_touches(run, monkeypatch):
     assert pages == {p for at in starts for p in range(at // 40, (at + 63) // 40 + 1)}
 
 
-
 def test_a_search_asks_for_each_segments_filter_pages_before_reading_them(run, monkeypatch):
     from traces import index_file
 

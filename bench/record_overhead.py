@@ -39,6 +39,7 @@ import numpy as np
 
 from bench import _api_lanes
 from traces import Run
+from traces.sketch import check_width
 
 # Issue 34: (step level, layer level) per size; the small size is the example's ~1 ms step.
 BUDGETS = {"small": {"step_overhead": 0.05, "layer_overhead": 0.10},
@@ -99,6 +100,11 @@ def main(argv: list[str] | None = None) -> None:
                    help="the layer lane also records distance sketches of this width (run.step(sketch_width=...); "
                         "a power of two, 8..65536); 0: none, the default of run.step")
     a = p.parse_args(argv)
+    if a.sketch_width:
+        try:
+            check_width(a.sketch_width)
+        except ValueError as e:
+            p.error(f"--sketch-width: {e}")
     load_before = os.getloadavg()[0]
     sizes = []
     for i, spec in enumerate(a.sizes.split(",")):

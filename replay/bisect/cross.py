@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from replay.bisect.cross_distance import compared_names, from_replay, from_traces, sketches_in_both
+from replay.bisect.cross_distance import (compared_names, from_replay, from_traces, layer_steps, mixed,
+                                          sketches_in_both)
 from replay.bisect.cross_floor import TRAINER, Floor, choose
 from replay.bisect.cross_refine import OpFinding, refine_op
 from traces import Run
@@ -74,7 +75,7 @@ class CrossReport:
     first_layer: str | None = None
     cause: str | None = None
     ratio: float | None = None  # distance / floor at (first_step, first_layer)
-    source: str = "traces"  # or "replay"
+    source: str = "traces"  # "replay", "traces+replay" (sketched every N steps, replayed between) or "metrics"
     steps: tuple[int, int] = (0, 0)  # the common steps [start, end)
     notes: list[str] = field(default_factory=list)
     failure: Exception | None = None
@@ -197,10 +198,14 @@ def _above(report: CrossReport, step: int, dist: dict[str, float]) -> tuple[str,
     return None
 
 
-def _examined(start: int, end: int) -> list[int]:
-    if end - start <= DENSE_STEPS:
-        return list(range(start, end))
-    return sorted({int(round(x)) for x in np.linspace(start, end - 1, DENSE_STEPS)})
+def _examined(start: int, end: int, sketched: np.ndarray | None = None) -> list[int]:
+    """The steps the scan reads: of `sketched` (ascending; None: every step in start..end-1), all
+    up to DENSE_STEPS, else DENSE_STEPS evenly spaced among them; and the last common step."""
+    if sketched is None:
+        sketched = np.arange(start, end)
+    if len(sketched) > DENSE_STEPS:
+        sketched = sketched[np.unique(np.round(np.linspace(0, len(sketched) - 1, DENSE_STEPS)).astype(np.int64))]
+    return sorted({int(k) for k in sketched} | {end - 1})
 
 
 def named_floor(spec: str | None, run_a: Run, run_b: Run) -> Floor:
@@ -234,8 +239,10 @@ def cross_bisect(run_a: Run, run_b: Run, refine: bool = True, floor: str | Floor
     report.steps = (start, end)
     if not _check_inputs(report, t, j, start, end):
         return report
+    sketched, used = None, None
     if sketches_in_both(t, j):
-        source = lambda steps: from_traces(t, j, steps, report.names)  # noqa: E731
+        used, sketched = set(), layer_steps(t, j, start, end)
+        source = lambda steps: mixed(t, j, steps, report.names, refine, used, report.notes)  # noqa: E731
     elif refine and t.schema.sketch_width:
         report.source = "replay"
         source = lambda steps: from_replay(t, j, steps, report.names)  # noqa: E731
@@ -246,7 +253,9 @@ def cross_bisect(run_a: Run, run_b: Run, refine: bool = True, floor: str | Floor
                             "(not allowed by --no-refine, or the torch run has none): metrics only")
         source = lambda steps: from_traces(t, j, steps, report.names)  # noqa: E731
     try:
-        _scan(report, source, start, end)
+        _scan(report, source, start, end, sketched)
+        if used is not None:
+            _say_sources(report, used, sketched, end - start)
         if refine and report.cause == "forward" and report.first_layer:
             report.op = refine_op(t, j, report.first_step, report.first_layer, report.notes, noise)
     except Exception as e:  # noqa: BLE001 - the CLI raises it after the report (2 bad input, 3 a bug)
@@ -254,8 +263,21 @@ def cross_bisect(run_a: Run, run_b: Run, refine: bool = True, floor: str | Floor
     return report
 
 
-def _scan(report: CrossReport, source, start: int, end: int) -> None:
-    steps = _examined(start, end)
+def _say_sources(report: CrossReport, used: set[str], sketched: np.ndarray, steps: int) -> None:
+    """Where the JAX trace sketches only some steps: which source judged the others."""
+    report.source = "traces+replay" if "replay" in used else "traces"
+    if len(sketched) < steps:
+        report.notes.append(f"both traces record distance sketches at {len(sketched)} of the {steps} common steps "
+                            "(the JAX trainer: every trace.layer_every steps): the steps examined are those and the "
+                            "last common step; a step searched between two of them is replayed")
+    if "metrics" in used:
+        report.notes.append("some steps examined have no distance sketch in the JAX trace and were not replayed "
+                            "(--no-refine, or a loop replay cannot recompute): only their metrics are judged, so the "
+                            "first step above may lie earlier, after the last step examined within the floor")
+
+
+def _scan(report: CrossReport, source, start: int, end: int, sketched: np.ndarray | None = None) -> None:
+    steps = _examined(start, end, sketched)
     below = None
     for k, dist in source(steps):
         report.distances[k] = dist

@@ -11,6 +11,11 @@ Two sources, the first that applies:
   with the torch run's recorded sketches. Costs a replay of every step up to the last one
   examined.
 
+A JAX run that records sketches at some steps only (the trainer at trace.layer_every = N > 1: its
+layer-level records, which hold them, come every N steps; `layer_steps` says which) is read by `mixed`: the traces where both
+records hold sketches, and the JAX run replayed through the other steps asked for (when replay is
+allowed; else those steps are judged on their metrics alone).
+
 Scalar metrics (loss, z_loss, grad_norm, lr, param_norm) come from both traces: |a - b| / max(|a|, |b|).
 A tensor whose fingerprints are equal in both runs is at distance 0, whatever the sketches say.
 Cost per examined step: two records read (traces), or one replayed step (replay); memory O(tensors).
@@ -57,9 +62,26 @@ def sketches_in_both(torch_run: Run, jax_run: Run) -> bool:
     return bool(w) and w == jax_run.schema.sketch_width
 
 
+def layer_steps(torch_run: Run, jax_run: Run, start: int, end: int) -> np.ndarray:
+    """The steps in start..end-1 both traces record at the layer level (the records that hold
+    sketches: every step, or the trainer's every trace.layer_every-th), from the index's flags
+    column, no record read. Cost: a byte a step of each trace."""
+    from traces.columns import step_columns
+    from traces.schema import FLAG_LAYER
+
+    def layer(run: Run) -> np.ndarray:
+        out = np.zeros(end - start, bool)
+        for c in step_columns(run.trace, start, end):
+            out[c.first_step - start: c.first_step - start + len(c.flags)] = (c.flags & FLAG_LAYER) != 0
+        return out
+
+    return start + np.flatnonzero(layer(torch_run) & layer(jax_run))
+
+
 def from_traces(torch_run: Run, jax_run: Run, steps: Iterable[int], names: list[tuple[str, str]]
                 ) -> Iterable[tuple[int, dict[str, float]]]:
-    """(step, {name: distance}) from the two traces' sketches."""
+    """(step, {name: distance}) from the two traces' sketches (metrics only at a step where either
+    record holds none)."""
     st, sj = torch_run.schema, jax_run.schema
     it, ij = ({n: i for i, n in enumerate(s.tensor_names)} for s in (st, sj))
     tensor_names = [n for n, _ in names if n in it]
@@ -134,3 +156,40 @@ def from_replay(torch_run: Run, jax_run: Run, steps: Iterable[int], names: list[
         if on_replay is not None:
             on_replay(k)
         yield k, out
+
+
+def mixed(torch_run: Run, jax_run: Run, steps: Iterable[int], names: list[tuple[str, str]], replay: bool,
+          used: set[str], notes: list[str]) -> Iterable[tuple[int, dict[str, float]]]:
+    """(step, {name: distance}) for `steps` in ascending order: from the two traces where both records
+    hold sketches; at a step where only the torch record does, from the JAX run replayed (`replay`: one
+    replay through all such steps, ascending, started on first need), else from the metrics alone (and
+    a note says why when the JAX run cannot be replayed). `used` gets the sources taken ("traces",
+    "replay", "metrics"; "unreplayable" once a replay was refused: the same report's later calls
+    do not try again). A run sketched at every step replays nothing. Cost: two records read a step,
+    and a replay up to the last step that needs one."""
+    from replay.engine.replayer import ReplayUnavailable
+
+    steps = sorted(set(steps))
+    needs_replay = [k for k in steps if torch_run.trace.read(k).sketches is not None
+                    and jax_run.trace.read(k).sketches is None]
+    pending = set(needs_replay)
+    replayed = None
+    replay = replay and "unreplayable" not in used
+    for k in steps:
+        if k in pending and replay:
+            if replayed is None:
+                replayed = iter(from_replay(torch_run, jax_run, needs_replay, names))
+            try:
+                at, dist = next(replayed)
+            except ReplayUnavailable as e:  # a loop without recompute_step: its metrics are what is left
+                replay = False
+                used.add("unreplayable")  # later calls for the same report do not try again
+                notes.append(f"steps the JAX trace holds no distance sketches for are judged on their metrics "
+                             f"alone: {e}")
+            else:
+                assert at == k, (at, k)
+                used.add("replay")
+                yield k, dist
+                continue
+        used.add("metrics" if k in pending else "traces")
+        yield next(iter(from_traces(torch_run, jax_run, [k], names)))

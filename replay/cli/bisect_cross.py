@@ -46,7 +46,8 @@ def render(report) -> None:
     if examined:
         rows.append(("steps examined", f"{len(examined)} of {report.steps[0]}..{report.steps[1] - 1}, distances from "
                      + {"traces": "both traces' distance sketches", "replay": "the torch sketches and the JAX run "
-                        "replayed here", "metrics": "the recorded metrics only"}[report.source]))
+                        "replayed here", "traces+replay": "both traces' distance sketches, and the JAX run replayed "
+                        "here at the steps its trace sketches not", "metrics": "the recorded metrics only"}[report.source]))
     if report.within_noise:
         rows.append(("verdict", f"agree within the noise floor at every examined step (largest distance "
                                 f"{report.max_ratio:.2g}x the floor)"))

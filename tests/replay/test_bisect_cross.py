@@ -136,3 +136,36 @@ def test_a_report_is_json_and_names_the_same_fields_as_a_same_framework_report(r
     json.dumps(clean.to_json(), allow_nan=False)
     same = bisect(*_open(runs, "jax", "jax"), refine=False)  # the same-framework path, unchanged
     assert not isinstance(same, CrossReport) and same.within_noise and same.first_layer is None
+
+
+@pytest.mark.slow  # one more training (8 steps, its own programs)
+def test_a_port_sketched_every_2_steps_is_searched_by_replay_between_its_sketched_steps(tmp_path, monkeypatch):
+    """AdamW's epsilon acts first at step 1 (the warmup's learning rate is 0 at step 0). A JAX port
+    recording the layer level, sketches included, every 2 steps (trace.layer_every=2) holds no sketch
+    at step 1: from its trace alone the changed update first shows at step 2, in the forward layers fed
+    the changed weights. The bisect reads the sketched steps, finds step 2 above, replays step 1 (the
+    one step between) and names the update there, as the port-bug table does for a port sketched at
+    every step (tests/torch/test_port_bugs.py)."""
+    import replay.bisect.cross_distance as cross_distance
+    from trainer.port_bugs import PORT_BUGS, with_bug
+
+    cfg = with_bug(CFG, "adam_eps")
+    cfg = dataclasses.replace(cfg, trace=dataclasses.replace(cfg.trace, layer_every=2))
+    t, j = Run.open(demo()["reference"]), Run.open(_jax(tmp_path / "jax", cfg))
+    assert j.schema.sketch_width == t.schema.sketch_width > 0 and j.trace.read(1).sketches is None
+    tensor = PORT_BUGS["adam_eps"].first_tensor
+    traced = dict(cross_distance.from_traces(t, j, [1, 2], cross_distance.compared_names(t, j)))
+    assert tensor not in traced[1] and tensor in traced[2]  # what the traces alone can see
+
+    replayed, real = [], cross_distance.from_replay
+
+    def spy(torch_run, jax_run, steps, names, **kw):
+        replayed.append(list(steps))
+        return real(torch_run, jax_run, steps, names, **kw)
+
+    monkeypatch.setattr(cross_distance, "from_replay", spy)
+    report = bisect(t, j)
+    assert (report.first_step, report.first_layer, report.cause) == (1, tensor, "update"), report.to_json()
+    assert report.source == "traces+replay" and replayed == [[1]], (report.source, replayed)
+    assert sorted(report.distances) == [0, 1, 2]
+    assert report.distances[2][tensor] > report.noise.at("update", 2)  # step 2 was above too: 1 is the first

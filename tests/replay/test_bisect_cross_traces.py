@@ -3,6 +3,8 @@ so long runs and the sampled search are cheap to check."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -17,8 +19,10 @@ SCHEMA = Schema(examples_per_step=2, rng_words=2, metrics=(("loss", "loss"),), t
 
 
 def _write(path, steps: int, torch: bool, bad_from: int | None = None, noise: float = 2e-7, seed: int = 0,
-           bad_tensor: str = "block_00.attn"):
+           bad_tensor: str = "block_00.attn", layer_every: int = 1):
     manifest = {"recorded_by": "replay.torch"} if torch else {"environment": {"framework": "jax"}}
+    if layer_every > 1:  # the trainer's cadence: layer-level (sketched) records at k % layer_every == 0 only
+        manifest["config"] = {"trace": {"layer_every": layer_every}}
     run = Run.create(path, SCHEMA, manifest)
     w = run.writer()
     own = np.random.default_rng(seed + (1 if torch else 2))
@@ -30,7 +34,10 @@ def _write(path, steps: int, torch: bool, bad_from: int | None = None, noise: fl
                 ts[i] = ts[i] * (1 + noise * own.standard_normal(ts[i].shape)).astype(np.float32)
             if bad_from is not None and k >= bad_from and name == bad_tensor:
                 ts[i] = ts[i] + 1e-2
-        w.append(sketched_record(k, ts, 2.0 + 1e-8 * own.standard_normal(), W))
+        record = sketched_record(k, ts, 2.0 + 1e-8 * own.standard_normal(), W)
+        if k % layer_every:  # a step-level record: metrics, no tensors
+            record = dataclasses.replace(record, fingerprints=None, rms=None, sketches=None, norms=None)
+        w.append(record)
     w.close()
     run.finish()
     return Run.open(path)
@@ -68,3 +75,31 @@ def test_an_initial_parameter_difference_is_the_init(tmp_path):
     report = cross_bisect(t, j)
     assert (report.first_step, report.cause, report.first_layer) == (0, "init", "state/params")
     assert report.inputs["init"]["equal"] is False
+
+
+@pytest.mark.parametrize("refine", [False, True])
+def test_a_jax_run_sketched_every_3_steps_is_examined_there_and_the_steps_between_are_not_taken_as_clean(
+        tmp_path, refine):
+    """The JAX trace sketches steps 0, 3, 6, 9 (trace.layer_every=3); the tensor parts at step 5. The scan
+    reads the sketched steps (and the last), finds step 6 above, and searches 4..5; this synthetic run
+    cannot be replayed, so those two are judged on their metrics and the report says so, instead of
+    taking a step without sketches as within the floor unsaid."""
+    t = _write(tmp_path / "t", 12, True)
+    j = _write(tmp_path / "j", 12, False, bad_from=5, layer_every=3)
+    report = cross_bisect(t, j, refine=refine)
+    assert (report.first_step, report.first_layer) == (6, "block_00.attn"), report.to_json()
+    assert sorted(report.distances) == [0, 3, 4, 5, 6]  # the sketched steps up to it, then the search
+    assert "block_00.attn" not in report.distances[5] and "loss" in report.distances[5]
+    assert report.source == "traces"
+    assert any("sketches at 4 of the 12 common steps" in n for n in report.notes), report.notes
+    assert any("only their metrics are judged" in n for n in report.notes), report.notes
+    if refine:  # it tried: the note says why it could not
+        assert sum("cannot be replayed" in n for n in report.notes) == 1, report.notes  # tried once, said once
+
+
+def test_a_clean_pair_sketched_every_3_steps_examines_those_steps_and_the_last(tmp_path):
+    t, j = _write(tmp_path / "t", 11, True), _write(tmp_path / "j", 11, False, layer_every=3)
+    report = cross_bisect(t, j, refine=False)
+    assert report.within_noise, report.to_json()
+    assert sorted(report.distances) == [0, 3, 6, 9, 10]
+    assert "block_00.attn" in report.distances[9] and "block_00.attn" not in report.distances[10]

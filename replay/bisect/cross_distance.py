@@ -62,10 +62,10 @@ def sketches_in_both(torch_run: Run, jax_run: Run) -> bool:
     return bool(w) and w == jax_run.schema.sketch_width
 
 
-def layer_steps(torch_run: Run, jax_run: Run, start: int, end: int) -> np.ndarray:
+def layer_steps(run_a: Run, run_b: Run, start: int, end: int) -> np.ndarray:
     """The steps in start..end-1 both traces record at the layer level (the records that hold
-    sketches: every step, or the trainer's every trace.layer_every-th), from the index's flags
-    column, no record read. Cost: a byte a step of each trace."""
+    sketches, in a run that has them: every step, or the trainer's every trace.layer_every-th),
+    from the index's flags column, no record read. Cost: a byte a step of each trace."""
     from traces.columns import step_columns
     from traces.schema import FLAG_LAYER
 
@@ -75,7 +75,7 @@ def layer_steps(torch_run: Run, jax_run: Run, start: int, end: int) -> np.ndarra
             out[c.first_step - start: c.first_step - start + len(c.flags)] = (c.flags & FLAG_LAYER) != 0
         return out
 
-    return start + np.flatnonzero(layer(torch_run) & layer(jax_run))
+    return start + np.flatnonzero(layer(run_a) & layer(run_b))
 
 
 def from_traces(torch_run: Run, jax_run: Run, steps: Iterable[int], names: list[tuple[str, str]]

@@ -32,7 +32,9 @@ against the buggy one measures the bug as noise (its config differs, which is re
 The twin is checked before any distance (one line, exit 2 otherwise): the framework of A or of B
 (that run is its side), the side's config (a dict config may hold the perturbation under "twin",
 which is not compared), the side's batches at every common step of A and B, distance sketches of
-the side's width, and every common step recorded.
+the side's width, every common step recorded, and sketched in both the twin and its side (from the
+traces' flags columns): the floor at a step is their distance there, so a side sketched every N
+steps (trace.layer_every) has no twin floor at the steps between, and is refused.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from replay.bisect.cross_distance import compared_names, from_traces
+from replay.bisect.cross_distance import compared_names, from_traces, layer_steps
 from replay.bisect.cross_floor import Floor, choose
 from replay.errors import UserError
 from traces import Run
@@ -118,6 +120,12 @@ def twin_floor(path: str, run_a: Run, run_b: Run, twin: Run | None = None) -> Tw
                         f"common step of A and B ({start}..{end - 1})")
     if end > start and not np.array_equal(batch_hashes(side.trace, start, end), batch_hashes(twin.trace, start, end)):
         raise UserError(f"{what}: the twin is not fed run {name}'s batches over steps {start}..{end - 1}")
+    both = layer_steps(side, twin, start, end)
+    if len(both) < end - start:  # a step without both sketches would be judged by the table, unsaid
+        missing = int(np.setdiff1d(np.arange(start, end), both)[0])
+        raise UserError(f"{what}: the twin and run {name} both record distance sketches at {len(both)} of the "
+                        f"{end - start} common steps of A and B (not at step {missing}); a twin floor needs them at "
+                        "every step of both (the trainer: trace.layer_every=1)")
     table = choose(None, run_a.manifest, run_b.manifest)
     return TwinFloor(f"{PREFIX}{path}", dict(table.base), dict(table.growth), FACTOR,
                      f"run {name} vs its twin {path}: {FACTOR:g} x their distance per step and kind, never under "

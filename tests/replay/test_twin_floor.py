@@ -86,12 +86,18 @@ def test_a_twin_not_of_either_side_is_a_one_line_error(runs, tmp_path):
     a, b = runs["a"], runs["early"]
     bad = {"framework": _write(tmp_path / "f", {**MAXTEXT, "environment": {"framework": "tensorflow"}}),
            "config": _write(tmp_path / "c", {**MAXTEXT, "config": {"lr": 2e-3}}),
-           "short": _write(tmp_path / "s", MAXTEXT, steps=STEPS - 1)}
+           "short": _write(tmp_path / "s", MAXTEXT, steps=STEPS - 1),
+           "sparse": drifting_run(tmp_path / "sp", SCHEMA, MAXTEXT, STEPS, layer_every=2)}  # sketches every 2 steps
     for why, twin in bad.items():
         with pytest.raises(UserError) as e:
             twin_floor(why, a, b, twin)
         assert e.value.exit_code == 2 and "\n" not in str(e.value), why
+        if why == "sparse":
+            assert "sketches at 20 of the 40 common steps of A and B (not at step 1)" in str(e.value), e.value
     assert twin_floor("of B", a, b, _write(tmp_path / "b2", OLMO_CORE)).side is b  # a twin of the other side
+    side = drifting_run(tmp_path / "side", SCHEMA, MAXTEXT, STEPS, layer_every=2)  # the side sketched every 2 steps
+    with pytest.raises(UserError, match="both record distance sketches at 20 of the 40 common steps"):
+        twin_floor("every", side, b, _write(tmp_path / "every", MAXTEXT))
 
 
 def test_the_cli_takes_floor_twin_and_refuses_it_for_one_framework(runs, tmp_path):

@@ -125,10 +125,13 @@ def sketched_record(step: int, tensors: list, loss: float, width: int) -> StepRe
                       sketches=np.stack([s for s, _ in sk]), norms=np.array([n for _, n in sk], np.float32))
 
 
-def drifting_run(path, schema: Schema, manifest: dict, steps: int, drift=lambda k: 0.0):
+def drifting_run(path, schema: Schema, manifest: dict, steps: int, drift=lambda k: 0.0, layer_every: int = 1):
     """A finished run of `schema`'s tensors (step k's drawn from seed k, so two such runs share them), the
     second scaled by 1 + drift(k): that relative distance from a run with no drift, as a cross-framework pair
-    or a rounding-level twin would record it (the floor tests' synthetic traces)."""
+    or a rounding-level twin would record it (the floor tests' synthetic traces). `layer_every`: the steps
+    k % layer_every != 0 are step-level records (metrics only), as the trainer's trace.layer_every writes."""
+    import dataclasses
+
     from traces import Run
 
     run = Run.create(path, schema, manifest)
@@ -137,7 +140,10 @@ def drifting_run(path, schema: Schema, manifest: dict, steps: int, drift=lambda 
         g = np.random.default_rng(k)
         ts = [g.standard_normal((8, 16)).astype(np.float32) for _ in schema.tensors]
         ts[1] = (ts[1].astype(np.float64) * (1 + drift(k))).astype(np.float32)
-        w.append(sketched_record(k, ts, 2.0, schema.sketch_width))
+        record = sketched_record(k, ts, 2.0, schema.sketch_width)
+        if k % layer_every:
+            record = dataclasses.replace(record, fingerprints=None, rms=None, sketches=None, norms=None)
+        w.append(record)
     w.close()
     run.finish()
     return Run.open(path)

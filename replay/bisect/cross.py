@@ -15,11 +15,14 @@ Bits are never expected to match across frameworks, so instead of the first diff
 4. The op (replay/bisect/cross_refine.py): for a forward layer, that step re-run on both sides
    with the points inside the layer's block captured; the first above the floor is named.
 
-Steps examined: every common step up to DENSE_STEPS; beyond, DENSE_STEPS evenly spaced ones,
+Steps examined: every common step up to DENSE_STEPS; beyond, DENSE_STEPS evenly spaced ones
+(moved back to the JAX run's checkpoints when it is replayed),
 then a binary search between the last one within the floor and the first one above it (a
 divergence does not heal: once above, later steps stay above), so a million-step pair costs
-~DENSE_STEPS + 20 records of each run (or that many replayed steps plus the replay up to them),
-and the report holds only those steps' distances.
+~DENSE_STEPS + 20 records of each run (or, replayed, ~DENSE_STEPS checkpoint restores each with
+one step, and ~20 searched steps each replayed from the checkpoint before it), and the report
+holds only those steps' distances. A JAX trace that sketches every N-th step only
+(trace.layer_every) is examined at those steps, the steps searched between them replayed.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from replay.bisect.cross_distance import (compared_names, from_replay, from_traces, layer_steps, mixed,
-                                          sketches_in_both)
+                                          replay_checkpoints, sketches_in_both)
 from replay.bisect.cross_floor import TRAINER, Floor, choose
 from replay.bisect.cross_refine import OpFinding, refine_op
 from traces import Run
@@ -198,13 +201,20 @@ def _above(report: CrossReport, step: int, dist: dict[str, float]) -> tuple[str,
     return None
 
 
-def _examined(start: int, end: int, sketched: np.ndarray | None = None) -> list[int]:
+def _examined(start: int, end: int, sketched: np.ndarray | None = None, checkpoints: list[int] | None = None
+              ) -> list[int]:
     """The steps the scan reads: of `sketched` (ascending; None: every step in start..end-1), all
-    up to DENSE_STEPS, else DENSE_STEPS evenly spaced among them; and the last common step."""
+    up to DENSE_STEPS, else DENSE_STEPS evenly spaced among them, each moved back to the newest of
+    `checkpoints` at or before it within start..end (a replayed sample then costs a restore and one
+    step, not the steps since the checkpoint); and the last common step."""
     if sketched is None:
         sketched = np.arange(start, end)
     if len(sketched) > DENSE_STEPS:
         sketched = sketched[np.unique(np.round(np.linspace(0, len(sketched) - 1, DENSE_STEPS)).astype(np.int64))]
+        ckpts = np.array(sorted(c for c in checkpoints or () if start <= c < end), np.int64)
+        if ckpts.size:
+            at = np.searchsorted(ckpts, sketched, side="right") - 1
+            sketched = np.where(at >= 0, ckpts[np.maximum(at, 0)], sketched)
     return sorted({int(k) for k in sketched} | {end - 1})
 
 
@@ -239,12 +249,13 @@ def cross_bisect(run_a: Run, run_b: Run, refine: bool = True, floor: str | Floor
     report.steps = (start, end)
     if not _check_inputs(report, t, j, start, end):
         return report
-    sketched, used = None, None
+    sketched, used, checkpoints = None, None, None
     if sketches_in_both(t, j):
         used, sketched = set(), layer_steps(t, j, start, end)
         source = lambda steps: mixed(t, j, steps, report.names, refine, used, report.notes)  # noqa: E731
     elif refine and t.schema.sketch_width:
         report.source = "replay"
+        checkpoints = replay_checkpoints(j)
         source = lambda steps: from_replay(t, j, steps, report.names)  # noqa: E731
     else:
         report.source = "metrics"
@@ -253,7 +264,7 @@ def cross_bisect(run_a: Run, run_b: Run, refine: bool = True, floor: str | Floor
                             "(not allowed by --no-refine, or the torch run has none): metrics only")
         source = lambda steps: from_traces(t, j, steps, report.names)  # noqa: E731
     try:
-        _scan(report, source, start, end, sketched)
+        _scan(report, source, start, end, sketched, checkpoints)
         if used is not None:
             _say_sources(report, used, sketched, end - start)
         if refine and report.cause == "forward" and report.first_layer:
@@ -276,8 +287,9 @@ def _say_sources(report: CrossReport, used: set[str], sketched: np.ndarray, step
                             "first step above may lie earlier, after the last step examined within the floor")
 
 
-def _scan(report: CrossReport, source, start: int, end: int, sketched: np.ndarray | None = None) -> None:
-    steps = _examined(start, end, sketched)
+def _scan(report: CrossReport, source, start: int, end: int, sketched: np.ndarray | None = None,
+          checkpoints: list[int] | None = None) -> None:
+    steps = _examined(start, end, sketched, checkpoints)
     below = None
     for k, dist in source(steps):
         report.distances[k] = dist

@@ -8,8 +8,8 @@ Two sources, the first that applies:
   not write them: the trainer writes them with trace.sketches=true): it is replayed here from
   its checkpoints through the steps examined, its tensors at those steps recomputed (its
   replayable's `recompute_step`, replay/engine/recompute.py) and sketched on the host, and compared
-  with the torch run's recorded sketches. Costs a replay of every step up to the last one
-  examined.
+  with the torch run's recorded sketches. Costs, per step examined, a replay from the newest
+  checkpoint at or before it (or from the step examined before it, when that is nearer).
 
 A JAX run that records sketches at some steps only (the trainer at trace.layer_every = N > 1: its
 layer-level records, which hold them, come every N steps; `layer_steps` says which) is read by `mixed`: the traces where both
@@ -119,7 +119,9 @@ def _params_summary(side: Any, width: int) -> tuple[np.ndarray, float]:
 
 def from_replay(torch_run: Run, jax_run: Run, steps: Iterable[int], names: list[tuple[str, str]],
                 on_replay: Callable[[int], None] | None = None) -> Iterable[tuple[int, dict[str, float]]]:
-    """(step, {name: distance}): the JAX run replayed through the steps (ascending), sketched here."""
+    """(step, {name: distance}): the JAX run replayed through the steps (ascending), sketched here.
+    A step past a checkpoint newer than the last step replayed starts from that checkpoint, so steps
+    examined far apart cost a restore and the steps since it each, not a replay of the whole run."""
     from replay.engine.recompute import CAPABILITY, _Side, recomputes
     from replay.engine.replayer import Replayer, ReplayUnavailable
 
@@ -134,10 +136,12 @@ def from_replay(torch_run: Run, jax_run: Run, steps: Iterable[int], names: list[
                                 f"{CAPABILITY}(state, step), so its tensors cannot be recomputed here; record it with "
                                 "distance sketches (trace format 2; the trainer: --set trace.sketches=true)")
     steps = sorted(set(steps))
-    start, state = r.state_at(steps[0]) if steps else (0, None)
-    at = steps[0] if steps else 0
+    at, state = 0, None
     for k in steps:
-        state = r.advance(state, at, k, keep_input=False)
+        if state is None or any(at < c <= k for c in r.checkpoints()):  # restoring beats replaying up to it
+            _, state = r.state_at(k)
+        else:
+            state = r.advance(state, at, k, keep_input=False)
         side = _Side(r, state, k)
         rt, rj = torch_run.trace.read(k), jax_run.trace.read(k)
         out = _metric_distances(rt, rj, st, sj, metric_names)
@@ -193,3 +197,14 @@ def mixed(torch_run: Run, jax_run: Run, steps: Iterable[int], names: list[tuple[
                 continue
         used.add("metrics" if k in pending else "traces")
         yield next(iter(from_traces(torch_run, jax_run, [k], names)))
+
+
+def replay_checkpoints(jax_run: Run) -> list[int] | None:
+    """The JAX run's checkpoint steps, where a replay of it can start; None when it cannot be
+    replayed here (from_replay then says why)."""
+    from replay.engine.replayer import Replayer, ReplayUnavailable
+
+    try:
+        return Replayer("JAX", jax_run).checkpoints()
+    except ReplayUnavailable:
+        return None

@@ -169,3 +169,32 @@ def test_a_port_sketched_every_2_steps_is_searched_by_replay_between_its_sketche
     assert report.source == "traces+replay" and replayed == [[1]], (report.source, replayed)
     assert sorted(report.distances) == [0, 1, 2]
     assert report.distances[2][tensor] > report.noise.at("update", 2)  # step 2 was above too: 1 is the first
+
+
+def test_sampled_steps_of_a_replayed_pair_start_from_the_jax_runs_checkpoints(runs, monkeypatch):
+    """Beyond DENSE_STEPS the steps examined are samples; replayed, each moves back to the JAX run's
+    newest checkpoint at or before it and starts there, so a long pair costs a restore and one step a
+    sample, not a replay of every step up to the last one. Here with DENSE_STEPS 3 on the 8-step pair
+    (checkpoints every 2 steps): samples 0, 4, 7 are examined as 0, 4, 6 and the last step 7, from
+    checkpoints 0, 4 and 6 and no step replayed in between (before: one restore and steps 1-3 and 5 replayed)."""
+    import replay.bisect.cross as cross
+    from replay.engine.replayer import Replayer
+
+    monkeypatch.setattr(cross, "DENSE_STEPS", 3)
+    restores, advanced = [], []
+    real_restore, real_advance = Replayer.restore, Replayer.advance
+
+    def restore(self, k):
+        restores.append(k)
+        return real_restore(self, k)
+
+    def advance(self, state, start, stop, keep_input=True):
+        advanced.extend(range(start, stop))
+        return real_advance(self, state, start, stop, keep_input)
+
+    monkeypatch.setattr(Replayer, "restore", restore)
+    monkeypatch.setattr(Replayer, "advance", advance)
+    report = bisect(*_open(runs, "torch", "jax"))
+    assert report.source == "replay" and report.within_noise, report.to_json()
+    assert sorted(report.distances) == [0, 4, 6, 7]
+    assert restores == [0, 4, 6] and advanced == [], (restores, advanced)

@@ -47,7 +47,7 @@ def render(report) -> None:
         rows.append(("steps examined", f"{len(examined)} of {report.steps[0]}..{report.steps[1] - 1}, distances from "
                      + {"traces": "both traces' distance sketches", "replay": "the torch sketches and the JAX run "
                         "replayed here", "traces+replay": "both traces' distance sketches, and the JAX run replayed "
-                        "here at the steps its trace sketches not", "metrics": "the recorded metrics only"}[report.source]))
+                        "here at the steps its trace holds none for", "metrics": "the recorded metrics only"}[report.source]))
     if report.within_noise:
         rows.append(("verdict", f"agree within the noise floor at every examined step (largest distance "
                                 f"{report.max_ratio:.2g}x the floor)"))

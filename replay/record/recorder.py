@@ -8,8 +8,9 @@ writes; every process contributes its slice of the per-example hashes, so the re
 each host really fed, in global order. On several hosts the hashes arrive as a gather still
 running on device (replay/record/gather.py): such a record is read no earlier than the next
 step's `record` call, i.e. after the next step was dispatched, and only once the gather is
-ready. A crash loses the records not yet written (at most MAX_PENDING + 1 steps), which a resume
-re-records from its checkpoint.
+ready. A kill loses the records not yet written (at most MAX_PENDING + 1 steps), which a resume
+re-records from its checkpoint; a program that exits without finishing the run (an uncaught
+exception, Ctrl-C) writes them at exit (replay/record/at_exit.py).
 
 One recording path: `run.step` (replay/record/step.py) and the trainer (trainer/loop.py) both
 hand their step's metrics to `Recorder.record`. Cost: at most MAX_PENDING records held, O(1) in
@@ -212,6 +213,11 @@ class Recorder:
         while self._queue and (len(self._queue) > self.MAX_PENDING or (
                 self._queue[0].ready() and not (newest_waits and len(self._queue) == 1))):
             self._write(self._queue.pop(0))
+
+    @property
+    def held(self) -> int:
+        """Records queued and not yet written (what a crash now would lose)."""
+        return len(self._queue)
 
     def flush(self) -> None:
         while self._queue:

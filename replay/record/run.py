@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from replay.record import run_open, run_start
+from replay.record import at_exit, run_open, run_start
 from replay.record.run_checkpoints import RunCheckpoints, as_state
 from replay.record.errors import RecordError
 from replay.record.options import StepOptions
@@ -68,6 +68,7 @@ class RecordingRun:
                                            state_step=state_step,
                                            write=self._run.update_manifest if self._run is not None else None)
         self._store_examples, self._examples = bool(store_examples), None  # replay/record/examples_store.py
+        at_exit.watch(self)  # an exit without finish() or close() still writes the records in flight
 
     @property
     def manifest(self) -> dict:

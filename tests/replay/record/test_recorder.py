@@ -112,3 +112,42 @@ def test_a_packed_record_with_the_wrong_tensor_count_is_refused():
                          "fingerprints": np.zeros((2, 2), np.uint32), "rms": np.zeros(2, np.float32)})
     with pytest.raises(rec.RecordSchemaError, match="2 fingerprints for the schema's 1 tensors"):
         rec.to_record(schema, 0, host, np.zeros(2, np.uint64))
+
+
+_STOPS_AT_7 = """
+import sys
+import replay
+from replay.record import recorder
+from tests.replay.test_record_api import batch_at, make
+recorder._ready = lambda tree: False  # every record still running: the recorder holds MAX_PENDING of them
+loop = make({"scale": 1.0})
+run = replay.init(sys.argv[1], config={"scale": 1.0}, entrypoint=make)
+step = run.step(level="step")(loop.step)
+state = loop.init()
+for k in range(20):
+    if k == 7:
+        raise RuntimeError("the loop stops at step 7")
+    state, _ = step(state, batch_at(k))
+run.finish()
+"""
+
+
+def test_a_loop_that_stops_on_an_error_without_finishing_keeps_the_records_in_flight(tmp_path):
+    """The README's loop (replay.init, run.step, run.finish(), no `with`) stopped by an uncaught error
+    at step 7: the steps 0-6 it dispatched are all in the trace, the MAX_PENDING records still held
+    on device written at exit (one stderr line says so), and the run stays incomplete. Without
+    that, the trace ended at step 2: the four steps before the error, the ones a user wants, lost."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from traces import Run
+
+    root = Path(__file__).resolve().parents[3]
+    done = subprocess.run([sys.executable, "-c", _STOPS_AT_7, str(tmp_path / "run")], cwd=root, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 1 and "the loop stops at step 7" in done.stderr, done.stderr
+    run = Run.open(tmp_path / "run")
+    assert (run.trace.start, run.trace.end, run.status) == (0, 7, "crashed"), (run.trace.end, run.status)
+    assert [r.step for r in run.trace.records()] == list(range(7))
+    assert "at exit wrote the 4 record(s) still in flight, through step 6" in done.stderr, done.stderr

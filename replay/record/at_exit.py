@@ -19,29 +19,18 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import sys
 import weakref
-from typing import Any
+from typing import Callable
 
 
-def watch(run: Any) -> None:
-    """Close `run` at interpreter exit if it is still open then (holds only a weak reference)."""
-    atexit.register(_close_at_exit, weakref.ref(run))
+def watch(close: Callable[[], None]) -> None:
+    """Call `close` (a run's bound method that closes it if still open and of one process) at
+    interpreter exit; holds only a weak reference, so a run dropped before then is not kept alive."""
+    atexit.register(_at_exit, weakref.WeakMethod(close))
 
 
-def _close_at_exit(ref: "weakref.ref[Any]") -> None:
-    run = ref()
-    if run is None or run.finished or run._recorder is None:
-        return
-    with contextlib.suppress(Exception):  # the exit must not fail, nor hide the error that caused it
-        import jax
-
-        if jax.process_count() > 1:
-            return
-        held = run._recorder.held
-        run._close(quiet=True)
-        last = run.last_record
-        if held and last is not None:
-            sys.stderr.write(f"replay: {run.path} was not finished; at exit wrote the {held} record(s) still in "
-                             f"flight, through step {last.step}; it stays incomplete (resume it with "
-                             f"{run._resume_command})\n")
+def _at_exit(close: "weakref.WeakMethod") -> None:
+    method = close()
+    if method is not None:
+        with contextlib.suppress(Exception):  # the exit must not fail, nor hide the error that caused it
+            method()

@@ -68,7 +68,7 @@ class RecordingRun:
                                            state_step=state_step,
                                            write=self._run.update_manifest if self._run is not None else None)
         self._store_examples, self._examples = bool(store_examples), None  # replay/record/examples_store.py
-        at_exit.watch(self)  # an exit without finish() or close() still writes the records in flight
+        at_exit.watch(self._close_at_exit)  # an exit without finish() or close() still writes what is in flight
 
     @property
     def manifest(self) -> dict:
@@ -346,6 +346,19 @@ class RecordingRun:
                     if self._run is not None:
                         self._run.close()
                     self.finished = True
+
+    def _close_at_exit(self) -> None:
+        """At interpreter exit (replay/record/at_exit.py) a run still open is closed as an error closes
+        it: the records in flight written, the run left incomplete; one stderr line says so."""
+        if self.finished or self._recorder is None or run_open.processes() > 1:  # several: needs a collective
+            return
+        held = self._recorder.held
+        self._close(quiet=True)
+        last = self.last_record
+        if held and last is not None:
+            sys.stderr.write(f"replay: {self.path} was not finished; at exit wrote the {held} record(s) still in "
+                             f"flight, through step {last.step}; it stays incomplete (resume it with "
+                             f"{self._resume_command})\n")
 
     def __enter__(self) -> "RecordingRun":
         return self

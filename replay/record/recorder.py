@@ -212,7 +212,7 @@ class Recorder:
         newest_waits = isinstance(example_hashes, GatheredHashes)
         while self._queue and (len(self._queue) > self.MAX_PENDING or (
                 self._queue[0].ready() and not (newest_waits and len(self._queue) == 1))):
-            self._write(self._queue.pop(0))
+            self._write_oldest()
 
     @property
     def held(self) -> int:
@@ -221,7 +221,14 @@ class Recorder:
 
     def flush(self) -> None:
         while self._queue:
-            self._write(self._queue.pop(0))
+            self._write_oldest()
+
+    def _write_oldest(self) -> None:
+        # Dequeued once written: a Ctrl-C in the fetch (where the loop's thread waits) leaves the
+        # record queued, so the close that follows writes it, and the ones after it without a gap
+        # (a popped, unwritten record made the writer refuse every later one: all of them lost).
+        self._write(self._queue[0])
+        self._queue.pop(0)
 
     def _write(self, pending: Pending) -> None:
         hashes = pending.example_hashes

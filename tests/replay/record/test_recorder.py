@@ -2,6 +2,7 @@
 per-example hashes): pinned, so moving or rewriting it cannot change what old runs hold."""
 
 import numpy as np
+import pytest
 
 from replay.record.recorder import batch_hash
 
@@ -151,3 +152,31 @@ def test_a_loop_that_stops_on_an_error_without_finishing_keeps_the_records_in_fl
     assert (run.trace.start, run.trace.end, run.status) == (0, 7, "crashed"), (run.trace.end, run.status)
     assert [r.step for r in run.trace.records()] == list(range(7))
     assert "at exit wrote the 4 record(s) still in flight, through step 6" in done.stderr, done.stderr
+
+
+def test_a_ctrl_c_while_a_record_is_fetched_leaves_it_queued_for_the_close_to_write(tmp_path, monkeypatch):
+    """Ctrl-C lands where the loop's thread waits: in the fetch of the oldest record held. That record
+    stays queued, so the close that follows (run.close, the trainer's, at exit) writes it and every one
+    after it. Before, it was dequeued first: lost, and the writer then refused the next step as a gap,
+    so every record held was lost (`replay train` interrupted lost its last ~5 steps)."""
+    from replay.record import recorder as rec
+    from traces import TraceReader
+
+    recorder, writer = _recorder(tmp_path, monkeypatch, ready=False)
+    for k in range(recorder.MAX_PENDING):
+        recorder.record(k, _metrics(k), np.array([2 * k, 2 * k + 1], np.uint64))
+    real, calls = rec._fetch, []
+
+    def interrupted_once(tree):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(tree)
+
+    monkeypatch.setattr(rec, "_fetch", interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        recorder.record(4, _metrics(4), np.array([8, 9], np.uint64))  # over the bound: waits for step 0
+    recorder.flush()
+    writer.close()
+    trace = TraceReader(tmp_path / "trace", writer.schema)
+    assert [r.step for r in trace.records()] == [0, 1, 2, 3, 4]

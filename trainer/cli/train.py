@@ -64,16 +64,19 @@ def train(
     if jax.process_index() != 0:  # one progress display per run
         run_prepared(job)
         return
-    with console.progress(f"train {path.name}") as bar:
-        task = bar.add_task("train", total=cfg.steps, info="")
+    try:
+        with console.progress(f"train {path.name}") as bar:
+            task = bar.add_task("train", total=cfg.steps, info="")
 
-        def on_step(info: StepInfo) -> None:
-            loss = f"loss {info.loss:.4f}" if info.loss is not None else "loss -"
-            mfu = f"  MFU {info.mfu:.1%}" if info.mfu is not None else ""
-            bar.update(task, completed=info.step + 1, info=f"{loss}  {info.tokens_per_s:,.0f} tok/s{mfu}")
+            def on_step(info: StepInfo) -> None:
+                loss = f"loss {info.loss:.4f}" if info.loss is not None else "loss -"
+                mfu = f"  MFU {info.mfu:.1%}" if info.mfu is not None else ""
+                bar.update(task, completed=info.step + 1, info=f"{loss}  {info.tokens_per_s:,.0f} tok/s{mfu}")
 
-        result = run_prepared(job, on_step)
-        bar.update(task, completed=cfg.steps)
+            result = run_prepared(job, on_step)
+            bar.update(task, completed=cfg.steps)
+    except KeyboardInterrupt:  # run_prepared closed the run: every step dispatched is in its trace
+        _interrupted(path)
     for note in result.notes:
         console.warn(note)
     summary = {
@@ -87,6 +90,20 @@ def train(
         console.print_json(summary)
     else:
         console.print_table([(k, str(v)) for k, v in summary.items()], title="trained")
+
+
+def _interrupted(path) -> None:
+    """Ctrl-C: one line saying what the run holds and how to continue it, exit 130 (SIGINT's)."""
+    from traces import Run
+
+    try:
+        end = Run.open(path).trace.end
+    except Exception:  # noqa: BLE001 - the line is said without the count rather than not at all
+        end = None
+    held = f"holds steps 0..{end - 1} and " if end else ""
+    console.warn(f"interrupted: {shown(path)} {held}stays incomplete; `replay train --resume {shown(path)}` "
+                 "continues it from its newest checkpoint")
+    raise typer.Exit(130)
 
 
 def register(app: typer.Typer) -> None:

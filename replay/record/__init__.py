@@ -7,6 +7,7 @@
     packed.py      the record as one uint32 vector (one buffer to fetch a step)
     fingerprint.py device-side tensor fingerprints (traces/fingerprint.py is the reference)
     recorder.py    records fetched one step late and appended to the trace
+    at_exit.py     a run the program exits without finishing: its records in flight written
     environment.py the environment and program hash a manifest records
     orbax_io.py    checkpoint errors and orbax's quieting, shared with the trainer
     step.py        run.step: the wrapper while recording (records fetched one step late)

@@ -13,6 +13,8 @@ the records not yet written are lost, and a resume records them again.
 
 Runs of several processes (jax.distributed) are left alone: writing their last records needs
 the other processes' hashes (a collective), which a process exiting alone must not wait for.
+A replay.torch run (replay/torch/run.py) holds one record, its last finished step's, until the
+next step: written alike.
 """
 
 from __future__ import annotations

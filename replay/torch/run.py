@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from replay.record import at_exit  # no JAX import either
 from replay.record.options import RECORD_LEVELS  # no JAX import: replay.torch never starts JAX
 from replay.torch.errors import TorchRecordError
 from replay.torch.names import TensorNames, own_names
@@ -119,6 +120,7 @@ class TorchRun:
             if self._taps is not None:
                 self._taps.remove()
             raise
+        at_exit.watch(self._close_at_exit)  # an exit without finish() or close() still writes the last step
 
     def _manifest(self, config: Any, names: TensorNames | None) -> dict:
         manifest = {"recorded_by": RECORDED_BY, "config": config, "environment": environment(),
@@ -291,6 +293,17 @@ class TorchRun:
         self._pending = None
         self._run.close()
         self._release()
+
+    def _close_at_exit(self) -> None:
+        """At interpreter exit (replay/record/at_exit.py) a run still open writes the record of its last
+        finished step (held until the next step) and stays incomplete; one stderr line says so."""
+        if self.finished or self._pending is None:
+            return
+        step = self._pending.step
+        self.flush()
+        self.close()
+        sys.stderr.write(f"replay: {self.path} was not finished; at exit wrote the record of its last finished step "
+                         f"{step}; it stays incomplete (resume it with replay.torch.init(..., resume=True))\n")
 
     def _release(self) -> None:
         self.finished = True

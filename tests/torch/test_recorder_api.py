@@ -182,3 +182,34 @@ def test_bisect_of_torch_runs_compares_traces_and_refuses_a_replay_in_one_line(t
     out = invoke("bisect", str(tmp_path / "a"), str(tmp_path / "b"))  # refinement needs a replay: none here
     assert out.exit_code == 2 and "replay.torch" in out.stderr and "--no-refine" in out.stderr, out.output
     assert "Traceback" not in out.output
+
+
+_STOPS_AFTER_3 = """
+import sys
+import torch
+import replay.torch
+from tests.torch.test_recorder_api import Net, _loop
+torch.manual_seed(0)
+model = Net()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+run = replay.torch.init(sys.argv[1], config={"lr": 0.1}, model=model, optimizer=opt)
+_loop(run, model, opt, steps=3)
+raise RuntimeError("the loop stops after step 2")
+"""
+
+
+def test_a_loop_that_stops_on_an_error_without_finishing_keeps_its_last_finished_step(tmp_path):
+    """A torch loop stopped by an uncaught error after steps 0-2, with no finish() and no `with`: the
+    record of step 2, held until a next step, is written at exit (one stderr line says so), and the
+    run stays incomplete. Before, the trace ended at step 1."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", _STOPS_AFTER_3, str(tmp_path / "run")], cwd=root, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 1 and "the loop stops after step 2" in done.stderr, done.stderr
+    run = traces.Run.open(tmp_path / "run")
+    assert (run.trace.end, run.status) == (3, "crashed"), (run.trace.end, run.status)
+    assert "at exit wrote the record of its last finished step 2" in done.stderr, done.stderr

@@ -28,6 +28,7 @@ reads the manifest and the trace's tail, not the run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -287,20 +288,27 @@ class TorchRun:
         self._release()
 
     def close(self) -> None:
-        """Stops recording without marking the run complete (it stays INCOMPLETE)."""
+        """Stops recording without marking the run complete (it stays INCOMPLETE, resumable), its last
+        finished step's record written first, as replay.init's runs write theirs. Called while an
+        error is being handled (an `except` block, a `with` block left by one), a failure to write
+        it is not raised: the first error stands."""
         if self.finished:
             return
-        self._pending = None
-        self._run.close()
-        self._release()
+        try:
+            with contextlib.suppress(Exception) if sys.exc_info()[1] is not None else contextlib.nullcontext():
+                self.flush()
+        finally:
+            self._pending = None
+            self._run.close()
+            self._release()
 
     def _close_at_exit(self) -> None:
-        """At interpreter exit (replay/record/at_exit.py) a run still open writes the record of its last
-        finished step (held until the next step) and stays incomplete; one stderr line says so."""
+        """At interpreter exit (replay/record/at_exit.py) a run still open is closed (the record of its
+        last finished step, held until the next step, written) and stays incomplete; one stderr line
+        says so."""
         if self.finished or self._pending is None:
             return
         step = self._pending.step
-        self.flush()
         self.close()
         sys.stderr.write(f"replay: {self.path} was not finished; at exit wrote the record of its last finished step "
                          f"{step}; it stays incomplete (resume it with replay.torch.init(..., resume=True))\n")

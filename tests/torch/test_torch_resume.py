@@ -52,7 +52,7 @@ def _record(path, stop: int = STEPS):
     if stop == STEPS:
         run.finish()
     else:
-        run.close()  # as a crash leaves it: INCOMPLETE, the last step's record not written
+        run.close()  # as an error leaves it: INCOMPLETE, every finished step's record written
     return path
 
 
@@ -72,9 +72,9 @@ def whole(tmp_path_factory):
 
 
 def _crashed(tmp_path):
-    path = _record(tmp_path / "cut", stop=5)  # steps 0..4 ran; 0..3 reached the trace (4's record was pending)
+    path = _record(tmp_path / "cut", stop=5)  # steps 0..4 ran and reached the trace (close wrote 4's)
     run = Run.open(path)
-    assert run.status != "complete" and run.trace.end == 4 and checkpoint.steps(path) == [0, 3]
+    assert run.status != "complete" and run.trace.end == 5 and checkpoint.steps(path) == [0, 3]
     return path
 
 
@@ -84,7 +84,7 @@ def test_a_resumed_run_records_what_an_uninterrupted_one_does(tmp_path, whole):
     run = replay.torch.init(path, config={"lr": 1e-2}, model=model, optimizer=opt, resume=True)
     start = run.restore(model, opt)
     assert start == 3
-    _steps(run, model, opt, start, STEPS)  # step 3 is re-recorded (kept: same bits), 4 and 5 appended
+    _steps(run, model, opt, start, STEPS)  # steps 3 and 4 are re-recorded (kept: same bits), 5 appended
     run.finish()
     assert Run.open(path).status == "complete"
     assert _records(path) == whole

@@ -97,10 +97,10 @@ def _interrupted(path) -> None:
     from traces import Run
 
     try:
-        end = Run.open(path).trace.end
-    except Exception:  # noqa: BLE001 - the line is said without the count rather than not at all
-        end = None
-    held = f"holds steps 0..{end - 1} and " if end else ""
+        trace = Run.open(path).trace
+        held = f"holds steps {trace.start}..{trace.end - 1} and " if trace.end > trace.start else ""
+    except Exception:  # noqa: BLE001 - the line is said without the steps rather than not at all
+        held = ""
     console.warn(f"interrupted: {shown(path)} {held}stays incomplete; `replay train --resume {shown(path)}` "
                  "continues it from its newest checkpoint")
     raise typer.Exit(130)

@@ -3,13 +3,11 @@ so long runs and the sampled search are cheap to check."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 
 from replay.bisect.cross import DENSE_STEPS, cross_bisect
-from tests.traces.helpers import sketched_record
+from tests.traces.helpers import at_step_level, sketched_record
 from traces import Run, Schema
 
 W = 16
@@ -21,7 +19,7 @@ SCHEMA = Schema(examples_per_step=2, rng_words=2, metrics=(("loss", "loss"),), t
 def _write(path, steps: int, torch: bool, bad_from: int | None = None, noise: float = 2e-7, seed: int = 0,
            bad_tensor: str = "block_00.attn", layer_every: int = 1):
     manifest = {"recorded_by": "replay.torch"} if torch else {"environment": {"framework": "jax"}}
-    if layer_every > 1:  # the trainer's cadence: layer-level (sketched) records at k % layer_every == 0 only
+    if layer_every > 1:  # a config, as a trainer run has: replaying this synthetic run then fails as unavailable
         manifest["config"] = {"trace": {"layer_every": layer_every}}
     run = Run.create(path, SCHEMA, manifest)
     w = run.writer()
@@ -35,9 +33,7 @@ def _write(path, steps: int, torch: bool, bad_from: int | None = None, noise: fl
             if bad_from is not None and k >= bad_from and name == bad_tensor:
                 ts[i] = ts[i] + 1e-2
         record = sketched_record(k, ts, 2.0 + 1e-8 * own.standard_normal(), W)
-        if k % layer_every:  # a step-level record: metrics, no tensors
-            record = dataclasses.replace(record, fingerprints=None, rms=None, sketches=None, norms=None)
-        w.append(record)
+        w.append(at_step_level(record) if k % layer_every else record)
     w.close()
     run.finish()
     return Run.open(path)

@@ -125,13 +125,19 @@ def sketched_record(step: int, tensors: list, loss: float, width: int) -> StepRe
                       sketches=np.stack([s for s, _ in sk]), norms=np.array([n for _, n in sk], np.float32))
 
 
+def at_step_level(record: StepRecord) -> StepRecord:
+    """`record` as a step-level record holds it (metrics, no tensors): what the trainer's trace.layer_every
+    writes between its layer-level steps."""
+    import dataclasses
+
+    return dataclasses.replace(record, fingerprints=None, rms=None, sketches=None, norms=None)
+
+
 def drifting_run(path, schema: Schema, manifest: dict, steps: int, drift=lambda k: 0.0, layer_every: int = 1):
     """A finished run of `schema`'s tensors (step k's drawn from seed k, so two such runs share them), the
     second scaled by 1 + drift(k): that relative distance from a run with no drift, as a cross-framework pair
     or a rounding-level twin would record it (the floor tests' synthetic traces). `layer_every`: the steps
     k % layer_every != 0 are step-level records (metrics only), as the trainer's trace.layer_every writes."""
-    import dataclasses
-
     from traces import Run
 
     run = Run.create(path, schema, manifest)
@@ -141,9 +147,7 @@ def drifting_run(path, schema: Schema, manifest: dict, steps: int, drift=lambda 
         ts = [g.standard_normal((8, 16)).astype(np.float32) for _ in schema.tensors]
         ts[1] = (ts[1].astype(np.float64) * (1 + drift(k))).astype(np.float32)
         record = sketched_record(k, ts, 2.0, schema.sketch_width)
-        if k % layer_every:
-            record = dataclasses.replace(record, fingerprints=None, rms=None, sketches=None, norms=None)
-        w.append(record)
+        w.append(at_step_level(record) if k % layer_every else record)
     w.close()
     run.finish()
     return Run.open(path)

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from replay.engine.protocol import LEGACY_DEFAULT_FACTORY, Replayable, load  # noqa: F401  (re-exported)
+from replay.errors import ReplayUnavailable
 from traces import Run
 from trainer.replay_data import TrainerDataProtocol
 from trainer.replay_model import TrainerModelProtocol
@@ -36,7 +37,12 @@ class TrainerReplay(TrainerDataProtocol, TrainerModelProtocol):
                  on_compile=None):
         from trainer.loop import build, state_step
 
-        cfg = from_dict(run.manifest["config"])
+        config = run.manifest.get("config")
+        if not isinstance(config, dict):  # no trainer config: a run of some other loop naming no factory
+            raise ReplayUnavailable(
+                f"{run.path}: run.json names no loop to replay it with (no `replayable`) and holds no trainer config "
+                "to rebuild replay train's step from; record it with replay.init(..., entrypoint=make) or replay train")
+        cfg = from_dict(config)
         self.cfg = cfg
         spec = data or cfg.data.source
         bundled = None if data else run.manifest.get("bundle", {}).get("examples")  # a bundle carries its batches

@@ -181,3 +181,22 @@ def test_tensors_by_name_and_count_are_checked():
         to_record(SCHEMA, 0, _metrics(fingerprints={"state/w": 1, "grad/w": 2, "param/b": 3}), np.zeros(2, np.uint64))
     with pytest.raises(RecordSchemaError, match="returned 2 fingerprints for the schema's 3"):
         to_record(SCHEMA, 0, _metrics(fingerprints=np.zeros((2, 2), np.uint32)), np.zeros(2, np.uint64))
+
+
+def test_a_run_naming_no_loop_and_holding_no_trainer_config_cannot_be_replayed_here(tmp_path):
+    """A run.json without `replayable` falls to the trainer's factory (runs from before replay.init);
+    one that holds no trainer config either is a run replay cannot rebuild: one line, exit 2 (it was
+    a KeyError: exit 3, "a bug in replay")."""
+    from tests.traces.helpers import make_record, make_schema
+    from traces import Run
+
+    schema = make_schema(layer=False)
+    for name, manifest in (("none", {}), ("null", {"config": None})):
+        run = Run.create(tmp_path / name, schema, manifest)
+        writer = run.writer()
+        for step in range(3):
+            writer.append(make_record(schema, step))
+        run.finish()
+        (tmp_path / name / "checkpoints" / "0").mkdir(parents=True)  # past the checkpoint check, to the factory
+        assert_error_line(invoke("run", str(tmp_path / name), "--steps", "0:2"), 2,
+                          "names no loop to replay it with", "holds no trainer config")

@@ -1,6 +1,6 @@
 """A recording run the program exits without finishing or closing: its records in flight are kept.
 
-The recorder holds up to Recorder.MAX_PENDING + 1 steps' records on device while the host runs
+The recorder holds up to Recorder.MAX_HELD + 1 steps' records on device while the host runs
 ahead (replay/record/recorder.py). A loop written as the README's ten lines (`replay.init`,
 `run.step`, `run.finish()`, no `with` block) that stops on an uncaught exception, a Ctrl-C or a
 `sys.exit` in the loop would lose them: the very steps that led to the stop. At interpreter exit

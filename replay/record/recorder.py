@@ -1,19 +1,19 @@
 """From a step's device outputs to a trace record, written behind the device.
 
 The recorder holds a step's outputs on device and copies them to the host only once they are
-ready (up to MAX_PENDING steps later; then it waits for the oldest), so the host never waits on
-a running step to record it: on a CPU backend that wait cost 2-5% of a 62 ms step (it competes
-with the step for the cores; bench/overhead.py's "api" section, 2026-12-01). Only process 0
+ready (WRITE_BATCH at a time; with more than MAX_HELD held it waits for the oldest), so the host
+never waits on a running step to record it: on a CPU backend that wait cost 2-5% of a 62 ms step
+(it competes with the step for the cores; bench/overhead.py's "api" section, 2026-12-01). Only process 0
 writes; every process contributes its slice of the per-example hashes, so the record holds what
 each host really fed, in global order. On several hosts the hashes arrive as a gather still
 running on device (replay/record/gather.py): such a record is read no earlier than the next
 step's `record` call, i.e. after the next step was dispatched, and only once the gather is
-ready. A kill loses the records not yet written (at most MAX_PENDING + 1 steps), which a resume
+ready. A kill loses the records not yet written (at most MAX_HELD + 1 steps), which a resume
 re-records from its checkpoint; a program that exits without finishing the run (an uncaught
 exception, Ctrl-C) writes them at exit (replay/record/at_exit.py).
 
 One recording path: `run.step` (replay/record/step.py) and the trainer (trainer/loop.py) both
-hand their step's metrics to `Recorder.record`. Cost: at most MAX_PENDING records held, O(1) in
+hand their step's metrics to `Recorder.record`. Cost: at most MAX_HELD records held, O(1) in
 the run's length.
 """
 
@@ -184,10 +184,16 @@ class Recorder:
 
     A record is fetched only once its buffers are ready, so the host does not wait on a step
     still running (on a CPU backend that wait competes with the step for the cores). Records are
-    written in step order; at most MAX_PENDING wait (then the oldest is waited for), and
-    `flush()` writes them all (before a checkpoint, at the end)."""
+    written in step order, WRITE_BATCH at a time once that many are ready: the fetch, encode,
+    compress and write path then runs warm on the loop's thread for all but the first of them
+    (one at a time, each step ran it cold: ~120 us of the loop's CPU a step at the optax
+    example's ~1 ms step, ~20 with 8 together; bench.record_overhead). At most MAX_HELD are held
+    (then the oldest WRITE_BATCH are waited for), and `flush()` writes them all (before a
+    checkpoint, at the end)."""
 
-    MAX_PENDING = 4  # records held on device at most: bounds how far the host runs ahead
+    WRITE_BATCH = 8  # ready records written together
+    MAX_PENDING = 4  # records still running held beyond a batch: how far the host may run ahead of it
+    MAX_HELD = WRITE_BATCH + MAX_PENDING  # records held at most (what a kill -9 loses, with the step dispatching)
 
     def __init__(self, schema: Schema, writer: TraceWriter | None, level: str, timeline: Timeline | None = None):
         self.schema = schema
@@ -206,13 +212,16 @@ class Recorder:
             self.timeline.watch(step, metrics)
         if self.level == "off":
             return
-        self._queue.append(Pending(step, metrics, example_hashes))
-        # A gather still in flight is never read in the call that queued it: step k's hashes reach
-        # the host after step k+1 was dispatched, by construction rather than by timing.
-        newest_waits = isinstance(example_hashes, GatheredHashes)
-        while self._queue and (len(self._queue) > self.MAX_PENDING or (
-                self._queue[0].ready() and not (newest_waits and len(self._queue) == 1))):
-            self._write_oldest()
+        queue = self._queue
+        queue.append(Pending(step, metrics, example_hashes))
+        # The newest record is never in the batch written (more than WRITE_BATCH are held), so a
+        # gather still in flight is never read in the call that queued it: step k's hashes reach
+        # the host after step k+1 was dispatched, by construction rather than by timing. Steps
+        # finish in the order they were dispatched, so the batch's newest being ready says the
+        # rest are (on several devices, an older one may still be waited for a moment).
+        if len(queue) > self.MAX_HELD or (len(queue) > self.WRITE_BATCH and queue[self.WRITE_BATCH - 1].ready()):
+            for _ in range(self.WRITE_BATCH):
+                self._write_oldest()
 
     @property
     def held(self) -> int:

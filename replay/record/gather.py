@@ -91,7 +91,9 @@ def start_gather(local_hashes: np.ndarray, mesh: Any, batch_sharding: Any) -> np
 
 
 def hashes_ready(hashes: Any) -> bool:
-    return bool(hashes.is_ready()) if isinstance(hashes, GatheredHashes) else True
+    """Whether reading `hashes` would not wait: a gather in flight or a device batch not yet hashed
+    (replay/record/deferred_hashes.py) says so itself; host hashes are ready."""
+    return bool(hashes.is_ready()) if hasattr(hashes, "is_ready") else True
 
 
 class Timeline:

@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from replay.record.deferred_hashes import DeferredHashes
 from replay.record.gather import GatheredHashes, Timeline, hashes_ready
 from replay.record.hashing import batch_hash
 from replay.record.packed import PackedRecord
@@ -173,7 +174,7 @@ def _from_packed(schema: Schema, step: int, words: np.ndarray, plan: dict, examp
 class Pending:
     step: int
     metrics: dict  # device arrays, not yet fetched
-    example_hashes: np.ndarray | GatheredHashes  # global order; on several hosts still being gathered
+    example_hashes: np.ndarray | GatheredHashes | DeferredHashes  # global order; still being gathered, or a device batch
 
     def ready(self) -> bool:
         return hashes_ready(self.example_hashes) and _ready(self.metrics)
@@ -204,7 +205,7 @@ class Recorder:
         self.last: StepRecord | None = None  # the newest record written (for progress display)
         self.rewritten = 0  # steps that were already in the trace and re-recorded bit-identically
 
-    def record(self, step: int, metrics: dict, example_hashes: np.ndarray | GatheredHashes) -> None:
+    def record(self, step: int, metrics: dict, example_hashes: np.ndarray | GatheredHashes | DeferredHashes) -> None:
         """Queues step `step`'s record (called right after the step was dispatched) and writes
         those of earlier steps that are ready."""
         if self.timeline is not None:
@@ -214,6 +215,8 @@ class Recorder:
             return
         queue = self._queue
         queue.append(Pending(step, metrics, example_hashes))
+        if isinstance(example_hashes, DeferredHashes):
+            self._settle()
         # The newest record is never in the batch written (more than WRITE_BATCH are held), so a
         # gather still in flight is never read in the call that queued it: step k's hashes reach
         # the host after step k+1 was dispatched, by construction rather than by timing. Steps
@@ -222,6 +225,16 @@ class Recorder:
         if len(queue) > self.MAX_HELD or (len(queue) > self.WRITE_BATCH and queue[self.WRITE_BATCH - 1].ready()):
             for _ in range(self.WRITE_BATCH):
                 self._write_oldest()
+
+    def _settle(self) -> None:
+        """Hashes the device batches of earlier steps that are ready, oldest first, without waiting:
+        their buffers are released about a step after their step, not when the record is written."""
+        for pending in self._queue[:-1]:
+            hashes = pending.example_hashes
+            if isinstance(hashes, DeferredHashes) and not hashes.fetched:
+                if not hashes.is_ready():
+                    return
+                hashes.fetch()
 
     @property
     def held(self) -> int:
@@ -241,7 +254,7 @@ class Recorder:
 
     def _write(self, pending: Pending) -> None:
         hashes = pending.example_hashes
-        if isinstance(hashes, GatheredHashes):
+        if isinstance(hashes, (GatheredHashes, DeferredHashes)):
             hashes = hashes.fetch()
             if self.timeline is not None:
                 self.timeline.mark("gathered", pending.step)

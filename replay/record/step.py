@@ -1,7 +1,8 @@
 """`run.step`: the wrapper around the user's train step while recording.
 
 Call k (counted from the run's first step, or from the checkpoint `run.restore` resumed from)
-hashes the batch on the host, dispatches the one compiled program (the user's step plus its
+hashes the batch on the host (a batch of device arrays once the step is dispatched:
+replay/record/deferred_hashes.py), dispatches the one compiled program (the user's step plus its
 record, replay/record/program.py) and hands the record to `run.record` (replay.record.recorder.Recorder), which
 fetches step k's record only after step k+1 has been dispatched: the host never waits for the
 device to record. The wrapper returns exactly what the user's step returns.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from replay.record.deferred_hashes import DeferredHashes, deferrable
 from replay.record.errors import RecordError
 from replay.record.hashing import example_hashes
 from replay.record.multihost import gathered_hashes
@@ -37,8 +39,13 @@ class RecordedStep:
             self.program.compile(state, batch)
             run._start_recording(self.program)
             self._started = True
-        hashes = (example_hashes(batch, self.options.batch_axis) if processes() == 1
-                  else gathered_hashes(batch, self.options.batch_axis))  # several hosts: replay/record/multihost.py
+        axis = self.options.batch_axis
+        if processes() > 1:
+            hashes = gathered_hashes(batch, axis)  # several hosts: replay/record/multihost.py
+        elif run._examples is None and deferrable(batch, axis, self.program.jit_options):
+            hashes = DeferredHashes(batch, axis)  # a device batch: hashed once ready, after the dispatch
+        else:
+            hashes = example_hashes(batch, axis)
         if len(hashes) != self.program.batch:
             raise RecordError(f"step {run.next_step}: the batch has {len(hashes)} examples, the first had "
                               f"{self.program.batch}; a recorded run feeds the same number every step")

@@ -60,12 +60,15 @@ class DeferredHashes:
 
 def deferrable(batch: Any, batch_axis: int, jit_options: dict) -> bool:
     """Whether `batch`'s hashes may be taken after the step: every leaf a jax.Array with the batch
-    axis, and a step that does not donate its batch (argument 1, or any argument by name)."""
+    axis, all of one batch size, and a step that does not donate its batch (argument 1, or any
+    argument by name). Anything else is hashed at once, where a bad batch is refused."""
     import jax
 
     leaves = jax.tree_util.tree_leaves(batch)
     if not leaves or not all(isinstance(x, jax.Array) and x.ndim > batch_axis for x in leaves):
         return False
+    if len({x.shape[batch_axis] for x in leaves}) != 1:
+        return False  # leaves disagreeing on the batch size: the immediate path says so at this step
     donated = jit_options.get("donate_argnums", ())
     donated = (donated,) if isinstance(donated, int) else tuple(donated)
     return 1 not in donated and not jit_options.get("donate_argnames")

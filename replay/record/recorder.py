@@ -188,7 +188,7 @@ class Recorder:
     written in step order, WRITE_BATCH at a time once that many are ready: the fetch, encode,
     compress and write path then runs warm on the loop's thread for all but the first of them
     (one at a time, each step ran it cold: ~120 us of the loop's CPU a step at the optax
-    example's ~1 ms step, ~20 with 8 together; bench.record_overhead). At most MAX_HELD are held
+    example's ~1 ms step, ~40 with 8 together; bench.record_overhead). At most MAX_HELD are held
     (then the oldest WRITE_BATCH are waited for), and `flush()` writes them all (before a
     checkpoint, at the end)."""
 
@@ -254,7 +254,9 @@ class Recorder:
 
     def _write(self, pending: Pending) -> None:
         hashes = pending.example_hashes
-        if isinstance(hashes, (GatheredHashes, DeferredHashes)):
+        if isinstance(hashes, DeferredHashes):
+            hashes = hashes.fetch()
+        elif isinstance(hashes, GatheredHashes):
             hashes = hashes.fetch()
             if self.timeline is not None:
                 self.timeline.mark("gathered", pending.step)

@@ -83,6 +83,7 @@ def test_deferrable_needs_device_arrays_with_the_axis_and_no_donated_batch():
     assert deferred_hashes.deferrable({"x": x}, 0, {"donate_argnums": (0,)})
     assert not deferred_hashes.deferrable({"x": np.zeros((4, 2))}, 0, {})  # a host array: hashed at once
     assert not deferred_hashes.deferrable({"x": x, "y": np.zeros((4,))}, 0, {})
+    assert not deferred_hashes.deferrable({"x": x, "y": jax.device_put(np.zeros((3,)))}, 0, {})  # sizes disagree
     assert not deferred_hashes.deferrable({"x": x}, 2, {})  # no such axis: the immediate path says so
     assert not deferred_hashes.deferrable({"x": x}, 0, {"donate_argnums": 1})
     assert not deferred_hashes.deferrable({"x": x}, 0, {"donate_argnames": ("batch",)})

@@ -88,3 +88,4 @@ def test_deferrable_needs_device_arrays_with_the_axis_and_no_donated_batch():
     assert not deferred_hashes.deferrable({"x": x}, 0, {"donate_argnums": 1})
     assert not deferred_hashes.deferrable({"x": x}, 0, {"donate_argnames": ("batch",)})
     assert not deferred_hashes.deferrable({}, 0, {})
+    assert not deferred_hashes.deferrable({"x": x, "k": jax.random.split(jax.random.key(0), 4)}, 0, {})  # no host bytes

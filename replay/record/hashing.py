@@ -50,6 +50,9 @@ def _leaves(batch: Any, batch_axis: int) -> list[tuple[str, np.ndarray]]:
         if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
             raise RecordError(f"batch leaf {name} is a {type(leaf).__name__}, not an array with batch axis "
                               f"{batch_axis}; make it an array, or keep it out of the batch")
+        if _extended(leaf.dtype):
+            raise RecordError(f"batch leaf {name} holds {leaf.dtype} (typed PRNG keys, which have no bytes to hash); "
+                              "put jax.random.key_data(keys) in the batch instead, or keep the keys out of it")
         a = np.asarray(leaf)  # a device array is copied to the host here: feed numpy batches to avoid that
         if a.ndim <= batch_axis:
             raise RecordError(f"batch leaf {name} has shape {list(a.shape)}, without batch axis {batch_axis}; "
@@ -60,6 +63,16 @@ def _leaves(batch: Any, batch_axis: int) -> list[tuple[str, np.ndarray]]:
         raise RecordError(f"the batch leaves disagree on the batch size along axis {batch_axis}: "
                           + ", ".join(f"{n}={s}" for n, s in sizes.items()))
     return out
+
+
+def _extended(dtype) -> bool:
+    """Whether `dtype` is one of JAX's extended dtypes (typed PRNG keys): no numpy view of its bytes."""
+    import jax
+
+    try:
+        return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.extended))
+    except TypeError:  # a dtype JAX does not know (object arrays): numpy's own error path below
+        return False
 
 
 def batch_size(batch: Any, batch_axis: int) -> int:

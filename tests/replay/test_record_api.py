@@ -175,6 +175,34 @@ def test_a_batch_without_the_batch_axis_is_refused(tmp_path):
         _first_call(tmp_path / "b", jax.jit(step_fn), batch={"x": batch_at(0)["x"], "n": 3})
 
 
+@pytest.mark.parametrize("on_device", [False, True])
+def test_a_batch_holding_typed_prng_keys_is_refused_naming_the_leaf(tmp_path, on_device):
+    """Typed keys have no bytes to hash (numpy refused them with a TypeError); the step that meets
+    them says which leaf and what to feed instead, whether the batch is hashed at once or after
+    its step (a batch of device arrays)."""
+    run = replay.init(tmp_path / "r", config={"on_device": on_device}, entrypoint=make_with_keys)
+    try:
+        with pytest.raises(RecordError, match=r"batch leaf k holds key<fry> \(typed PRNG keys.*jax.random.key_data"):
+            run.step()(jax.jit(_step_without_keys))(init_state(), _batch_with_keys(0, on_device))
+    finally:
+        run.close()
+
+
+def _batch_with_keys(step: int, on_device: bool) -> dict:
+    x = batch_at(step)["x"]
+    return {"x": jax.device_put(x) if on_device else x, "k": jax.random.split(jax.random.key(step), x.shape[0])}
+
+
+def _step_without_keys(state, batch):
+    return step_fn(state, {"x": batch["x"]})
+
+
+@replay.entrypoint
+def make_with_keys(config: dict) -> replay.Loop:
+    return replay.Loop(step=jax.jit(_step_without_keys), init=init_state,
+                       batch_at=lambda k: _batch_with_keys(k, config["on_device"]))
+
+
 def test_a_state_leaf_that_is_not_an_array_is_refused(tmp_path):
     state = {**init_state(), "n": 0}
     with pytest.raises(RecordError, match="state leaf n is a int, not an array"):

@@ -67,6 +67,8 @@ def _leaves(batch: Any, batch_axis: int) -> list[tuple[str, np.ndarray]]:
 
 def _extended(dtype) -> bool:
     """Whether `dtype` is one of JAX's extended dtypes (typed PRNG keys): no numpy view of its bytes."""
+    if isinstance(dtype, np.dtype):  # every numpy dtype, and a jax.Array's of numbers (~0.1 us, not ~0.4)
+        return False
     import jax
 
     try:

@@ -31,9 +31,9 @@ import os
 from typing import NamedTuple
 
 import numpy as np
-import xxhash
 
 from replay.record.hashing import batch_hash  # noqa: F401 (the one definition; trainer.data.batch_hash)
+from replay.record.hashing import leaf_hashes
 from trainer import order
 import zipfile
 from trainer.errors import DataError  # noqa: F401 - trainer.data.DataError, as its importers know it
@@ -172,14 +172,11 @@ def example_hashes(tokens_BxL1: np.ndarray) -> np.ndarray:
     """xxh3_64 of each example's bytes: uint64 (B,).
 
     xxhash sees bytes only, so the dtype and row shape seed the hash: the same bytes
-    as another dtype or length must not collide.
+    as another dtype or length must not collide. The one definition is replay's (a user loop
+    feeding the same rows gets the same hashes).
     """
     rows = np.ascontiguousarray(tokens_BxL1)
-    rows = rows.astype(rows.dtype.newbyteorder("<"), copy=False)
-    seed = xxhash.xxh3_64_intdigest(f"{rows.dtype.name}{rows.shape[1:]}".encode())
-    return np.array([xxhash.xxh3_64_intdigest(row, seed=seed) for row in rows], dtype=np.uint64)
-
-
+    return leaf_hashes([("batch", rows.astype(rows.dtype.newbyteorder("<"), copy=False))])
 
 
 class Batch(NamedTuple):

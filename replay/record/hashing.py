@@ -105,12 +105,17 @@ def leaf_hashes(leaves: list[tuple[str, np.ndarray]]) -> np.ndarray:
     if len(leaves) == 1 and leaves[0][0] == "batch":  # one array: trainer.data.example_hashes, bit for bit
         rows = leaves[0][1]
         seed = _layout_seed((("", rows.dtype, rows.shape[1:]),), True)
-        return _row_hashes(rows.reshape(rows.shape[0], -1).view(np.uint8), seed)
+        return _row_hashes(_flat_rows(rows).view(np.uint8), seed)
     seed = _layout_seed(tuple((n, a.dtype, a.shape[1:]) for n, a in leaves), False)
     # One contiguous row of bytes per example (the leaves' rows side by side): the hash of the
     # concatenation, one xxh3 call per example rather than one per leaf and example.
-    rows = np.concatenate([a.reshape(a.shape[0], -1).view(np.uint8).reshape(a.shape[0], -1) for _, a in leaves], axis=1)
+    rows = np.concatenate([_flat_rows(_flat_rows(a).view(np.uint8)) for _, a in leaves], axis=1)
     return _row_hashes(rows, seed)
+
+
+def _flat_rows(a: np.ndarray) -> np.ndarray:
+    """`a` as [examples, elements of a row] (a reshape with -1 is ambiguous for a batch of none)."""
+    return a.reshape(a.shape[0], int(np.prod(a.shape[1:], dtype=np.int64)))
 
 
 @functools.lru_cache(maxsize=256)

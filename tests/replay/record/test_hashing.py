@@ -34,6 +34,10 @@ def test_example_hashes_follow_the_definition_for_every_layout_zero_width_rows_i
         # Rows of no bytes: every example hashes as the empty string (this raised TypeError).
         (np.zeros((3, 0), np.int32), [("batch", np.zeros((3, 0), np.int32))]),
         ({"a": np.zeros((3, 0), np.float32)}, [("a", np.zeros((3, 0), np.float32))]),
+        # No examples at all: no hashes (reshaping with -1 raised ValueError).
+        (np.zeros((0, 5), np.int32), [("batch", np.zeros((0, 5), np.int32))]),
+        ({"a": np.zeros((0, 2), np.float32), "b": np.zeros((0,), ">i8")},
+         [("a", np.zeros((0, 2), np.float32)), ("b", np.zeros((0,), ">i8"))]),
     ]
     for batch, leaves in cases:
         assert example_hashes(batch).tolist() == _reference(leaves)

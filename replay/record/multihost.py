@@ -18,7 +18,7 @@ import numpy as np
 
 from replay.record.errors import RecordError
 from replay.record.gather import start_gather
-from replay.record.hashing import example_hashes
+from replay.record.hashing import example_hashes, refuse_typed_keys
 
 
 def gathered_hashes(batch: Any, batch_axis: int) -> Any:
@@ -28,6 +28,7 @@ def gathered_hashes(batch: Any, batch_axis: int) -> Any:
     if batch_axis != 0:
         raise RecordError(f"run.step(batch_axis={batch_axis}) on {jax.process_count()} processes: the examples must "
                           "be the first axis of every batch leaf (each process holds a block of them)")
+    refuse_typed_keys(batch)  # before their rows are copied: numpy has no view of them
     leaves, treedef = jax.tree_util.tree_flatten(batch)
     local, sharding = [], None
     for leaf in leaves:

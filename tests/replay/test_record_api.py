@@ -188,6 +188,19 @@ def test_a_batch_holding_typed_prng_keys_is_refused_naming_the_leaf(tmp_path, on
         run.close()
 
 
+def test_several_processes_refuse_typed_prng_keys_before_copying_their_rows():
+    """The multi-process path copies each process's rows itself (replay/record/multihost.py); a key
+    leaf is refused there in the same line (one process here: the refusal comes before any gather)."""
+    from replay.record.multihost import gathered_hashes
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    on_mesh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    batch = {"x": jax.device_put(batch_at(0)["x"], on_mesh),
+             "keys": {"k": jax.device_put(jax.random.split(jax.random.key(0), B), on_mesh)}}
+    with pytest.raises(RecordError, match=r"batch leaf keys.k holds key<fry> \(typed PRNG keys.*jax.random.key_data"):
+        gathered_hashes(batch, 0)
+
+
 def _batch_with_keys(step: int, on_device: bool) -> dict:
     x = batch_at(step)["x"]
     return {"x": jax.device_put(x) if on_device else x, "k": jax.random.split(jax.random.key(step), x.shape[0])}

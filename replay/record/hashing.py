@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from typing import Any
 
 import numpy as np
@@ -131,7 +132,7 @@ def leaf_hashes(leaves: list[tuple[str, np.ndarray]]) -> np.ndarray:
 
 def _flat_rows(a: np.ndarray) -> np.ndarray:
     """`a` as [examples, elements of a row] (a reshape with -1 is ambiguous for a batch of none)."""
-    return a.reshape(a.shape[0], int(np.prod(a.shape[1:], dtype=np.int64)))
+    return a.reshape(a.shape[0], math.prod(a.shape[1:]))  # math's: numpy's prod of a tuple costs ~5 us a call
 
 
 @functools.lru_cache(maxsize=256)

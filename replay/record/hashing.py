@@ -126,13 +126,13 @@ def leaf_hashes(leaves: list[tuple[str, np.ndarray]]) -> np.ndarray:
     seed = _layout_seed(tuple((n, a.dtype, a.shape[1:]) for n, a in leaves), False)
     # One contiguous row of bytes per example (the leaves' rows side by side): the hash of the
     # concatenation, one xxh3 call per example rather than one per leaf and example.
-    rows = np.concatenate([_flat_rows(_flat_rows(a).view(np.uint8)) for _, a in leaves], axis=1)
+    rows = np.concatenate([_flat_rows(a).view(np.uint8) for _, a in leaves], axis=1)
     return _row_hashes(rows, seed)
 
 
 def _flat_rows(a: np.ndarray) -> np.ndarray:
     """`a` as [examples, elements of a row] (a reshape with -1 is ambiguous for a batch of none)."""
-    return a.reshape(a.shape[0], math.prod(a.shape[1:]))  # math's: numpy's prod of a tuple costs ~5 us a call
+    return a.reshape(a.shape[0], math.prod(a.shape[1:]))  # math's: numpy's prod of a tuple cost ~3 us a call
 
 
 @functools.lru_cache(maxsize=256)

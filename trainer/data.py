@@ -33,7 +33,7 @@ from typing import NamedTuple
 import numpy as np
 
 from replay.record.hashing import batch_hash  # noqa: F401 (the one definition; trainer.data.batch_hash)
-from replay.record.hashing import leaf_hashes
+from replay.record.hashing import leaf_hashes, little_endian_rows
 from trainer import order
 import zipfile
 from trainer.errors import DataError  # noqa: F401 - trainer.data.DataError, as its importers know it
@@ -175,8 +175,7 @@ def example_hashes(tokens_BxL1: np.ndarray) -> np.ndarray:
     as another dtype or length must not collide. The one definition is replay's (a user loop
     feeding the same rows gets the same hashes).
     """
-    rows = np.ascontiguousarray(tokens_BxL1)
-    return leaf_hashes([("batch", rows.astype(rows.dtype.newbyteorder("<"), copy=False))])
+    return leaf_hashes([("batch", little_endian_rows(np.asarray(tokens_BxL1)))])
 
 
 class Batch(NamedTuple):

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from replay.record.hashing import batch_size, example_hashes
+from replay.record.hashing import batch_size, example_hashes, is_extended_dtype
 
 
 class DeferredHashes:
@@ -67,7 +67,7 @@ def deferrable(batch: Any, batch_axis: int, jit_options: dict) -> bool:
     leaves = jax.tree_util.tree_leaves(batch)
     if not leaves or not all(isinstance(x, jax.Array) and x.ndim > batch_axis for x in leaves):
         return False
-    if any(jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended) for x in leaves):
+    if any(is_extended_dtype(x.dtype) for x in leaves):
         return False  # PRNG key arrays have no host bytes: the immediate path fails at this step, not later
     if len({x.shape[batch_axis] for x in leaves}) != 1:
         return False  # leaves disagreeing on the batch size: the immediate path says so at this step

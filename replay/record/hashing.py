@@ -51,7 +51,7 @@ def _leaves(batch: Any, batch_axis: int) -> list[tuple[str, np.ndarray]]:
         if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
             raise RecordError(f"batch leaf {name} is a {type(leaf).__name__}, not an array with batch axis "
                               f"{batch_axis}; make it an array, or keep it out of the batch")
-        if _extended(leaf.dtype):
+        if is_extended_dtype(leaf.dtype):
             raise _typed_keys(name, leaf.dtype)
         a = np.asarray(leaf)  # a device array is copied to the host here: feed numpy batches to avoid that
         if a.ndim <= batch_axis:
@@ -71,9 +71,9 @@ def refuse_typed_keys(batch: Any) -> None:
     import jax
 
     leaves = jax.tree_util.tree_leaves(batch)
-    if any(_extended(getattr(leaf, "dtype", None)) for leaf in leaves):  # paths only then: slow to build
+    if any(is_extended_dtype(getattr(leaf, "dtype", None)) for leaf in leaves):  # paths only then: slow to build
         for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
-            if _extended(getattr(leaf, "dtype", None)):
+            if is_extended_dtype(getattr(leaf, "dtype", None)):
                 raise _typed_keys(jax.tree_util.keystr(path, simple=True, separator=".") or "batch", leaf.dtype)
 
 
@@ -82,7 +82,7 @@ def _typed_keys(name: str, dtype) -> RecordError:
                        "put jax.random.key_data(keys) in the batch instead, or keep the keys out of it")
 
 
-def _extended(dtype) -> bool:
+def is_extended_dtype(dtype) -> bool:
     """Whether `dtype` is one of JAX's extended dtypes (typed PRNG keys): no numpy view of its bytes."""
     if dtype is None or isinstance(dtype, np.dtype):  # every numpy dtype, and a jax.Array's of numbers (~0.1 us)
         return False
@@ -105,10 +105,10 @@ def batch_size(batch: Any, batch_axis: int) -> int:
 
 def example_hashes(batch: Any, batch_axis: int = 0) -> np.ndarray:
     """uint64[B]: one hash per example (index along `batch_axis`), in batch order."""
-    return leaf_hashes([(n, _little(a)) for n, a in _leaves(batch, batch_axis)])
+    return leaf_hashes([(n, little_endian_rows(a)) for n, a in _leaves(batch, batch_axis)])
 
 
-def _little(a: np.ndarray) -> np.ndarray:
+def little_endian_rows(a: np.ndarray) -> np.ndarray:
     """`a` as a little-endian C-contiguous array: itself when it is one (every step of a loop
     feeding native arrays on a little-endian host: a dtype built per step cost more than its hash)."""
     if a.dtype.byteorder == ">" or (a.dtype.byteorder == "=" and not np.little_endian):

@@ -11,59 +11,46 @@ import time
 
 _dir = os.environ.get("CPROF_DIR")
 if _dir:
-    import importlib.abc
-    import importlib.util
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/suite_profile
+    from import_hook import after_import
 
     os.makedirs(_dir, exist_ok=True)
 
-    class _Hook(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path, target=None):
-            if name != "jax._src.compiler":
-                return None
-            sys.meta_path.remove(self)
-            spec = importlib.util.find_spec(name)
-            orig_exec = spec.loader.exec_module
+    def _patch(module):
+        cached, compile_ = module.compile_or_get_cached, module.backend_compile_and_load
+        inner = {"cpu": 0.0, "wall": 0.0}
 
-            def exec_module(module):
-                orig_exec(module)
-                cached, compile_ = module.compile_or_get_cached, module.backend_compile_and_load
-                inner = {"cpu": 0.0, "wall": 0.0}
+        def timed_compile(*a, **k):
+            c0, w0 = time.process_time(), time.time()
+            try:
+                return compile_(*a, **k)
+            finally:
+                inner["cpu"] += time.process_time() - c0
+                inner["wall"] += time.time() - w0
 
-                def timed_compile(*a, **k):
-                    c0, w0 = time.process_time(), time.time()
-                    try:
-                        return compile_(*a, **k)
-                    finally:
-                        inner["cpu"] += time.process_time() - c0
-                        inner["wall"] += time.time() - w0
+        def timed_cached(backend, computation, *a, **k):
+            c0, w0 = time.process_time(), time.time()
+            inner["cpu"] = inner["wall"] = 0.0
+            try:
+                return cached(backend, computation, *a, **k)
+            finally:
+                try:
+                    name = str(computation.operation.attributes["sym_name"]).strip('"')
+                except Exception:
+                    name = "?"
+                rec = {"pid": os.getpid(), "test": os.environ.get("PYTEST_CURRENT_TEST", "")[:200],
+                       "argv": " ".join(sys.argv)[:120], "module": name,
+                       "cpu": time.process_time() - c0, "wall": time.time() - w0,
+                       "compile_cpu": inner["cpu"], "compile_wall": inner["wall"]}
+                if inner["cpu"] and name in os.environ.get("CPROF_STACK", "").split(","):
+                    import traceback
+                    root = os.getcwd() + "/"
+                    rec["stack"] = [f"{f.filename.replace(root, '')}:{f.lineno} {f.name}" for f in traceback.extract_stack()
+                                    if "site-packages" not in f.filename and f.filename != __file__][-6:]
+                with open(os.path.join(_dir, f"{os.getpid()}.jsonl"), "a") as f:
+                    f.write(json.dumps(rec) + "\n")
 
-                def timed_cached(backend, computation, *a, **k):
-                    c0, w0 = time.process_time(), time.time()
-                    inner["cpu"] = inner["wall"] = 0.0
-                    try:
-                        return cached(backend, computation, *a, **k)
-                    finally:
-                        try:
-                            name = str(computation.operation.attributes["sym_name"]).strip('"')
-                        except Exception:
-                            name = "?"
-                        rec = {"pid": os.getpid(), "test": os.environ.get("PYTEST_CURRENT_TEST", "")[:200],
-                               "argv": " ".join(sys.argv)[:120], "module": name,
-                               "cpu": time.process_time() - c0, "wall": time.time() - w0,
-                               "compile_cpu": inner["cpu"], "compile_wall": inner["wall"]}
-                        if inner["cpu"] and name in os.environ.get("CPROF_STACK", "").split(","):
-                            import traceback
-                            root = os.getcwd() + "/"
-                            rec["stack"] = [f"{f.filename.replace(root, '')}:{f.lineno} {f.name}"
-                                            for f in traceback.extract_stack()
-                                            if "site-packages" not in f.filename and f.filename != __file__][-6:]
-                        with open(os.path.join(_dir, f"{os.getpid()}.jsonl"), "a") as f:
-                            f.write(json.dumps(rec) + "\n")
+        module.compile_or_get_cached = timed_cached
+        module.backend_compile_and_load = timed_compile
 
-                module.compile_or_get_cached = timed_cached
-                module.backend_compile_and_load = timed_compile
-
-            spec.loader.exec_module = exec_module
-            return spec
-
-    sys.meta_path.insert(0, _Hook())
+    after_import("jax._src.compiler", _patch)

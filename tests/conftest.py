@@ -62,6 +62,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 if "torch" in sys.modules:  # imported before this file (a plugin): its thread pool is sized already
     sys.modules["torch"].set_num_threads(1)
 
+# Every process the session starts loads tests/subprocess_site/sitecustomize.py first: process 1 of a
+# two-process job keeps its compiled programs in the cache folder above too (that file says why).
+_SITE = str(Path(__file__).resolve().parent / "subprocess_site")
+if _SITE not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_SITE, os.environ.get("PYTHONPATH")]))
+
 # Runs that several test files read and none writes (tests/torch/reference_pair.py): made once per
 # session into this folder, which the xdist workers inherit as the XLA cache folder above.
 _owned_shared: str | None = None

@@ -1,24 +1,13 @@
 """after_import(name, patch): call patch(module) right after `name` is first imported, for the
-sitecustomize hooks in compile_log/ and compile_cpu/ (they load before JAX, which they patch)."""
-import importlib.abc
+sitecustomize hooks in compile_log/ and compile_cpu/ (they load before JAX, which they patch).
+The one definition is the test session's own (tests/subprocess_site/sitecustomize.py), loaded by
+path under another module name, so its hook is not installed twice."""
 import importlib.util
-import sys
+import os
 
-
-def after_import(name, patch):
-    class _Hook(importlib.abc.MetaPathFinder):
-        def find_spec(self, fullname, path, target=None):
-            if fullname != name:
-                return None
-            sys.meta_path.remove(self)
-            spec = importlib.util.find_spec(fullname)
-            run = spec.loader.exec_module
-
-            def exec_module(module):
-                run(module)
-                patch(module)
-
-            spec.loader.exec_module = exec_module
-            return spec
-
-    sys.meta_path.insert(0, _Hook())
+_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "subprocess_site",
+                     "sitecustomize.py")
+_spec = importlib.util.spec_from_file_location("replay_tests_subprocess_site", _SITE)
+_module = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_module)
+after_import = _module.after_import

@@ -63,7 +63,8 @@ if "torch" in sys.modules:  # imported before this file (a plugin): its thread p
     sys.modules["torch"].set_num_threads(1)
 
 # Every process the session starts loads tests/subprocess_site/sitecustomize.py first: process 1 of a
-# two-process job keeps its compiled programs in the cache folder above too (that file says why).
+# two-process job keeps its compiled programs in the cache folder above too, and the garbage
+# collector runs as pytest_collection_finish sets it below (that file says why).
 _SITE = str(Path(__file__).resolve().parent / "subprocess_site")
 if _SITE not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_SITE, os.environ.get("PYTHONPATH")]))

@@ -1,6 +1,7 @@
 """tests/subprocess_site/sitecustomize.py: process 1 of a two-process job keeps its compiled program
 in the session's persistent compilation cache as process 0 does (JAX alone writes process 0's
-only), and a process started without the folder on its path is as before (the check can fail)."""
+only), and a process started without the folder on its path is as before (the check can fail);
+a process the session starts collects garbage as the workers do."""
 
 from __future__ import annotations
 
@@ -47,3 +48,14 @@ def test_without_the_folder_only_process_0_writes_its_entry_and_with_it_process_
     assert len(alone) == 1, alone  # JAX's own rule: process 0's entry only
     both = _cached_programs(cache, with_site=True)
     assert len(both) == 2 and alone[0] in both, (alone, both)  # process 0 found its entry; process 1 wrote its own
+
+
+def test_a_process_the_session_starts_collects_garbage_as_the_workers_do():
+    import gc
+
+    code = "import gc; print(*gc.get_threshold())"
+    started = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert started.stdout.split() == ["50000", "20", "20"] == [str(t) for t in gc.get_threshold()]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    alone = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert alone.stdout.split() == ["700", "10", "10"]  # Python's own, without the folder

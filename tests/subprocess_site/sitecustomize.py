@@ -15,9 +15,10 @@ compiled for that very key (process 1's own program), as process 0's are, so no 
 a JAX without the private function patched here, as this one has it, is left as it is.
 
 Python's cyclic garbage collector runs every 50,000 allocations instead of 700 in these processes,
-as tests/conftest.py sets it in the workers: JAX's tracing allocates cyclic garbage by the million
-and the default thresholds scanned it again and again (tests/replay/sdc_probe.py's `clean` run, 8
-devices, programs in the cache: 9.7-10.0 -> 9.1-9.2 CPU s, two runs each; peak RSS 601 -> 608 MB).
+as tests/conftest.py sets it in the workers: tracing and lowering allocate objects fast, and the
+default thresholds had full collections scan the ~130,000 objects the imports alone leave (jax, the
+trainer, the CLI) again and again (tests/replay/sdc_probe.py's `clean` run, 8 devices, programs in
+the cache: 9.7-10.0 -> 9.1-9.2 CPU s, two runs each; peak RSS 601 -> 608 MB).
 Only when garbage is freed changes, never what a process computes.
 
 After its own settings it runs the next sitecustomize on sys.path, if any (the profiling hooks of

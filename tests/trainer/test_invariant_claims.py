@@ -260,9 +260,12 @@ def test_two_processes_of_two_devices_record_the_bits_of_one(runs):
 @pytest.mark.slow
 def test_without_the_fixed_order_backward_one_and_eight_devices_differ(runs):
     """The same comparison fails on a real difference: autodiff's softmax/RMSNorm backward sums
-    in an order XLA:CPU picks per program, so 1 and 8 devices part in the gradients at step 0."""
+    in an order XLA:CPU picks per program, so 1 and 8 devices part in the gradients at step 0.
+    Which backward field compare lists first (grad_norm, or a gradient tensor when the norms
+    happen to round alike) depends on the CPU's code: on an AMD EPYC the norms differ too."""
     found = differences(runs.path["fallback-1"], runs.path["fallback-8"])
-    assert found and found[0].startswith("step 0 backward grad/"), found[:3]
+    assert found and found[0].startswith("step 0 backward "), found[:3]
+    assert any(f.startswith("step 0 backward grad/") for f in found), found[:3]
     assert not any(f.startswith("step 0 forward") or f.startswith("step 0 loss") for f in found)
 
 
@@ -271,7 +274,8 @@ def test_mesh_invariant_runs_used_the_fixed_order_backward(runs):
     """A mesh-invariant run that fell back to autodiff's backward would equal fallback-1 bit for
     bit; the recorded run's gradients differ from it (and its forward pass does not)."""
     found = differences(runs.path["1"], runs.path["fallback-1"])
-    assert found and found[0].startswith("step 0 backward grad/"), found[:3]
+    assert found and found[0].startswith("step 0 backward "), found[:3]
+    assert any(f.startswith("step 0 backward grad/") for f in found), found[:3]
     assert not any(f.startswith("step 0 forward") or f.startswith("step 0 loss") for f in found)
     assert any(f.startswith(f"checkpoint {EVERY} ") for f in found)  # the states compared differ too
 

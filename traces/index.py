@@ -4,15 +4,16 @@ It holds what commands scan, so they need not read the segment: each record's fr
 and checksum, its fixed scalar fields (flags, rng, batch hash, metrics) and a key of its
 example hashes, each column checksummed alone, a summary of the columns (how two runs'
 segments are compared without reading them), every example hash of the segment sorted,
-with its slot, in checksummed blocks, and a filter of those hashes (traces/filter.py):
+with its slot, in checksummed blocks (the hash's top bits in a bucket table:
+traces/index_table.py), and a filter of those hashes (traces/filter.py):
 "where was this example fed" is one 64-byte filter block a segment, and a table block
 where the filter says "maybe". It is derived data: a missing, stale or damaged index is
 rebuilt in memory from its segment (`MemoryIndex`), which costs reading the segment once;
 `IndexBuilder.write` persists one. traces/index_file.py reads the files.
 
 Sizes at 1,024 examples a step and 16,384 records a segment: ~50 bytes a step of columns,
-12 bytes an example in the table and 1.6 in the filter; ~1.7 MB of columns and block heads
-and 27 MB of filter a segment; writing one costs ~2-4 s on the writer's seal thread (not the
+9 bytes an example in the table (12 before version 3) and 1.6 in the filter; ~1.4 MB of
+columns and block heads and 27 MB of filter a segment; writing one costs ~2-4 s on the writer's seal thread (not the
 loop's), in ~6 bytes an example of working memory beyond the hashes the builder holds (which
 become the sort key): less than the file it writes.
 """
@@ -30,17 +31,19 @@ from pathlib import Path
 import numpy as np
 
 from traces import filter as example_filter
+from traces import index_table
 from traces.errors import SchemaError, TraceCorruptError
 from traces.schema import METRIC_DTYPES, Schema
 from traces.sorting import sorted_chunks, stable_argsort
 
 INDEX_SUFFIX = ".idx"
 INDEX_MAGIC = b"RPLYIDX1"
-INDEX_VERSION = 2  # 2: per-column checksums, a segment summary and the example filter (FORMAT.md); 1 is still read
+INDEX_VERSION = 3  # 3: the table's hash top bits in a bucket table (traces/index_table.py); 2 and 1 are still read
 BLOCK_ENTRIES = 256
 TABLE_CHUNK_BLOCKS = 256  # blocks built at once when writing (0.8 MB)
 _SCAN_CHUNK = 1 << 20  # examples searched at once in memory (bounds the working arrays to ~20 MB)
-# magic, version, reserved, schema digest, first step, record count, segment content crc, block entries,
+# magic, version, k (version 3: the hash bits the bucket table stands for; 0 before), schema digest, first
+# step, record count, segment content crc, block entries,
 # segment size, crc of the columns, crc of the block heads, reserved; then a crc of these 60 bytes
 _IHEAD = struct.Struct("<8sHHIQQIIQIII")
 INDEX_HEADER_SIZE_V1 = _IHEAD.size + 4
@@ -228,45 +231,37 @@ class IndexBuilder:
     def write(self, path: Path, end_offset: int, content_crc: int, segment_size: int, consume: bool = False) -> None:
         """Writes the index file atomically (tmp, fsync, rename): a reader sees all of it or none.
         The sorted table comes TABLE_CHUNK_BLOCKS blocks at a time (traces.sorting.sorted_chunks),
-        each written and added to the filter as it comes: 12 bytes an example of working memory
-        (the sort key, and the low bits of each hash it drops) and the filter, less than the file.
-        consume=True: the builder's own hashes become the key (8 of the 12), and the builder
-        cannot be used after (the writer's seal)."""
+        each written, counted into the bucket table and added to the filter as it comes: 12 bytes
+        an example of working memory (the sort key, and the low bits of each hash it drops) and
+        the filter, less than the file. consume=True: the builder's own hashes become the key (8
+        of the 12), and the builder cannot be used after (the writer's seal)."""
         schema, K = self.schema, BLOCK_ENTRIES
         columns = encode_columns(schema, self.columns(end_offset))  # before the hashes are consumed
         flat = np.ascontiguousarray(self.hashes()).reshape(-1)
         if consume:
             self._hashes = None
         E = flat.size
-        nb = -(-E // K)
-        heads_size = _pad8(12 * nb)
-        fence = np.zeros(nb, np.uint64)
-        block_crc = np.zeros(nb, np.uint32)
+        lay = index_table.TableLayout(E, K, index_table.prefix_bits(E))
+        block_crc = np.zeros(lay.blocks, "<u4")
+        counts = np.zeros(lay.buckets, np.int64)
         bloom = example_filter.Builder(E)
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "wb") as f:
-            f.seek(INDEX_HEADER_SIZE + len(columns) + heads_size)
+            f.seek(INDEX_HEADER_SIZE + len(columns) + lay.heads_size)
             b0 = 0
             for part_h, part_s in sorted_chunks(flat, TABLE_CHUNK_BLOCKS * K, consume):
-                b1 = b0 + -(-part_h.size // K)
-                table = np.zeros((b1 - b0, 12 * K), np.uint8)
-                padded = np.zeros((b1 - b0) * K, np.uint64)
-                padded[: part_h.size] = part_h
-                table[:, : 8 * K] = padded.view(np.uint8).reshape(b1 - b0, 8 * K)
-                padded_slots = np.zeros((b1 - b0) * K, np.uint32)
-                padded_slots[: part_s.size] = part_s
-                table[:, 8 * K :] = padded_slots.view(np.uint8).reshape(b1 - b0, 4 * K)
-                fence[b0:b1] = part_h[::K]
-                block_crc[b0:b1] = example_filter.crc_rows(table, 12 * K)
+                table = index_table.encode_blocks(lay, part_h, part_s)
+                block_crc[b0 : b0 + table.shape[0]] = example_filter.crc_rows(table, lay.block_bytes)
+                counts += index_table.count_buckets(lay, part_h)
                 f.write(memoryview(table).cast("B"))
                 bloom.add(part_h)
-                b0 = b1
+                b0 += table.shape[0]
             del flat  # consumed: the sort key goes before the filter's checksums and the fsync
             f.write(memoryview(bloom.finish()).cast("B"))
-            heads = fence.tobytes() + block_crc.tobytes()
-            heads += b"\0" * (heads_size - len(heads))
+            heads = block_crc.tobytes() + index_table.bucket_starts(counts).tobytes()
+            heads += b"\0" * (lay.heads_size - len(heads))
             spans = column_spans(schema, len(self))
-            head = _IHEAD.pack(INDEX_MAGIC, INDEX_VERSION, 0, schema.digest(), self.first_step, len(self), content_crc,
+            head = _IHEAD.pack(INDEX_MAGIC, INDEX_VERSION, lay.k, schema.digest(), self.first_step, len(self), content_crc,
                                K, segment_size, zlib.crc32(columns), zlib.crc32(heads), 0)
             head += _IHEAD_EXT.pack(*[zlib.crc32(memoryview(columns)[pos : pos + size]) for _, _, pos, size in
                                       (spans[name] for name in COLUMN_NAMES)],

@@ -6,8 +6,9 @@ heads, table blocks, filter blocks. The segment summary in the header lets two s
 compared without reading their columns.
 
 At 1.4M steps (86 segments): a metric column is 64 KB a segment; a search for 1,024 hashes
-touches 1,024 filter blocks of 64 bytes a segment, and the block heads and a 3 KB table
-block only where the filter says "maybe".
+touches 1,024 filter blocks of 64 bytes a segment, and the block heads (0.5 MB) and the one or
+two 2.3 KB table blocks of the hash's bucket only where the filter says "maybe" (version 3;
+versions 1 and 2: a 3 KB block found through the fences).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from traces import filter as example_filter
+from traces import index_table
 from traces.errors import TraceCorruptError
 from traces.index import (
     _IHEAD, _IHEAD_EXT, COLUMN_NAMES, INDEX_HEADER_SIZE, INDEX_HEADER_SIZE_V1, INDEX_MAGIC, INDEX_VERSION, IndexUnusable,
@@ -53,7 +55,7 @@ class FileIndex:
         at = self.header_size - 4
         if struct.unpack_from("<I", head, at)[0] != zlib.crc32(head[:at]):
             raise IndexUnusable("its header checksum does not match")
-        (_, _, _, digest, first, n, crc, K, seg_size, self._columns_crc, self._heads_crc, _) = _IHEAD.unpack_from(head)
+        (_, _, k, digest, first, n, crc, K, seg_size, self._columns_crc, self._heads_crc, _) = _IHEAD.unpack_from(head)
         self.column_crc: dict[str, int] = {}
         self.summary: bytes | None = None  # version 1 has none
         self.filter_blocks = 0
@@ -68,9 +70,16 @@ class FileIndex:
         self.entries = count * schema.examples_per_step
         self.blocks = -(-self.entries // K)
         _, self._columns_size = _column_layout(schema, count)
-        self._heads_size = _pad8(12 * self.blocks)
+        # version 3: the bucketed table (traces/index_table.py); before it, whole u64 hashes and u32 slots
+        self.layout: index_table.TableLayout | None = None
+        if version >= 3:
+            if k not in index_table.PREFIX_CHOICES:
+                raise IndexUnusable(f"its table's prefix is {k} bits (0, 8, 16 or 24 are written)")
+            self.layout = index_table.TableLayout(self.entries, K, k)
+        self._block_size = self.layout.block_bytes if self.layout else 12 * K
+        self._heads_size = self.layout.heads_size if self.layout else _pad8(12 * self.blocks)
         self._table_at = self.header_size + self._columns_size + self._heads_size
-        self._filter_at = self._table_at + self.blocks * 12 * K
+        self._filter_at = self._table_at + self.blocks * self._block_size
         if version >= 2 and self.filter_blocks != example_filter.filter_blocks(self.entries):
             raise IndexUnusable(f"its filter has {self.filter_blocks} blocks, {self.entries} examples need "
                                 f"{example_filter.filter_blocks(self.entries)}")
@@ -79,7 +88,8 @@ class FileIndex:
             raise IndexUnusable(f"it is {size} bytes, its header implies {implied}")
         self._cols: StepColumns | None = None
         self._column: dict[str, np.ndarray] = {}
-        self._fence: np.ndarray | None = None
+        self._fence: np.ndarray | None = None  # versions 1 and 2: each block's first hash
+        self._starts: np.ndarray | None = None  # version 3: where each bucket starts
         self._block_crc: np.ndarray | None = None
 
     def _read(self, offset: int, size: int) -> bytes:
@@ -168,27 +178,45 @@ class FileIndex:
         waiting: the audit's reader thread asks for a whole range's tables before reading them."""
         _willneed(self.path, [self.table_span(lo, hi)])
 
-    def _heads(self) -> tuple[np.ndarray, np.ndarray]:
-        if self._fence is None:
+    def _heads(self) -> np.ndarray:
+        """The block checksums (and the fences, or version 3's bucket starts), read and checked once."""
+        if self._block_crc is None:
             data = self._read(*self.heads_span())
             if zlib.crc32(data) != self._heads_crc:
                 raise IndexUnusable("its block heads' checksum does not match")
-            self._fence = np.frombuffer(data, "<u8", self.blocks)
-            self._block_crc = np.frombuffer(data, "<u4", self.blocks, 8 * self.blocks)
-        return self._fence, self._block_crc
+            if self.layout is None:
+                self._fence = np.frombuffer(data, "<u8", self.blocks)
+                self._block_crc = np.frombuffer(data, "<u4", self.blocks, 8 * self.blocks)
+            else:
+                starts = np.frombuffer(data, "<u4", self.layout.buckets + 1, 4 * self.blocks)
+                why = index_table.check_starts(self.layout, starts)
+                if why:
+                    raise IndexUnusable(why)
+                self._starts, self._block_crc = starts, np.frombuffer(data, "<u4", self.blocks)
+        return self._block_crc
+
+    def _decode(self, data: bytes, first_block: int) -> tuple[np.ndarray, np.ndarray]:
+        """(hashes, slots) of consecutive blocks read from first_block, without the padding."""
+        K, size = self.K, self._block_size
+        rows = np.frombuffer(data, np.uint8).reshape(-1, size)
+        if self.layout is not None:
+            return index_table.decode_blocks(self.layout, rows, first_block * K, self._starts)
+        n = min(rows.shape[0] * K, self.entries - first_block * K)
+        return rows[:, : 8 * K].copy().view("<u8").reshape(-1)[:n], rows[:, 8 * K :].copy().view("<u4").reshape(-1)[:n]
 
     def _blocks(self, wanted: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Entries of the given blocks (ascending; adjacent ones read at once), each block's
-        checksum checked: one pread of 3 KB a block (all asked of the kernel first, so a cold
-        disk serves them together), and one numpy decode for all of them."""
-        K, size = self.K, 12 * self.K
-        crcs = self._heads()[1]
-        spans, i = [], 0
+        checksum checked: one pread of 2-3 KB a block (all asked of the kernel first, so a cold
+        disk serves them together), and a numpy decode a run of adjacent blocks."""
+        size = self._block_size
+        crcs = self._heads()
+        spans, runs, i = [], [], 0
         while i < len(wanted):
             j = i + 1
             while j < len(wanted) and wanted[j] == wanted[j - 1] + 1:
                 j += 1
             spans.append((self._table_at + wanted[i] * size, (j - i) * size))
+            runs.append(wanted[i])
             i = j
         if len(spans) > 1:
             _willneed(self.path, spans)
@@ -204,13 +232,10 @@ class FileIndex:
         for k, block in enumerate(wanted):
             if zlib.crc32(view[k * size : (k + 1) * size]) != crcs[block]:
                 raise IndexUnusable(f"block {block}'s checksum does not match")
-        rows = np.frombuffer(data, np.uint8).reshape(len(wanted), size)
-        hashes = rows[:, : 8 * K].copy().view("<u8").reshape(-1)
-        slots = rows[:, 8 * K :].copy().view("<u4").reshape(-1)
-        if wanted and wanted[-1] == self.blocks - 1:  # the last block is padded past the entries
-            pad = self.blocks * K - self.entries
-            hashes, slots = hashes[: hashes.size - pad], slots[: slots.size - pad]
-        return hashes, slots
+        parts = [self._decode(piece, first) for piece, first in zip(pieces, runs)]
+        if not parts:
+            return np.zeros(0, np.uint64), np.zeros(0, np.uint32)
+        return np.concatenate([h for h, _ in parts]), np.concatenate([s for _, s in parts])
 
     # Where each part lies, (offset, size) as _read asks for it: a remote scan requests the parts
     # of several segments at once (View.prefetch matches a read by its exact range).
@@ -222,18 +247,26 @@ class FileIndex:
         return self.header_size + self._columns_size, self._heads_size
 
     def _table_blocks(self, lo: int, hi: int | None) -> tuple[int, int]:
-        fence = self._heads()[0]
+        self._heads()
+        if self.layout is not None:  # the buckets the range touches
+            a, b = self.layout.entry_span(self._starts, lo, hi)
+            return a // self.K, -(-b // self.K)
+        fence = self._fence
         first = max(int(np.searchsorted(fence, np.uint64(lo), "left")) - 1, 0)
         return first, self.blocks if hi is None else max(int(np.searchsorted(fence, np.uint64(hi), "left")), first + 1)
 
     def table_span(self, lo: int, hi: int | None) -> tuple[int, int]:
         """The bytes table(lo, hi) reads (its block heads read first, to know them)."""
         first, stop = self._table_blocks(lo, hi) if self.blocks else (0, 0)
-        return self._table_at + first * 12 * self.K, (stop - first) * 12 * self.K
+        return self._table_at + first * self._block_size, (stop - first) * self._block_size
 
     def sample(self) -> np.ndarray:
-        """Every block's first hash (every BLOCK_ENTRIES-th sorted hash)."""
-        return self._heads()[0] if self.blocks else np.zeros(0, np.uint64)
+        """Every block's first hash (every BLOCK_ENTRIES-th sorted hash); version 3: its top bits
+        (a lower bound of it, from the bucket table: enough to cut the hash space into ranges)."""
+        if not self.blocks:
+            return np.zeros(0, np.uint64)
+        self._heads()
+        return self._fence if self.layout is None else index_table.first_hashes(self.layout, self._starts)
 
     def find(self, queries: np.ndarray, limit: int):
         """(query index, slot) of the first `limit` occurrences of each sorted unique query.
@@ -254,11 +287,20 @@ class FileIndex:
         return self._find(queries, limit)
 
     def _find(self, queries: np.ndarray, limit: int):
-        fence = self._heads()[0]
-        left = np.searchsorted(fence, queries, "left")
-        right = np.searchsorted(fence, queries, "right")
-        first = np.maximum(left - 1, 0)
-        last = np.minimum(np.maximum(right, first + 1), first + 2 + limit // self.K)  # exclusive
+        self._heads()
+        if self.layout is not None:  # the blocks of each query's bucket, which holds all its entries
+            buckets = self.layout.bucket(queries)
+            a, b = self._starts[buckets].astype(np.int64), self._starts[buckets + 1].astype(np.int64)
+            keep = b > a
+            first, last = a[keep] // self.K, (b[keep] - 1) // self.K + 1  # last exclusive
+        else:
+            fence = self._fence
+            left = np.searchsorted(fence, queries, "left")
+            right = np.searchsorted(fence, queries, "right")
+            first = np.maximum(left - 1, 0)
+            last = np.minimum(np.maximum(right, first + 1), first + 2 + limit // self.K)  # exclusive
+        if not first.size:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
         wanted = np.unique(np.concatenate([np.arange(a, b) for a, b in zip(first.tolist(), last.tolist())]))
         hashes, slots = self._blocks(wanted.tolist())
         return _hits(hashes, slots, queries, limit)
@@ -271,19 +313,19 @@ class FileIndex:
         if not self.blocks:
             return np.zeros(0, np.uint64), np.zeros(0, np.uint32)
         first, stop = self._table_blocks(lo, hi)
-        K, size = self.K, 12 * self.K
+        if stop <= first:
+            return np.zeros(0, np.uint64), np.zeros(0, np.uint32)
+        size = self._block_size
         data = self._read(self._table_at + first * size, (stop - first) * size)
         view, crc32 = memoryview(data), zlib.crc32
-        crcs = self._heads()[1][first:stop].tolist()
+        crcs = self._heads()[first:stop].tolist()
         bad = [k for k, c in enumerate(crcs) if crc32(view[k * size : (k + 1) * size]) != c]
         if bad:
             raise IndexUnusable(f"block {first + bad[0]}'s checksum does not match")
-        rows = np.frombuffer(data, np.uint8).reshape(stop - first, size)
-        n = min(stop * K, self.entries) - first * K  # the last block is padded past the entries
-        hs = rows[:, : 8 * K].view("<u8").reshape(-1)[:n]  # a copy: the rows interleave hashes and slots
+        hs, slots = self._decode(data, first)  # copies: the rows interleave hashes and slots
         a = int(np.searchsorted(hs, np.uint64(lo), "left"))
-        b = n if hi is None else int(np.searchsorted(hs, np.uint64(hi), "left"))
-        return hs[a:b], rows[:, 8 * K :].view("<u4").reshape(-1)[a:b]
+        b = hs.size if hi is None else int(np.searchsorted(hs, np.uint64(hi), "left"))
+        return hs[a:b], slots[a:b]
 
 
 def _page_runs(pages: np.ndarray) -> list[tuple[int, int]]:

@@ -1,5 +1,6 @@
 """Index version 2 (issue 12): one column read alone, the example filter in front of the sorted
-table, the segment summary that lets compare skip equal segments; version 1 files still read."""
+table, the segment summary that lets compare skip equal segments (version 1 and 2 files still read:
+tests/traces/test_index_v3.py)."""
 
 from __future__ import annotations
 
@@ -75,23 +76,6 @@ def test_a_search_the_filter_rules_out_reads_no_table_block(run, monkeypatch):
     h = recs[5].example_hashes[2]  # in segment 0, and at steps 70 and 90 (segments 4 and 5)
     assert fed(r, [h], limit=5)[int(h)] == brute_fed(recs, h, STEPS, 5)
     assert sorted({first for first, _ in blocks}) == [0, 64, 80]  # the segments that hold it, no other
-
-
-def test_a_version_1_index_is_read_as_before(run, monkeypatch):
-    """A run indexed by the previous replay: no filter, no summary, its columns read together."""
-    path, schema, recs = run
-    for idx in (path / "trace").glob("*.idx"):
-        data = idx.read_bytes()
-        filter_at = len(data) - example_filter.filter_blocks(PER * schema.examples_per_step) * 64
-        head = bytearray(data[: _IHEAD.size])
-        struct.pack_into("<H", head, 8, 1)
-        idx.write_bytes(bytes(head) + struct.pack("<I", zlib.crc32(head)) + data[INDEX_HEADER_SIZE:filter_at])
-    r = Run.open(path)
-    assert r.trace.index(0).version == 1 and r.trace.summary(0) is None
-    h = recs[40].example_hashes[4]
-    assert fed(r, [h], limit=5)[int(h)] == brute_fed(recs, h, STEPS, 5)
-    assert np.array_equal(columns.metric(r.trace, "loss"), [x.metrics[0] for x in recs])
-    assert r.trace.notes == []  # read from the files, nothing rebuilt
 
 
 # ------------------------------------------------------------------------------ the summary in compare

@@ -1,0 +1,159 @@
+"""The sorted example table of a segment index, version 3 (FORMAT.md, "Segment index").
+
+Version 2 stored each entry whole: the 8-byte hash and a u32 slot, 12 bytes an example. In
+version 3 the table is cut into 2**k buckets by the hashes' top k bits, and a bucket table
+(u32 where each bucket starts) stands for those bits: an entry keeps the hash's low 64 - k
+bits and its slot, each in as few whole bytes as they need. At 1,024 examples a step and
+16,384 records a segment (2**24 entries) k is 16: 6 + 3 = 9 bytes an example, and a bucket
+table of 256 KB (0.016 bytes an example), where version 2 had 0.5 MB of block fences.
+
+A bucket is also where a search looks: the entries of a hash all lie in its bucket (~256 at
+that size), so a search reads the bucket table's two starts and the one or two 2.3 KB blocks
+that hold the bucket, as version 2 read its fences and one 3 KB block.
+
+Entries still come in blocks of K (256), each block checksummed, so a reader checks what it
+reads and nothing more; this module is the layout alone (the index files are written by
+traces/index.py and read by traces/index_file.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+PREFIX_CHOICES = (0, 8, 16, 24)  # whole bytes, so the low parts are whole bytes too
+
+
+def _pad8(n: int) -> int:
+    return (n + 7) & ~7
+
+
+def prefix_bits(entries: int) -> int:
+    """The k that makes the table smallest (entries x low bytes + the bucket table), the larger
+    on a tie (smaller buckets search faster): 16 from ~2**18 entries to ~2**26, 8 below."""
+    sizes = [(entries * (8 - k // 8) + 4 * ((1 << k) + 1), -k) for k in PREFIX_CHOICES]
+    return -min(sizes)[1]
+
+
+@dataclass(frozen=True)
+class TableLayout:
+    """Where a version-3 table's parts lie, from its entry count, block size and k."""
+
+    entries: int  # the segment's examples: records x examples a step
+    K: int  # entries a block (the last block is padded with zeros past the entries)
+    k: int  # the hash bits the bucket table stands for (0, 8, 16 or 24)
+
+    @property
+    def low_bytes(self) -> int:
+        return (64 - self.k) // 8
+
+    @property
+    def slot_bytes(self) -> int:
+        return max(1, -(-max(self.entries - 1, 0).bit_length() // 8))
+
+    @property
+    def block_bytes(self) -> int:
+        return self.K * (self.low_bytes + self.slot_bytes)
+
+    @property
+    def blocks(self) -> int:
+        return -(-self.entries // self.K)
+
+    @property
+    def buckets(self) -> int:
+        return 1 << self.k
+
+    @property
+    def heads_size(self) -> int:
+        """u32 block_crc[blocks] | u32 bucket_start[buckets + 1], padded to 8 bytes."""
+        return _pad8(4 * (self.blocks + self.buckets + 1))
+
+    def bucket(self, hashes) -> np.ndarray:
+        """int64: each hash's bucket (its top k bits)."""
+        h = np.asarray(hashes, np.uint64)
+        if self.k == 0:
+            return np.zeros(h.shape, np.int64)
+        return (h >> np.uint64(64 - self.k)).astype(np.int64)
+
+    def entry_span(self, starts: np.ndarray, lo: int, hi: int | None) -> tuple[int, int]:
+        """[a, b): the entries that can hold a hash h with lo <= h < hi (hi None: no bound); whole
+        buckets, so the caller cuts the exact range from the decoded hashes."""
+        a = int(starts[int(self.bucket(np.uint64(lo)))])
+        b = self.entries if hi is None else int(starts[min(int(self.bucket(np.uint64(hi))) + 1, self.buckets)])
+        return a, max(a, b)
+
+
+def encode_blocks(lay: TableLayout, sorted_hashes: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    """uint8 (blocks, block_bytes) of whole blocks of entries (the last zero-padded): K low parts
+    (low_bytes each, little-endian), then K slots (slot_bytes each)."""
+    n = sorted_hashes.size
+    nb = -(-n // lay.K)
+    lows = np.zeros(nb * lay.K, np.uint64)
+    lows[:n] = sorted_hashes
+    wide = np.zeros(nb * lay.K, np.uint32)
+    wide[:n] = slots
+    out = np.empty((nb, lay.block_bytes), np.uint8)
+    split = lay.K * lay.low_bytes
+    out[:, :split] = lows.view(np.uint8).reshape(-1, 8)[:, : lay.low_bytes].reshape(nb, split)
+    out[:, split:] = wide.view(np.uint8).reshape(-1, 4)[:, : lay.slot_bytes].reshape(nb, -1)
+    return out
+
+
+def count_buckets(lay: TableLayout, sorted_hashes: np.ndarray) -> np.ndarray:
+    """int64 [buckets]: how many of these hashes fall in each bucket (summed over a table's chunks)."""
+    return np.bincount(lay.bucket(sorted_hashes), minlength=lay.buckets)
+
+
+def bucket_starts(counts: np.ndarray) -> np.ndarray:
+    """'<u4' [buckets + 1]: where each bucket starts in the table; the last is the entry count."""
+    return np.concatenate([[0], np.cumsum(counts)]).astype("<u4")
+
+
+def decode_blocks(lay: TableLayout, rows: np.ndarray, first_entry: int, starts: np.ndarray):
+    """(hashes uint64, slots uint32) of consecutive blocks `rows` (uint8 (m, block_bytes)) whose
+    first entry is `first_entry`, without the padding past the table's entries."""
+    m = rows.shape[0]
+    n = min(m * lay.K, lay.entries - first_entry)
+    split = lay.K * lay.low_bytes
+    wide = np.zeros((m * lay.K, 8), np.uint8)
+    wide[:, : lay.low_bytes] = rows[:, :split].reshape(-1, lay.low_bytes)
+    hashes = wide.view("<u8").reshape(-1)[:n]
+    if lay.k:
+        hashes |= _high_bits(lay, starts, first_entry, first_entry + n)
+    slot = np.zeros((m * lay.K, 4), np.uint8)
+    slot[:, : lay.slot_bytes] = rows[:, split:].reshape(-1, lay.slot_bytes)
+    return hashes, slot.view("<u4").reshape(-1)[:n]
+
+
+def _high_bits(lay: TableLayout, starts: np.ndarray, a: int, b: int) -> np.ndarray:
+    """uint64 [b - a]: the top k bits of entries a..b-1, from the bucket starts (one repeat, no search)."""
+    if b <= a:
+        return np.zeros(0, np.uint64)
+    first = int(np.searchsorted(starts, a, "right")) - 1
+    last = int(np.searchsorted(starts, b - 1, "right")) - 1
+    edges = np.clip(starts[first : last + 2].astype(np.int64), a, b)
+    buckets = np.arange(first, last + 1, dtype=np.uint64) << np.uint64(64 - lay.k)
+    return np.repeat(buckets, np.diff(edges))
+
+
+def check_starts(lay: TableLayout, starts: np.ndarray) -> str | None:
+    """Why a bucket table cannot be this table's (None: it can): starts at 0, never falls, ends at
+    the entry count. A checksummed table that fails this was written wrong, not damaged."""
+    if starts.size != lay.buckets + 1 or int(starts[0]) != 0 or int(starts[-1]) != lay.entries:
+        return "its bucket table does not span its entries"
+    if lay.buckets > 1 and bool((np.diff(starts.astype(np.int64)) < 0).any()):
+        return "its bucket table is not in order"
+    return None
+
+
+def first_hashes(lay: TableLayout, starts: np.ndarray) -> np.ndarray:
+    """A lower bound of each block's first hash: its bucket's top bits (the low bits are in the
+    block, which a sample for cutting the hash space into ranges does not need to read)."""
+    if not lay.blocks:
+        return np.zeros(0, np.uint64)
+    at = np.arange(lay.blocks, dtype=np.int64) * lay.K
+    buckets = np.searchsorted(starts.astype(np.int64), at, "right") - 1
+    if lay.k == 0:
+        return np.zeros(lay.blocks, np.uint64)
+    return buckets.astype(np.uint64) << np.uint64(64 - lay.k)

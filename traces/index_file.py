@@ -232,6 +232,9 @@ class FileIndex:
         for k, block in enumerate(wanted):
             if zlib.crc32(view[k * size : (k + 1) * size]) != crcs[block]:
                 raise IndexUnusable(f"block {block}'s checksum does not match")
+        if self.layout is not None:  # one decode for all of them
+            rows = np.frombuffer(data, np.uint8).reshape(-1, size)
+            return index_table.decode_scattered(self.layout, rows, np.asarray(wanted, np.int64), self._starts)
         parts = [self._decode(piece, first) for piece, first in zip(pieces, runs)]
         if not parts:
             return np.zeros(0, np.uint64), np.zeros(0, np.uint32)

@@ -111,30 +111,62 @@ def bucket_starts(counts: np.ndarray) -> np.ndarray:
 
 
 def decode_blocks(lay: TableLayout, rows: np.ndarray, first_entry: int, starts: np.ndarray):
-    """(hashes uint64, slots uint32) of consecutive blocks `rows` (uint8 (m, block_bytes)) whose
-    first entry is `first_entry`, without the padding past the table's entries."""
-    m = rows.shape[0]
-    n = min(m * lay.K, lay.entries - first_entry)
-    split = lay.K * lay.low_bytes
-    wide = np.zeros((m * lay.K, 8), np.uint8)
-    wide[:, : lay.low_bytes] = rows[:, :split].reshape(-1, lay.low_bytes)
-    hashes = wide.view("<u8").reshape(-1)[:n]
-    if lay.k:
+    """(hashes uint64, slots uint32) of consecutive blocks `rows` (uint8 (m, block_bytes), C order)
+    whose first entry is `first_entry`, without the padding past the table's entries: the audit's
+    whole table comes through here."""
+    n = min(rows.shape[0] * lay.K, lay.entries - first_entry)
+    hashes, slots = _lows_and_slots(lay, rows)
+    hashes, slots = hashes[:n], slots[:n]
+    if lay.k and n > 0:
         hashes |= _high_bits(lay, starts, first_entry, first_entry + n)
-    slot = np.zeros((m * lay.K, 4), np.uint8)
-    slot[:, : lay.slot_bytes] = rows[:, split:].reshape(-1, lay.slot_bytes)
-    return hashes, slot.view("<u4").reshape(-1)[:n]
+    return hashes, slots
+
+
+def decode_scattered(lay: TableLayout, rows: np.ndarray, blocks: np.ndarray, starts: np.ndarray):
+    """decode_blocks of blocks that need not be consecutive (`blocks`: their numbers, ascending):
+    what a search reads. Each entry's bucket is searched for (a search reads few blocks)."""
+    at = (np.asarray(blocks, np.int64)[:, None] * lay.K + np.arange(lay.K)).reshape(-1)
+    keep = at < lay.entries
+    hashes, slots = _lows_and_slots(lay, rows)
+    hashes, slots, at = hashes[keep], slots[keep], at[keep]
+    if lay.k and at.size:
+        hashes |= (np.searchsorted(starts, at, "right") - 1).astype(np.uint64) << np.uint64(64 - lay.k)
+    return hashes, slots
+
+
+def _lows_and_slots(lay: TableLayout, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(low parts uint64, slots uint32) of every entry of the blocks, padding included.
+
+    Each low part is read as the 8 bytes from where it starts and masked: a strided view of the
+    rows, one masked copy (~10x faster than widening the bytes apiece). A window runs past its
+    low part into the next one, the last one's into the slots; each slot's window starts 4 - S
+    bytes before it (in the low parts for the first) and is shifted down: never outside the block."""
+    m, L, S, size = rows.shape[0], lay.low_bytes, lay.slot_bytes, lay.block_bytes
+    if not m:
+        return np.zeros(0, np.uint64), np.zeros(0, np.uint32)
+    rows = np.ascontiguousarray(rows)
+    windows = np.ndarray((m, lay.K), "<u8", rows, 0, (size, L))
+    lows = windows.copy() if L == 8 else windows & np.uint64((1 << (8 * L)) - 1)
+    slot_windows = np.ndarray((m, lay.K), "<u4", rows, lay.K * L - (4 - S), (size, S))
+    slots = slot_windows.copy() if S == 4 else slot_windows >> np.uint32(8 * (4 - S))
+    return lows.reshape(-1), slots.reshape(-1)
 
 
 def _high_bits(lay: TableLayout, starts: np.ndarray, a: int, b: int) -> np.ndarray:
-    """uint64 [b - a]: the top k bits of entries a..b-1, from the bucket starts (one repeat, no search)."""
+    """uint64 [b - a]: the top k bits of entries a..b-1, from the bucket starts: each bucket's
+    step up placed where it starts, summed up (one pass after a zero fill; np.repeat of ~3
+    entries a bucket was 4x slower)."""
     if b <= a:
         return np.zeros(0, np.uint64)
-    first = int(np.searchsorted(starts, a, "right")) - 1
+    shift = np.uint64(64 - lay.k)
+    first = int(np.searchsorted(starts, a, "right")) - 1  # entry a's bucket
     last = int(np.searchsorted(starts, b - 1, "right")) - 1
-    edges = np.clip(starts[first : last + 2].astype(np.int64), a, b)
-    buckets = np.arange(first, last + 1, dtype=np.uint64) << np.uint64(64 - lay.k)
-    return np.repeat(buckets, np.diff(edges))
+    inner = starts[first + 1 : last + 1].astype(np.int64) - a  # in 1..b-a-1; an empty bucket repeats one
+    at, count = np.unique(inner, return_counts=True)
+    out = np.zeros(b - a, np.uint64)
+    out[0] = np.uint64(first) << shift
+    out[at] = count.astype(np.uint64) << shift
+    return np.cumsum(out, out=out)
 
 
 def check_starts(lay: TableLayout, starts: np.ndarray) -> str | None:

@@ -86,15 +86,25 @@ def test_every_layout_answers_as_the_index_built_in_memory(written):
     assert not reader.notes  # read from the files, nothing rebuilt
 
 
-def test_the_comparison_catches_a_table_decoded_without_its_top_bits(tmp_path, monkeypatch):
-    """The check above fails on a reader that drops the bucket table's bits."""
+@pytest.mark.parametrize("path", ["table", "search"])
+def test_the_comparison_catches_a_table_decoded_without_its_top_bits(tmp_path, monkeypatch, path):
+    """The check above fails on a reader that drops the bucket table's bits, in the audit's
+    contiguous reads (table) or in a search's scattered blocks."""
     k = 16
     monkeypatch.setattr(index_table, "prefix_bits", lambda entries: k)
     write_trace(tmp_path / "trace")
     reader = TraceReader(tmp_path / "trace", make_schema())
-    monkeypatch.setattr(index_table, "_high_bits", lambda lay, starts, a, b: np.zeros(b - a, np.uint64))
     hashes = segment_hashes(reader, 0)
-    assert answers(reader.index(0), hashes, k) != memory_answers(reader, 0, hashes, k)
+    want = memory_answers(reader, 0, hashes, k)
+    assert answers(reader.index(0), hashes, k) == want
+    if path == "table":
+        monkeypatch.setattr(index_table, "_high_bits", lambda lay, starts, a, b: np.zeros(b - a, np.uint64))
+    else:
+        real, low = index_table.decode_scattered, np.uint64((1 << (64 - k)) - 1)
+        monkeypatch.setattr(index_table, "decode_scattered", lambda *args: (lambda h, s: (h & low, s))(*real(*args)))
+    got = answers(reader.index(0), hashes, k)
+    differ = {key[0] for key in want if got[key] != want[key]}
+    assert differ == {"table" if path == "table" else "find"}
 
 
 def test_a_damaged_bucket_table_or_block_is_rebuilt_and_answers_the_same(tmp_path, monkeypatch):

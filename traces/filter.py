@@ -3,7 +3,7 @@
 "Was this example fed in this segment?" is answered by one 64-byte block a hash, read through
 a memory map; only a "maybe" goes on to the sorted table, which confirms it exactly. So a
 search that finds nothing in a segment (most segments, for most hashes) costs one cache
-line a hash there, not a 3 KB table block and the 0.8 MB of block heads.
+line a hash there, not a 2.3 KB table block and the 0.5 MB of block heads.
 
 Each block is 480 filter bits and the crc32 of its 60 bytes: a damaged block is found when
 it is read, never believed. A hash's block comes from its high 32 bits (multiply-shift), so

@@ -2,9 +2,11 @@
 
 Each segment's index holds its example hashes sorted, with their slots, in checksummed blocks
 (traces/index.py), so the sightings of hashes in [lo, hi) are one contiguous read a segment:
-a range of PARTITION_ENTRIES sightings is ~12 bytes each in memory, whatever the run's length.
-replay/audit/scan.py judges each range. At 1.4M steps of 1,024 examples: 17 GB of tables, ~340
-ranges of 86 reads each; the next range is read in a thread while one is judged.
+a range of PARTITION_ENTRIES sightings is ~12 bytes each in memory, whatever the run's length
+(9 bytes each on disk in index version 3, 12 in version 2).
+replay/audit/scan.py judges each range. At 1.4M steps of 1,024 examples: 13 GB of tables (17 GB
+in version 2), ~340 ranges of 86 reads each; the next range is read in a thread while one is
+judged.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ class Piece:
 
 def _ranges(reader: traces.TraceReader, segments: list[int], entries: int) -> list[tuple[int, int | None]]:
     """Hash ranges [lo, hi) of about PARTITION_ENTRIES sightings each, cut at quantiles of the
-    segments' block fences (every 256th sorted hash), so uneven hashes split evenly too; even
+    segments' block fences (every 256th sorted hash; index version 3: its top 8-24 bits, from the
+    bucket table), so uneven hashes split evenly too; even
     cuts of the hash space when there are too few fences for that (small segments)."""
     parts = max(1, -(-entries // PARTITION_ENTRIES))
     if parts == 1:

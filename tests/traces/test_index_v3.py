@@ -60,10 +60,11 @@ def segment_hashes(reader: TraceReader, i: int) -> np.ndarray:
     return np.concatenate([reader.read(s).example_hashes for s in range(seg.first_step, seg.first_step + seg.count)])
 
 
-@pytest.fixture(params=index_table.PREFIX_CHOICES, ids=lambda k: f"k{k}")
+@pytest.fixture(params=(0, 8, 16), ids=lambda k: f"k{k}")
 def written(tmp_path, monkeypatch, request):
     """seal_bytes' trace (hashes that clash in their high bits and repeat) written with the
-    bucket table standing for k bits, whatever the size would choose."""
+    bucket table standing for k bits, whatever the size would choose (24, for segments of 2**26
+    examples and more, is checked on the layout alone below: its bucket table is 64 MB)."""
     monkeypatch.setattr(index_table, "prefix_bits", lambda entries: request.param)
     write_trace(tmp_path / "trace")
     return TraceReader(tmp_path / "trace", make_schema()), request.param
@@ -125,6 +126,36 @@ def test_a_damaged_bucket_table_or_block_is_rebuilt_and_answers_the_same(tmp_pat
         again = TraceReader(tmp_path / "trace", make_schema())
         assert again.with_index(0, lambda index: answers(index, hashes, 8)) == want
         assert any("cannot be used" in n for n in again.notes), again.notes
+
+
+def test_the_prefix_follows_the_segment_s_size():
+    assert [index_table.prefix_bits(n) for n in (300, 1 << 12, 1 << 17, 1 << 24, 1 << 27)] == [0, 8, 8, 16, 24]
+
+
+@pytest.mark.parametrize("k", index_table.PREFIX_CHOICES)
+def test_blocks_decode_to_the_entries_encoded_whole_in_pieces_and_scattered(k):
+    rng = np.random.default_rng(k)
+    n, K = 1000, 64
+    hs = rng.integers(0, 2**64 - 1, n, dtype=np.uint64, endpoint=True)
+    hs[:300] &= np.uint64(0xFF) << np.uint64(56) | np.uint64(0xFFFF)  # clustered in few buckets
+    hs[300:310] = hs[5]  # repeated
+    hs.sort()
+    slots = rng.permutation(n).astype(np.uint32)
+    lay = index_table.TableLayout(n, K, k)
+    rows = index_table.encode_blocks(lay, hs, slots)
+    starts = index_table.bucket_starts(index_table.count_buckets(lay, hs))
+    assert index_table.check_starts(lay, starts) is None
+    got = index_table.decode_blocks(lay, rows, 0, starts)
+    assert np.array_equal(got[0], hs) and np.array_equal(got[1], slots)
+    tail = index_table.decode_blocks(lay, rows[7:], 7 * K, starts)  # the last block padded past the entries
+    assert np.array_equal(tail[0], hs[7 * K :]) and np.array_equal(tail[1], slots[7 * K :])
+    picked = np.array([1, 4, 5, lay.blocks - 1])
+    part = index_table.decode_scattered(lay, rows[picked], picked, starts)
+    at = np.concatenate([np.arange(b * K, min((b + 1) * K, n)) for b in picked])
+    assert np.array_equal(part[0], hs[at]) and np.array_equal(part[1], slots[at])
+    if k:  # the decode is sensitive to the bucket table
+        wrong = index_table.decode_blocks(lay, rows, 0, np.zeros_like(starts) + np.uint32(n) * (np.arange(starts.size) > 0))
+        assert not np.array_equal(wrong[0], hs)
 
 
 def test_at_a_full_segment_s_size_an_example_costs_9_bytes_of_table():

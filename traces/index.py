@@ -13,9 +13,9 @@ rebuilt in memory from its segment (`MemoryIndex`), which costs reading the segm
 
 Sizes at 1,024 examples a step and 16,384 records a segment: ~50 bytes a step of columns,
 9 bytes an example in the table (12 before version 3) and 1.6 in the filter; ~1.4 MB of
-columns and block heads and 27 MB of filter a segment; writing one costs ~2-4 s on the writer's seal thread (not the
-loop's), in ~6 bytes an example of working memory beyond the hashes the builder holds (which
-become the sort key): less than the file it writes.
+columns and block heads and 27 MB of filter a segment; writing one costs ~3-4 s on the
+writer's seal thread (not the loop's), in ~6 bytes an example of working memory beyond the
+hashes the builder holds (which become the sort key): less than the file it writes.
 """
 
 from __future__ import annotations

@@ -66,10 +66,6 @@ def index_path(segment: Path) -> Path:
     return segment.with_suffix(INDEX_SUFFIX)
 
 
-def _pad8(n: int) -> int:
-    return (n + 7) & ~7
-
-
 def record_prefix(schema: Schema) -> np.dtype:
     """The fixed fields every record starts with, whatever its flags (FORMAT.md, Record)."""
     bits = METRIC_DTYPES[schema.metric_dtype][1]
@@ -119,7 +115,7 @@ def _column_layout(schema: Schema, n: int) -> tuple[list[tuple[str, np.dtype, tu
     out, pos = [], 0
     for name, dtype, shape in fields:
         out.append((name, dtype, shape, pos))
-        pos += _pad8(dtype.itemsize * int(np.prod(shape)))
+        pos += index_table.pad8(dtype.itemsize * int(np.prod(shape)))
     return out, pos
 
 

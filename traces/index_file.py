@@ -26,7 +26,7 @@ from traces import index_table
 from traces.errors import TraceCorruptError
 from traces.index import (
     _IHEAD, _IHEAD_EXT, COLUMN_NAMES, INDEX_HEADER_SIZE, INDEX_HEADER_SIZE_V1, INDEX_MAGIC, INDEX_VERSION, IndexUnusable,
-    StepColumns, _column_layout, _hits, _pad8, column_spans, decode_columns,
+    StepColumns, _column_layout, _hits, column_spans, decode_columns,
 )
 from traces.schema import Schema
 from traces.segment import SegmentFile
@@ -77,7 +77,7 @@ class FileIndex:
                 raise IndexUnusable(f"its table's prefix is {k} bits (0, 8, 16 or 24 are written)")
             self.layout = index_table.TableLayout(self.entries, K, k)
         self._block_size = self.layout.block_bytes if self.layout else 12 * K
-        self._heads_size = self.layout.heads_size if self.layout else _pad8(12 * self.blocks)
+        self._heads_size = self.layout.heads_size if self.layout else index_table.pad8(12 * self.blocks)
         self._table_at = self.header_size + self._columns_size + self._heads_size
         self._filter_at = self._table_at + self.blocks * self._block_size
         if version >= 2 and self.filter_blocks != example_filter.filter_blocks(self.entries):

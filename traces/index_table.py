@@ -25,7 +25,8 @@ import numpy as np
 PREFIX_CHOICES = (0, 8, 16, 24)  # whole bytes, so the low parts are whole bytes too
 
 
-def _pad8(n: int) -> int:
+def pad8(n: int) -> int:
+    """n rounded up to a multiple of 8: where the index file's next array starts."""
     return (n + 7) & ~7
 
 
@@ -67,7 +68,7 @@ class TableLayout:
     @property
     def heads_size(self) -> int:
         """u32 block_crc[blocks] | u32 bucket_start[buckets + 1], padded to 8 bytes."""
-        return _pad8(4 * (self.blocks + self.buckets + 1))
+        return pad8(4 * (self.blocks + self.buckets + 1))
 
     def bucket(self, hashes) -> np.ndarray:
         """int64: each hash's bucket (its top k bits)."""
@@ -154,8 +155,9 @@ def _lows_and_slots(lay: TableLayout, rows: np.ndarray) -> tuple[np.ndarray, np.
 
 def _high_bits(lay: TableLayout, starts: np.ndarray, a: int, b: int) -> np.ndarray:
     """uint64 [b - a]: the top k bits of entries a..b-1, from the bucket starts: each bucket's
-    step up placed where it starts, summed up (one pass after a zero fill; np.repeat of ~3
-    entries a bucket was 4x slower)."""
+    step up placed where it starts, summed up (one pass after a zero fill). np.repeat of each
+    bucket's bits was slower where buckets are small (204,800 entries in 65,536 buckets: 0.7 ms
+    against ~0.35)."""
     if b <= a:
         return np.zeros(0, np.uint64)
     shift = np.uint64(64 - lay.k)
@@ -182,10 +184,8 @@ def check_starts(lay: TableLayout, starts: np.ndarray) -> str | None:
 def first_hashes(lay: TableLayout, starts: np.ndarray) -> np.ndarray:
     """A lower bound of each block's first hash: its bucket's top bits (the low bits are in the
     block, which a sample for cutting the hash space into ranges does not need to read)."""
-    if not lay.blocks:
-        return np.zeros(0, np.uint64)
-    at = np.arange(lay.blocks, dtype=np.int64) * lay.K
-    buckets = np.searchsorted(starts.astype(np.int64), at, "right") - 1
     if lay.k == 0:
         return np.zeros(lay.blocks, np.uint64)
+    at = np.arange(lay.blocks, dtype=np.int64) * lay.K
+    buckets = np.searchsorted(starts, at, "right") - 1
     return buckets.astype(np.uint64) << np.uint64(64 - lay.k)

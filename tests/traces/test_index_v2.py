@@ -5,15 +5,13 @@ tests/traces/test_index_v3.py)."""
 from __future__ import annotations
 
 import dataclasses
-import struct
-import zlib
 
 import numpy as np
 import pytest
 
 from traces import Run, columns, compare, fed
 from traces import filter as example_filter
-from traces.index import _IHEAD, INDEX_HEADER_SIZE, _column_layout
+from traces.index import INDEX_HEADER_SIZE, _column_layout
 from traces.index_file import FileIndex
 from tests.traces.helpers import make_record, make_schema
 from tests.traces.test_index import PER, STEPS, brute_fed, planted, write

@@ -24,7 +24,12 @@ At these sizes the unsealed tail (848, 2544, 5536 records) still grows with the 
 read whole on opening and its buffers saturate at one segment, so peak RSS fits overstate.
 
 Index bytes per example (the `.idx` files over the examples recorded) are reported a size, the
-budget (issue 34: 4 bytes beyond the record) beside them. Once per invocation a run whose whole
+budget (issue 34: 4 bytes beyond the record) beside them. A run's sealed segments are compacted
+(traces/compaction.py): their records hold no example hashes, which the index holds instead, so
+what the index adds beyond the record is its size less what the records no longer hold. That is
+measured, not assumed: the first compacted segment's records are compressed again with their
+hashes put back, as an uncompacted segment holds them (`record_bytes_saved_per_example`), and
+`index_bytes_beyond_record_per_example` is index bytes per indexed example less that. Once per invocation a run whose whole
 trace is one full unsealed tail (`--tail-records`, a segment less one by default) is written and
 `show` timed on it, from the same cache state, with the tail's sidecar (traces/sidecar.py) and
 without it (set aside: how every run opened before sidecars): `full_tail` in the last line.
@@ -54,7 +59,8 @@ from pathlib import Path
 import numpy as np
 
 from bench._synthetic import batch_hash, epoch_hashes, scale_records, scale_schema
-from traces import Run
+from traces import Run, compaction
+from traces.segment import COMPACT_VERSION, _compressor, _decompressor
 from traces.index import index_path
 from traces.sidecar import SIDECAR_SUFFIX
 from traces.trace import DEFAULT_SEGMENT_RECORDS
@@ -188,6 +194,23 @@ def fork_run(a: Path, b: Path, schema, steps: int, n_examples: int, diverge: int
     return write_run(b, schema, steps, n_examples, start, change)
 
 
+def hashes_in_records(run: Path) -> float | None:
+    """Bytes an example that the first compacted segment's records would hold more with their example
+    hashes in them: each record compressed again with its hashes put back (as an uncompacted
+    segment's record holds them), less the frame it is. None without a compacted segment."""
+    trace = Run.open(run).trace
+    at = next((i for i, seg in enumerate(trace.segments) if seg.version >= COMPACT_VERSION), None)
+    if at is None:
+        return None
+    seg, cctx, dctx = trace.segments[at], _compressor(), _decompressor()
+    rows = trace.segment_hashes(at, 0, seg.count)
+    more = 0
+    for k in range(seg.count):
+        body = trace.raw_frame(seg.first_step + k)
+        more += len(cctx.compress(compaction.splice(trace.schema, dctx.decompress(body), rows[k]))) - len(body)
+    return round(more / (seg.count * trace.schema.examples_per_step), 3)
+
+
 def bench_size(root: Path, steps: int, examples: int, cache: str = "warm", repeats: int = REPEATS) -> dict:
     schema = scale_schema(examples)
     n_examples = steps * examples  # one epoch over the run
@@ -232,6 +255,7 @@ def bench_size(root: Path, steps: int, examples: int, cache: str = "warm", repea
                  "index_bytes_per_indexed_example": round(
                      sum(p.stat().st_size for p in (a / "trace").glob("*.idx"))
                      / max(1, examples * sum(s.count for s in Run.open(a).trace.segments if s.sealed)), 2),
+                 "record_bytes_saved_per_example": hashes_in_records(a),
                  "index_budget_bytes_per_example": INDEX_BUDGET_BYTES_PER_EXAMPLE,
                  "footprint_gb": round(footprint / 1e9, 3),
                  "mem_available_gb": None if available is None else round(available / 1e9, 2),
@@ -382,7 +406,9 @@ def main() -> None:
             s34, mb34 = BUDGETS_34[name]
             summary[name].update(budget_34_seconds=s34, budget_34_rss_mb=mb34, within_budget_34=None if at_target is None
                                  else bool(at_target <= s34 and rss_target <= mb34))
-    indexed = [r["index_bytes_per_indexed_example"] for r in results if r["index_bytes_per_example"]]  # sealed one
+    beyond = {r["steps"]: None if r["record_bytes_saved_per_example"] is None else
+              round(r["index_bytes_per_indexed_example"] - r["record_bytes_saved_per_example"], 2) for r in results}
+    indexed = [b for b in beyond.values() if b is not None]  # sizes that sealed (and compacted) a segment
     target_gb, mem_gb = run_bytes(TARGET_STEPS, args.examples) / 1e9, _mem_total_gb()
     cache_note = None if mem_gb is None or target_gb < mem_gb else (
         f"a {TARGET_STEPS}-step run is ~{target_gb:.0f} GB on disk, more than this machine's {mem_gb} GB of memory: "
@@ -400,6 +426,8 @@ def main() -> None:
                       "diverge_at": {r["steps"]: r["diverge_at"] for r in results},
                       "index_bytes_per_example": {r["steps"]: r["index_bytes_per_example"] for r in results},
                       "index_bytes_per_indexed_example": {r["steps"]: r["index_bytes_per_indexed_example"] for r in results},
+                      "record_bytes_saved_per_example": {r["steps"]: r["record_bytes_saved_per_example"] for r in results},
+                      "index_bytes_beyond_record_per_example": beyond,
                       "index_budget_bytes_per_example": INDEX_BUDGET_BYTES_PER_EXAMPLE,
                       # None when no size sealed a segment (no index yet: nothing measured)
                       "index_within_budget": None if not indexed else all(b <= INDEX_BUDGET_BYTES_PER_EXAMPLE for b in indexed),

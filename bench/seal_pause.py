@@ -84,6 +84,8 @@ def main() -> None:
     parser.add_argument("--segments", type=int, default=2, help="segments filled (each sealed under the loop)")
     parser.add_argument("--after", type=int, default=8000, help="records appended after the last seal (outlasting it)")
     parser.add_argument("--step-ms", type=float, default=1.0)
+    parser.add_argument("--no-compact", action="store_true",
+                        help="seal as a format-2 run's writer does (no compaction: traces/compaction.py)")
     args = parser.parse_args()
     if args.segments < 1 or args.segment_records < 2 or args.after < 0:
         parser.error("--segments >= 1, --segment-records >= 2 and --after >= 0")
@@ -104,7 +106,7 @@ def main() -> None:
              for f in fills]
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(tmp) / "trace"
-        writer = TraceWriter(trace, schema, segment_records=R)
+        writer = TraceWriter(trace, schema, segment_records=R, compact=not args.no_compact)
         idxs = [index_path(trace / segment_name(f - R + 1)) for f in fills]
         base = _rss_mb()
         sampler = _PeakRss()
@@ -154,7 +156,7 @@ def main() -> None:
     seconds = [p["seconds"] for p in per_seal if p["seconds"] is not None]
     peaks = [p["peak_mb"] for p in per_seal if p["peak_mb"] is not None]
     print(json.dumps({
-        "bench": "seal_pause", "examples_per_step": args.examples, "segment_records": R,
+        "bench": "seal_pause", "examples_per_step": args.examples, "segment_records": R, "compacted": not args.no_compact,
         "seals": args.segments, "appends": n, "step_ms": args.step_ms,
         "max_pause_ms": round(times.max() * 1e3, 2), "budget_max_pause_ms": 20,
         "max_pause_during_seal_ms": during, "seal_pause_within_budget": bool(during <= 20),

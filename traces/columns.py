@@ -17,7 +17,7 @@ import numpy as np
 
 from traces.index import StepColumns, record_prefix
 from traces.schema import FLAG_EXAMPLE_METRICS, FLAG_LAYER, METRIC_DTYPES, Schema
-from traces.trace import FRAME_HEAD, TraceReader, corrupt
+from traces.trace import COMPACT_VERSION, FRAME_HEAD, TraceReader, corrupt
 
 CHUNK_RECORDS = 1024  # ~12 MB of frames at 1,024 examples a step
 
@@ -69,12 +69,18 @@ def batch_hashes(reader: TraceReader, start: int | None = None, stop: int | None
 # ------------------------------------------------------------------------------ fields inside the records
 
 
-def _bodies(reader: TraceReader, i: int, lo: int, hi: int) -> list[bytes]:
-    """Records lo..hi-1 of segment i decompressed; checksums and steps checked."""
+def _bodies(reader: TraceReader, i: int, lo: int, hi: int, hashes: bool = True) -> list[bytes]:
+    """Records lo..hi-1 of segment i decompressed; checksums and steps checked. A compacted
+    segment's get their example hashes from its index, or zeros when `hashes` is False (a caller
+    that reads other fields)."""
     data, base, offsets = reader.frames(i, lo, hi)
     seg, view = reader.segments[i], memoryview(data)
-    return [reader._raw(seg, seg.first_step + lo + k, view[int(offsets[k]) - base + FRAME_HEAD : int(offsets[k + 1]) - base])
-            for k in range(hi - lo)]
+    if seg.version < COMPACT_VERSION:
+        rows = [None] * (hi - lo)
+    else:
+        rows = reader.segment_hashes(i, lo, hi) if hashes else np.zeros((hi - lo, reader.schema.examples_per_step), np.uint64)
+    return [reader._raw(seg, seg.first_step + lo + k, view[int(offsets[k]) - base + FRAME_HEAD : int(offsets[k + 1]) - base],
+                        rows[k]) for k in range(hi - lo)]
 
 
 def _full_dtype(schema: Schema, flags: int) -> np.dtype:
@@ -90,7 +96,7 @@ def decode(reader: TraceReader, i: int, lo: int, hi: int, fields: tuple[str, ...
     "flags" says which have them. Fields of the fixed prefix are read without the rest.
     """
     schema, n = reader.schema, hi - lo
-    raws = _bodies(reader, i, lo, hi)
+    raws = _bodies(reader, i, lo, hi, "example_hashes" in fields)
     prefix = record_prefix(schema)
     out: dict[str, np.ndarray] = {}
     if all(f in prefix.names for f in fields):

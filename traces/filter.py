@@ -29,6 +29,16 @@ BLOCK_BYTES = 64
 BLOCK_BITS = 480  # 60 bytes of bits, then a u32 crc32 of them
 BITS_PER_EXAMPLE = 12
 K_BITS = 6
+# Index version 4 (a compacted segment: its index holds the only copy of its example hashes, and the
+# filter is what is left of ~4 bytes an example beyond the record): 6 bits an example and 4 bits a
+# hash, a "maybe" for ~6% of absent uniform hashes (each then costs one bucket's table blocks).
+LEAN_BITS_PER_EXAMPLE = 6
+LEAN_K_BITS = 4
+
+
+def params(index_version: int) -> tuple[int, int]:
+    """(bits an example, bits a hash) of an index version's filter."""
+    return (LEAN_BITS_PER_EXAMPLE, LEAN_K_BITS) if index_version >= 4 else (BITS_PER_EXAMPLE, K_BITS)
 _BUILD_ENTRIES = 1 << 15  # sorted hashes turned into bits at once (~5 MB of bit positions and bools)
 _CRC_ROWS = 2048  # rows checksummed between yields of the GIL (~1 ms)
 _YIELD_S = 50e-6
@@ -40,8 +50,8 @@ class FilterDamaged(TraceCorruptError):
     what it is, a damaged file of the run (exit 2)."""
 
 
-def filter_blocks(entries: int) -> int:
-    return max(1, -(-entries * BITS_PER_EXAMPLE // BLOCK_BITS))
+def filter_blocks(entries: int, bits: int = BITS_PER_EXAMPLE) -> int:
+    return max(1, -(-entries * bits // BLOCK_BITS))
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
@@ -56,10 +66,10 @@ def block_of(hashes: np.ndarray, blocks: int) -> np.ndarray:
     return ((hashes >> np.uint64(32)) * np.uint64(blocks)) >> np.uint64(32)
 
 
-def bit_positions(hashes: np.ndarray) -> np.ndarray:
-    """(n, K_BITS) bit positions in 0..479 of each hash's block: 10-bit fields of splitmix64(hash)."""
+def bit_positions(hashes: np.ndarray, k: int = K_BITS) -> np.ndarray:
+    """(n, k) bit positions in 0..479 of each hash's block: 10-bit fields of splitmix64(hash)."""
     g = _splitmix64(hashes)
-    fields = (g[:, None] >> (np.arange(K_BITS, dtype=np.uint64) * np.uint64(10))) & np.uint64(1023)
+    fields = (g[:, None] >> (np.arange(k, dtype=np.uint64) * np.uint64(10))) & np.uint64(1023)
     fields *= np.uint64(BLOCK_BITS)
     fields >>= np.uint64(10)
     return fields.view(np.int64)  # < 480: the same bits
@@ -69,8 +79,9 @@ class Builder:
     """A filter filled a sorted chunk at a time (the index table's chunks, as they are written):
     the bits of a hash do not depend on the others, so the bytes equal `build`'s of the whole."""
 
-    def __init__(self, entries: int):
-        self.blocks = filter_blocks(entries)
+    def __init__(self, entries: int, index_version: int = 3):
+        bits, self.k = params(index_version)
+        self.blocks = filter_blocks(entries, bits)
         self._out = np.zeros((self.blocks, BLOCK_BYTES), np.uint8)
 
     def add(self, sorted_hashes: np.ndarray) -> None:
@@ -80,7 +91,7 @@ class Builder:
             blocks = block_of(part, nb).view(np.int64)  # < 2**32
             b0, b1 = int(blocks[0]), int(blocks[-1]) + 1
             local = np.zeros((b1 - b0) * BLOCK_BITS, bool)
-            local[((blocks - b0) * BLOCK_BITS)[:, None] + bit_positions(part)] = True
+            local[((blocks - b0) * BLOCK_BITS)[:, None] + bit_positions(part, self.k)] = True
             self._out[b0:b1, : BLOCK_BITS // 8] |= np.packbits(local.reshape(b1 - b0, BLOCK_BITS), axis=1,
                                                                bitorder="little")
 
@@ -113,7 +124,7 @@ def build(sorted_hashes: np.ndarray) -> bytes:
     return builder.finish().tobytes()
 
 
-def maybe(blocks_view: np.ndarray, queries: np.ndarray) -> np.ndarray:
+def maybe(blocks_view: np.ndarray, queries: np.ndarray, k_bits: int = K_BITS) -> np.ndarray:
     """bool per query: False when the hash is certainly not in the filtered set.
 
     `blocks_view`: uint8 (blocks, 64), typically a memory map; touches one block a query and
@@ -130,6 +141,6 @@ def maybe(blocks_view: np.ndarray, queries: np.ndarray) -> np.ndarray:
     for k in first.tolist():
         if zlib.crc32(bits[k]) != int(stored[k]):
             raise FilterDamaged(f"filter block {int(which[k])}'s checksum does not match")
-    pos = bit_positions(q)
+    pos = bit_positions(q, k_bits)
     got = (bits[np.arange(q.size)[:, None], pos >> 3] >> (pos & 7).astype(np.uint8)) & 1
     return got.all(axis=1)

@@ -9,10 +9,14 @@ traces/index_table.py), and a filter of those hashes (traces/filter.py):
 "where was this example fed" is one 64-byte filter block a segment, and a table block
 where the filter says "maybe". It is derived data: a missing, stale or damaged index is
 rebuilt in memory from its segment (`MemoryIndex`), which costs reading the segment once;
-`IndexBuilder.write` persists one. traces/index_file.py reads the files.
+`IndexBuilder.write` persists one. traces/index_file.py reads the files. A compacted segment's
+index (version 4, traces/compaction.py) is the exception: its records no longer hold their
+example hashes, so it holds their only copy, with each slot's hash top bits in slot order and
+a leaner filter (6 bits an example), and cannot be rebuilt.
 
 Sizes at 1,024 examples a step and 16,384 records a segment: ~50 bytes a step of columns,
-9 bytes an example in the table (12 before version 3) and 1.6 in the filter; ~1.4 MB of
+9 bytes an example in the table (12 before version 3) and 1.6 in the filter (version 4: 2 more
+of slot order, 0.8 of filter, and the records 8 smaller); ~1.4 MB of
 columns and block heads and 27 MB of filter a segment; writing one costs ~3-4 s on the
 writer's seal thread (not the loop's), in ~6 bytes an example of working memory beyond the
 hashes the builder holds (which become the sort key): less than the file it writes.
@@ -38,7 +42,10 @@ from traces.sorting import sorted_chunks, stable_argsort
 
 INDEX_SUFFIX = ".idx"
 INDEX_MAGIC = b"RPLYIDX1"
-INDEX_VERSION = 3  # 3: the table's hash top bits in a bucket table (traces/index_table.py); 2 and 1 are still read
+INDEX_VERSION = 4  # the newest read. 4: a compacted segment's (its only copy of the example hashes: the table,
+# the slot order's top bits, a leaner filter); 3: the table's hash top bits in a bucket table
+# (traces/index_table.py), what a segment holding its hashes gets; 2 and 1 are still read
+DERIVED_INDEX_VERSION = 3  # what an uncompacted segment's index is written as
 BLOCK_ENTRIES = 256
 TABLE_CHUNK_BLOCKS = 256  # blocks built at once when writing (0.8 MB)
 _SCAN_CHUNK = 1 << 20  # examples searched at once in memory (bounds the working arrays to ~20 MB)
@@ -224,23 +231,36 @@ class IndexBuilder:
     def memory_index(self, end_offset: int) -> "MemoryIndex":
         return MemoryIndex(self.columns(end_offset), self.hashes() if self.keep_hashes else None)
 
-    def write(self, path: Path, end_offset: int, content_crc: int, segment_size: int, consume: bool = False) -> None:
+    def frames(self, end_offset: int) -> tuple[list[int], list[int]]:
+        """(the records' frame offsets and where the last ends, their frame checksums)."""
+        return self._offsets + [end_offset], list(self._crcs)
+
+    def rebind(self, offsets: list[int], crcs: list[int]) -> None:
+        """The frames' new offsets and checksums (a compacted segment's: traces/compaction.py)."""
+        self._offsets, self._crcs = list(offsets), list(crcs)
+
+    def write(self, path: Path, end_offset: int, content_crc: int, segment_size: int, consume: bool = False,
+              compacted: bool = False) -> None:
         """Writes the index file atomically (tmp, fsync, rename): a reader sees all of it or none.
         The sorted table comes TABLE_CHUNK_BLOCKS blocks at a time (traces.sorting.sorted_chunks),
         each written, counted into the bucket table and added to the filter as it comes: 12 bytes
         an example of working memory (the sort key, and the low bits of each hash it drops) and
         the filter, less than the file. consume=True: the builder's own hashes become the key (8
-        of the 12), and the builder cannot be used after (the writer's seal)."""
+        of the 12), and the builder cannot be used after (the writer's seal). compacted=True: the
+        index of a compacted segment (version 4: its records hold no hashes), with each slot's top
+        bits after the table and the leaner filter."""
         schema, K = self.schema, BLOCK_ENTRIES
         columns = encode_columns(schema, self.columns(end_offset))  # before the hashes are consumed
         flat = np.ascontiguousarray(self.hashes()).reshape(-1)
         if consume:
             self._hashes = None
         E = flat.size
+        version = INDEX_VERSION if compacted else DERIVED_INDEX_VERSION
         lay = index_table.TableLayout(E, K, index_table.prefix_bits(E))
+        tops = index_table.encode_tops(lay, flat) if compacted else b""  # before the sort consumes the hashes
         block_crc = np.zeros(lay.blocks, "<u4")
         counts = np.zeros(lay.buckets, np.int64)
-        bloom = example_filter.Builder(E)
+        bloom = example_filter.Builder(E, version)
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "wb") as f:
             f.seek(INDEX_HEADER_SIZE + len(columns) + lay.heads_size)
@@ -253,11 +273,12 @@ class IndexBuilder:
                 bloom.add(part_h)
                 b0 += table.shape[0]
             del flat  # consumed: the sort key goes before the filter's checksums and the fsync
+            f.write(tops + b"\0" * (index_table.pad8(len(tops)) - len(tops)))
             f.write(memoryview(bloom.finish()).cast("B"))
             heads = block_crc.tobytes() + index_table.bucket_starts(counts).tobytes()
             heads += b"\0" * (lay.heads_size - len(heads))
             spans = column_spans(schema, len(self))
-            head = _IHEAD.pack(INDEX_MAGIC, INDEX_VERSION, lay.k, schema.digest(), self.first_step, len(self), content_crc,
+            head = _IHEAD.pack(INDEX_MAGIC, version, lay.k, schema.digest(), self.first_step, len(self), content_crc,
                                K, segment_size, zlib.crc32(columns), zlib.crc32(heads), 0)
             head += _IHEAD_EXT.pack(*[zlib.crc32(memoryview(columns)[pos : pos + size]) for _, _, pos, size in
                                       (spans[name] for name in COLUMN_NAMES)],

@@ -33,13 +33,18 @@ from traces.segment import SegmentFile
 from traces.storage import is_remote
 
 PAGE = mmap.PAGESIZE
+_SLOT_CHUNK_BLOCKS = 4096  # table blocks decoded at once when rebuilding many slots' hashes (~9 MB)
 
 
 class FileIndex:
     """An index file, bound to its segment by first step, record count, size and the seal's
     checksum; each part is checked when first read (a column, block heads, each block)."""
 
-    def __init__(self, path: Path, schema: Schema, first_step: int, count: int, content_crc: int, segment_size: int):
+    def __init__(self, path: Path, schema: Schema, first_step: int, count: int | None, content_crc: int | None,
+                 segment_size: int | None):
+        """count, content_crc and segment_size None: the index of a segment whose seal is damaged
+        (a compacted one's: its hashes' only copy), bound to it by the caller through its frames;
+        its own record count then stands."""
         self.path, self.schema = path, schema
         with SegmentFile(path) as f:
             head = f.read(0, INDEX_HEADER_SIZE)
@@ -62,6 +67,8 @@ class FileIndex:
         if version >= 2:
             *crcs, self.summary, self.filter_blocks, _ = _IHEAD_EXT.unpack_from(head, _IHEAD.size)
             self.column_crc = dict(zip(COLUMN_NAMES, crcs))
+        if count is None:
+            count, content_crc, segment_size = n, crc, seg_size
         if (digest, first, n, crc, seg_size) != (schema.digest(), first_step, count, content_crc, segment_size):
             raise IndexUnusable("it describes another version of its segment (stale)")
         if K < 1:
@@ -79,10 +86,13 @@ class FileIndex:
         self._block_size = self.layout.block_bytes if self.layout else 12 * K
         self._heads_size = self.layout.heads_size if self.layout else index_table.pad8(12 * self.blocks)
         self._table_at = self.header_size + self._columns_size + self._heads_size
-        self._filter_at = self._table_at + self.blocks * self._block_size
-        if version >= 2 and self.filter_blocks != example_filter.filter_blocks(self.entries):
+        self._tops_at = self._table_at + self.blocks * self._block_size  # version 4: each slot's top bits
+        self._tops_size = index_table.tops_bytes(self.layout) if version >= 4 else 0
+        self._filter_at = self._tops_at + index_table.pad8(self._tops_size)
+        bits, self._filter_k = example_filter.params(version)
+        if version >= 2 and self.filter_blocks != example_filter.filter_blocks(self.entries, bits):
             raise IndexUnusable(f"its filter has {self.filter_blocks} blocks, {self.entries} examples need "
-                                f"{example_filter.filter_blocks(self.entries)}")
+                                f"{example_filter.filter_blocks(self.entries, bits)}")
         implied = self._filter_at + self.filter_blocks * example_filter.BLOCK_BYTES
         if size != implied:
             raise IndexUnusable(f"it is {size} bytes, its header implies {implied}")
@@ -145,7 +155,7 @@ class FileIndex:
             blocks = np.frombuffer(mapped, np.uint8, self.filter_blocks * example_filter.BLOCK_BYTES,
                                    self._filter_at).reshape(self.filter_blocks, example_filter.BLOCK_BYTES)
             try:
-                found, damage = example_filter.maybe(blocks, queries), None
+                found, damage = example_filter.maybe(blocks, queries, self._filter_k), None
             except example_filter.FilterDamaged as e:  # its traceback holds the map: let it go first
                 found, damage = None, str(e)
             del blocks
@@ -307,6 +317,55 @@ class FileIndex:
         wanted = np.unique(np.concatenate([np.arange(a, b) for a, b in zip(first.tolist(), last.tolist())]))
         hashes, slots = self._blocks(wanted.tolist())
         return _hits(hashes, slots, queries, limit)
+
+    def slot_hashes(self, lo: int, hi: int) -> np.ndarray:
+        """uint64 [hi - lo]: the example hashes of slots lo..hi-1 (version 4, a compacted segment's
+        only copy). A few steps: their slots' top bits name their buckets, whose blocks are read
+        (at most one bucket a slot: ~2-5 KB a hash at 2**24 examples, 2.3-4.6 MB a 1,024-example
+        step); a range of more than 1/64 of the segment: the whole table, a chunk at a time.
+        Every slot must be found exactly once, else the index is unusable (the caller also checks
+        each step's examples key)."""
+        if self.version < 4:
+            raise IndexUnusable(f"it is version {self.version}: it does not hold its segment's slot order")
+        lay, n = self.layout, hi - lo
+        if n <= 0:
+            return np.zeros(0, np.uint64)
+        self._heads()
+        if lay.k == 0 or 64 * n >= self.entries:
+            parts = []
+            for first in range(0, self.blocks, _SLOT_CHUNK_BLOCKS):
+                stop = min(self.blocks, first + _SLOT_CHUNK_BLOCKS)
+                hs, slots = self._blocks(list(range(first, stop)))
+                keep = (slots >= lo) & (slots < hi)
+                parts.append((hs[keep], slots[keep]))
+            hashes, slots = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+        else:
+            width = lay.k // 8
+            buckets = np.unique(index_table.decode_tops(lay, self._read(self._tops_at + lo * width, n * width)))
+            if buckets.size and int(buckets[-1]) >= lay.buckets:
+                raise IndexUnusable("its slot order names a bucket past its table")
+            a, b = self._starts[buckets].astype(np.int64), self._starts[buckets + 1].astype(np.int64)
+            keep = b > a
+            spans = [np.arange(x // self.K, (y - 1) // self.K + 1) for x, y in zip(a[keep].tolist(), b[keep].tolist())]
+            wanted = np.unique(np.concatenate(spans)) if spans else np.zeros(0, np.int64)
+            hashes, slots = self._blocks(wanted.tolist())
+        out, landed = index_table.place(hashes, slots, lo, hi)
+        if landed != n:
+            raise IndexUnusable(f"its table holds {landed} entries for slots {lo}..{hi - 1}, not {n}")
+        return out
+
+    def slot_hashes_spans(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """The reads slot_hashes(lo, hi) starts with, (offset, size) each: the whole table's chunks,
+        or the slots' top bits (their buckets' blocks follow from those). A remote scan requests
+        them ahead."""
+        if self.version < 4 or hi <= lo or not self.blocks:
+            return []
+        if self.layout.k == 0 or 64 * (hi - lo) >= self.entries:
+            size = self._block_size
+            return [(self._table_at + first * size, (min(self.blocks, first + _SLOT_CHUNK_BLOCKS) - first) * size)
+                    for first in range(0, self.blocks, _SLOT_CHUNK_BLOCKS)]
+        width = self.layout.k // 8
+        return [(self._tops_at + lo * width, (hi - lo) * width)]
 
     def table(self, lo: int, hi: int | None) -> tuple[np.ndarray, np.ndarray]:
         """The (hash, slot) entries with lo <= hash < hi (hi None: no upper bound), sorted; slots

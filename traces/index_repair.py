@@ -17,7 +17,9 @@ from traces.trace import TraceReader
 def write_indexes(trace_dir: str | os.PathLike, schema: Schema) -> list[Path]:
     """Writes the index file of every sealed segment that lacks a usable one (a run recorded
     before replay wrote them, or one whose index was damaged); returns the files written.
-    Reads each such segment once, in chunks; checks nothing else."""
+    Reads each such segment once, in chunks; checks nothing else. A compacted segment's index
+    held its example hashes' only copy (traces/compaction.py): one missing or damaged cannot be
+    written again, and TraceCorruptError says so."""
     reader = TraceReader(trace_dir, schema)
     written = []
     for i, seg in enumerate(reader.segments):

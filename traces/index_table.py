@@ -189,3 +189,43 @@ def first_hashes(lay: TableLayout, starts: np.ndarray) -> np.ndarray:
     at = np.arange(lay.blocks, dtype=np.int64) * lay.K
     buckets = np.searchsorted(starts, at, "right") - 1
     return buckets.astype(np.uint64) << np.uint64(64 - lay.k)
+
+
+# ------------------------------------------------------------------------------ version 4: slot order
+# A compacted segment's records hold no example hashes (FORMAT.md, "Compacted segments"): its index is
+# their only copy. The table answers "where is hash h" (by bucket); the top k bits of each slot's hash,
+# in slot order, answer "which hashes did step s feed": slot t's entry lies in bucket tops[t], so a
+# step's B hashes are found in at most B buckets. k / 8 bytes a slot (2 at k = 16), no checksum: a
+# reader checks what it rebuilds against the step's examples key (traces/index.py).
+
+
+def tops_bytes(lay: TableLayout) -> int:
+    """Bytes of the slot-order top bits (unpadded): k / 8 a slot."""
+    return lay.entries * (lay.k // 8)
+
+
+def encode_tops(lay: TableLayout, hashes_in_slot_order: np.ndarray) -> bytes:
+    """Each slot's top k bits, little-endian in k / 8 bytes, in slot order."""
+    if lay.k == 0:
+        return b""
+    tops = (np.asarray(hashes_in_slot_order, np.uint64).reshape(-1) >> np.uint64(64 - lay.k)).astype("<u4")
+    return np.ascontiguousarray(tops.view(np.uint8).reshape(-1, 4)[:, : lay.k // 8]).tobytes()
+
+
+def decode_tops(lay: TableLayout, data: bytes) -> np.ndarray:
+    """int64 buckets of the slots whose encode_tops bytes `data` holds."""
+    width = lay.k // 8
+    n = len(data) // width if width else 0
+    wide = np.zeros((n, 4), np.uint8)
+    wide[:, :width] = np.frombuffer(data, np.uint8, n * width).reshape(n, width)
+    return wide.view("<u4").reshape(-1).astype(np.int64)
+
+
+def place(hashes: np.ndarray, slots: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, int]:
+    """(uint64 [hi - lo] of the entries' hashes at their slots lo..hi-1, how many entries landed
+    there): a caller compares the count with hi - lo (each slot holds exactly one entry)."""
+    out = np.zeros(hi - lo, np.uint64)
+    at = slots.astype(np.int64) - lo
+    keep = (at >= 0) & (at < hi - lo)
+    out[at[keep]] = hashes[keep]
+    return out, int(np.count_nonzero(keep))

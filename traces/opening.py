@@ -23,8 +23,8 @@ from traces import sidecar
 from traces.errors import NewerFormatError, SchemaError, TraceCorruptError
 from traces.storage import is_remote
 from traces.segment import (
-    FRAME_HEAD, HEADER_SIZE, SEAL_SIZE, SEGMENT_SUFFIX, SegmentFile, Walk, check_frames, parse_seal, read_at, read_header,
-    segment_name, walk_frames,
+    COMPACT_VERSION, FRAME_HEAD, HEADER_SIZE, SEAL_SIZE, SEGMENT_SUFFIX, SegmentFile, Walk, check_frames, header_version, parse_seal,
+    read_at, read_header, segment_name, walk_frames,
 )
 
 if TYPE_CHECKING:
@@ -67,6 +67,8 @@ class _Segment:
     index: FileIndex | None = None
     index_unusable: bool = False
     columns: StepColumns | None = None  # the tail's, from its sidecar (when it vouches for every record)
+    version: int = 2  # its header's format_version: 3 is a compacted segment (traces/compaction.py)
+    frame_crcs: list[int] | None = None  # a damaged compacted segment's readable frames' (binds its index to them)
 
 
 def open_segments(reader: TraceReader) -> None:
@@ -139,14 +141,15 @@ def _open_segment(reader: TraceReader, path: Path, expected: int | None, is_last
             if path.name != segment_name(first) or (expected is not None and first != expected):
                 return damaged(0, expected, f"segment starts at step {first}, expected {expected}", tail=False)
             seal = parse_seal(f.read(size - SEAL_SIZE, SEAL_SIZE)) if size >= HEADER_SIZE + SEAL_SIZE else None
+            version = header_version(head)
             if seal is not None and 0 < seal[0] <= (size - HEADER_SIZE - SEAL_SIZE) // (FRAME_HEAD + 1):
-                reader.segments.append(_Segment(path, first, seal[0], True, size, seal[1]))
+                reader.segments.append(_Segment(path, first, seal[0], True, size, seal[1], version=version))
                 return False
             walk, side = _walk_tail(reader, f, path, first, size)
     except TraceCorruptError as e:  # unreadable, or a directory: not a tail a writer could cut off
         return damaged(0, expected, str(e).split(": ", 1)[-1], tail=False)
     n = len(walk.offsets) - 1
-    seg = _Segment(path, first, n, False, size, offsets=np.array(walk.offsets, np.uint64))
+    seg = _Segment(path, first, n, False, size, offsets=np.array(walk.offsets, np.uint64), version=version)
     reason = walk.damage or (_last_frame_problem(reader, seg, walk.last_body) if n else None)
     if reason is not None and walk.damage is None:  # the last frame's step is wrong: it is the torn one
         seg.count, seg.offsets = n - 1, seg.offsets[:-1]
@@ -156,6 +159,10 @@ def _open_segment(reader: TraceReader, path: Path, expected: int | None, is_last
     if side is not None and side.count == seg.count:
         seg.columns = side.columns
     reader.segments.append(seg)
+    if version >= COMPACT_VERSION:  # written whole and renamed into place: damaged, never a tail to cut and go on
+        seg.frame_crcs = walk.crcs[: seg.count]
+        return damaged(int(seg.offsets[-1]), first + seg.count, reason or "a compacted segment without its seal",
+                       tail=False)
     if reason is not None:
         return damaged(int(seg.offsets[-1]), first + seg.count, reason, tail=True)
     if not is_last:

@@ -172,15 +172,26 @@ class Run:
         return "crashed"
 
     # Writing ----------------------------------------------------------------------------
-    def writer(self, segment_records: int = DEFAULT_SEGMENT_RECORDS) -> TraceWriter:
+    @property
+    def compacts(self) -> bool:
+        """Whether its writer compacts sealed segments (traces/compaction.py): a run of format 3 or
+        later. An older run resumed keeps its format, so the replay that wrote it still reads it."""
+        version = self.manifest.get("format_version")
+        return isinstance(version, int) and version >= 3
+
+    def writer(self, segment_records: int = DEFAULT_SEGMENT_RECORDS, compact: bool | None = None) -> TraceWriter:
+        """The run's trace writer (one). `compact`: whether it compacts sealed segments; None: as the
+        run's format says (`compacts`). False keeps every record's hashes in it, as format 2 did."""
+        compact = self.compacts if compact is None else compact
         if self._lock_fd is None:
             raise RunLockedError(f"{self.path}: opened read-only; use Run.create or Run.resume to write")
         if self._writer is None and self.mirror is not None:
             from traces.storage.mirror import MirroredTraceWriter
             self._writer = MirroredTraceWriter(self.trace_dir, self.schema, segment_records, self.first_step,
-                                               self.mirror, self.mirror.tails_found)
+                                               self.mirror, self.mirror.tails_found, compact=compact)
         if self._writer is None:
-            self._writer = TraceWriter(self.trace_dir, self.schema, segment_records, first_step=self.first_step)
+            self._writer = TraceWriter(self.trace_dir, self.schema, segment_records, first_step=self.first_step,
+                                       compact=compact)
             self._reader = None
         return self._writer
 

@@ -17,7 +17,11 @@ import zstandard
 from traces.errors import NewerFormatError, TraceCorruptError
 from traces.storage import is_remote
 
-FORMAT_VERSION = 2  # 2: distance sketches in layer-level records (traces/sketch.py); 1 still read
+FORMAT_VERSION = 3  # the newest run format read and written. 3: sealed segments compacted (traces/compaction.py:
+# header version 3, records without example hashes); 2: distance sketches in layer-level records (traces/sketch.py);
+# 1 still read
+HASHED_VERSION = 2  # a segment header's format_version when its records hold their example hashes
+COMPACT_VERSION = 3  # a compacted segment's (sealed; its records without example hashes: traces/compaction.py)
 SEGMENT_MAGIC = b"RPLYSEG1"
 SEGMENT_SUFFIX = ".seg"
 DEFAULT_SEGMENT_RECORDS = 16384
@@ -49,8 +53,8 @@ def segment_name(first_step: int) -> str:
     return f"{first_step:012d}{SEGMENT_SUFFIX}"
 
 
-def encode_header(schema_digest: int, first_step: int) -> bytes:
-    head = _HEADER.pack(SEGMENT_MAGIC, FORMAT_VERSION, 0, schema_digest, first_step)
+def encode_header(schema_digest: int, first_step: int, version: int = HASHED_VERSION) -> bytes:
+    head = _HEADER.pack(SEGMENT_MAGIC, version, 0, schema_digest, first_step)
     return head + _HEADER_CRC.pack(zlib.crc32(head))
 
 
@@ -76,6 +80,11 @@ def parse_seal(seal: bytes) -> tuple[int, int] | None:
     if mark != SEAL_MARK or seal_crc != zlib.crc32(seal[:16]):
         return None
     return count, content_crc
+
+
+def header_version(data: bytes) -> int:
+    """The format_version of a segment header read_header accepted."""
+    return _HEADER.unpack_from(data)[1]
 
 
 def read_header(path: Path, data: bytes) -> tuple[int, int]:

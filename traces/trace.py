@@ -29,12 +29,13 @@ import zstandard
 
 from traces.errors import SchemaError, TraceCorruptError
 from traces.index import INDEX_HEADER_SIZE, IndexBuilder, IndexUnusable, MemoryIndex, StepColumns, index_path
+from traces.compaction import check_rows, splice
 from traces.index_file import FileIndex
 from traces.opening import Damage, _Segment, describe_damage, open_segments  # noqa: F401 - Damage re-exported
 from traces.schema import Schema, StepRecord, decode_record
 from traces.storage import as_path, is_remote
 from traces.segment import (  # noqa: F401 - re-exported: the layout's names have always been here
-    DEFAULT_SEGMENT_RECORDS, FORMAT_VERSION, FRAME_HEAD, HEADER_SIZE, MAX_FRAME_BYTES, SEAL_MARK, SEAL_SIZE,
+    COMPACT_VERSION, DEFAULT_SEGMENT_RECORDS, FORMAT_VERSION, FRAME_HEAD, HEADER_SIZE, MAX_FRAME_BYTES, SEAL_MARK, SEAL_SIZE,
     SEGMENT_MAGIC, SEGMENT_SUFFIX, SegmentFile, _compressor, _decompressor, check_frames, encode_frame, encode_header,
     encode_seal, parse_seal, read_at, read_header, segment_name, walk_frames,
 )
@@ -42,6 +43,16 @@ from traces.segment import (  # noqa: F401 - re-exported: the layout's names hav
 _FRAME = struct.Struct("<II")
 READ_AHEAD = 16  # remote segments whose index headers are requested together (traces/storage/path.py)
 _BUILD_CHUNK = 1024  # frames read at once when building an index (~12 MB at 1,024 examples a step)
+
+
+def _bound_by_frames(index: FileIndex, seg: _Segment) -> FileIndex:
+    """A damaged compacted segment's index, when its columns hold the frames still readable (their
+    offsets and checksums): its hashes are theirs. Else IndexUnusable."""
+    cols, n = index.columns(), seg.count
+    if index.count < n or not np.array_equal(cols.offsets[: n + 1], seg.offsets[: n + 1]) or \
+            not np.array_equal(cols.frame_crc[:n], np.asarray(seg.frame_crcs, np.uint32)):
+        raise IndexUnusable("it describes another version of its segment (stale)")
+    return index
 
 
 def corrupt(path: Path, step: int, offset: int, reason: str) -> TraceCorruptError:
@@ -93,13 +104,17 @@ class TraceReader:
     # Indexes ----------------------------------------------------------------------------
     def _file_index(self, i: int) -> FileIndex | None:
         seg = self.segments[i]
-        if seg.index is None and seg.sealed and not seg.index_unusable:
+        damaged_compacted = not seg.sealed and seg.frame_crcs is not None
+        if seg.index is None and (seg.sealed or damaged_compacted) and not seg.index_unusable:
             path = index_path(seg.path)
             if is_remote(path) and i not in self._headers_ahead:
                 self._read_ahead(i)
             if path.is_file():
                 try:
-                    seg.index = FileIndex(path, self.schema, seg.first_step, seg.count, seg.content_crc, seg.size)
+                    if damaged_compacted:
+                        seg.index = _bound_by_frames(FileIndex(path, self.schema, seg.first_step, None, None, None), seg)
+                    else:
+                        seg.index = FileIndex(path, self.schema, seg.first_step, seg.count, seg.content_crc, seg.size)
                 except IndexUnusable as e:
                     self._index_unusable(seg, e)
             else:
@@ -132,6 +147,8 @@ class TraceReader:
         found = self._file_index(i)
         if found is not None:
             return found
+        if self.segments[i].version >= COMPACT_VERSION:  # its records cannot rebuild it
+            raise self._lost(i, "it is missing or cannot be used")
         return self._cached(("index", i), lambda: self._memory_index(i, keep_hashes=True))
 
     def _memory_index(self, i: int, keep_hashes: bool) -> MemoryIndex:
@@ -194,14 +211,16 @@ class TraceReader:
         offsets = self.offsets(i)
         builder = IndexBuilder(self.schema, seg.first_step, seg.count, keep_hashes)
         crc = zlib.crc32(read_at(seg.path, 0, int(offsets[0]), seg.first_step))
+        compacted = seg.version >= COMPACT_VERSION
         for a in range(0, seg.count, _BUILD_CHUNK):
             b = min(seg.count, a + _BUILD_CHUNK)
             data, base, offs = self.frames(i, a, b)
+            rows = self.segment_hashes(i, a, b) if compacted else [None] * (b - a)
             crc = zlib.crc32(data, crc)
             view = memoryview(data)
             for k in range(b - a):
                 at, stop = int(offs[k]) - base, int(offs[k + 1]) - base
-                builder.add(self._raw(seg, seg.first_step + a + k, view[at + FRAME_HEAD : stop]), int(offs[k]),
+                builder.add(self._raw(seg, seg.first_step + a + k, view[at + FRAME_HEAD : stop], rows[k]), int(offs[k]),
                             _FRAME.unpack_from(view, at)[1])
         if seg.sealed and crc != seg.content_crc:
             raise corrupt(seg.path, seg.first_step, 0, "segment checksum mismatch")
@@ -256,7 +275,9 @@ class TraceReader:
         self.offsets(i)
         return self._frame_body(seg, step - seg.first_step, step)
 
-    def _raw(self, seg: _Segment, step: int, body) -> bytes:
+    def _raw(self, seg: _Segment, step: int, body, row: np.ndarray | None = None) -> bytes:
+        """A record decompressed, its step checked; a compacted segment's with its example hashes
+        put back (traces/compaction.py): `row`, or the step's own from the index."""
         try:
             raw = self._dctx.decompress(body)
         except zstandard.ZstdError as e:
@@ -264,7 +285,59 @@ class TraceReader:
         if len(raw) < 8 or struct.unpack_from("<Q", raw)[0] != step:
             held = struct.unpack_from("<Q", raw)[0] if len(raw) >= 8 else None
             raise TraceCorruptError(f"{seg.path}: record at step {step}'s place holds step {held}", str(seg.path), step)
+        if seg.version >= COMPACT_VERSION:
+            if row is None:
+                i = self._segment_index(step)
+                row = self.segment_hashes(i, step - seg.first_step, step - seg.first_step + 1)[0]
+            raw = splice(self.schema, raw, row)
         return raw
+
+    def segment_hashes(self, i: int, lo: int, hi: int) -> np.ndarray:
+        """uint64 (hi - lo, B): the example hashes of records lo..hi-1 of compacted segment i, from
+        its index (their only copy), each step's checked against its examples key. A few steps read
+        their buckets' table blocks; more than 1/64 of the segment rebuilds all of its hashes once
+        (8 bytes an example, kept among the `cache_segments` indexes held in memory)."""
+        seg = self.segments[i]
+        if ("hashes", i) in self._memory:
+            return self._cached(("hashes", i), None)[lo:hi]
+        index = self._file_index(i)
+        if not isinstance(index, FileIndex):
+            raise self._lost(i, "it is missing or cannot be used")
+        try:
+            if 64 * (hi - lo) >= seg.count:
+                return self._cached(("hashes", i), lambda: self._checked_rows(i, index, 0, seg.count))[lo:hi]
+            return self._checked_rows(i, index, lo, hi)
+        except IndexUnusable as e:
+            self._index_unusable(seg, e)
+            raise self._lost(i, str(e)) from None
+
+    def hash_reads(self, i: int, lo: int, hi: int) -> list[tuple[int, int]]:
+        """The index reads (offset, size) segment_hashes(i, lo, hi) starts with; none when it needs
+        none (not a compacted segment, or its hashes held): a remote scan requests them ahead."""
+        seg = self.segments[i]
+        if seg.version < COMPACT_VERSION or ("hashes", i) in self._memory:
+            return []
+        index = self._file_index(i)
+        if not isinstance(index, FileIndex):
+            return []
+        if 64 * (hi - lo) >= seg.count:
+            lo, hi = 0, seg.count
+        B = self.schema.examples_per_step
+        return index.slot_hashes_spans(lo * B, hi * B)
+
+    def _checked_rows(self, i: int, index: FileIndex, lo: int, hi: int) -> np.ndarray:
+        seg, B = self.segments[i], self.schema.examples_per_step
+        rows = index.slot_hashes(lo * B, hi * B).reshape(hi - lo, B)
+        check_rows(self.schema, rows, index.column("examples_key")[lo:hi], index.path, seg.first_step + lo)
+        return rows
+
+    def _lost(self, i: int, why: str) -> TraceCorruptError:
+        seg = self.segments[i]
+        path = index_path(seg.path)
+        return TraceCorruptError(
+            f"{path}: {why}; it holds the only copy of the example hashes of steps {seg.first_step}.."
+            f"{seg.first_step + seg.count - 1} (a compacted segment): restore the run's trace folder from a copy",
+            str(path), seg.first_step)
 
     def raw_record(self, step: int) -> bytes:
         """A step's record, decompressed (checksum and step checked)."""

@@ -11,7 +11,7 @@ import numpy as np
 
 from traces.errors import SchemaError, TraceCorruptError
 from traces.schema import decode_record
-from traces.segment import FRAME_HEAD, HEADER_SIZE, SEAL_MARK, SEAL_SIZE, SegmentFile, check_frames, read_whole
+from traces.segment import COMPACT_VERSION, FRAME_HEAD, HEADER_SIZE, SEAL_MARK, SEAL_SIZE, SegmentFile, check_frames, read_whole
 
 _FRAME = struct.Struct("<II")
 _CHUNK = 64 << 20
@@ -87,11 +87,13 @@ def verify(reader) -> list:
         try:
             data, offsets = checked_segment(reader, i)
             view = memoryview(data)
+            # a compacted segment's hashes, all rebuilt from its index and checked (their only copy)
+            rows = reader.segment_hashes(i, 0, seg.count) if seg.version >= COMPACT_VERSION else [None] * seg.count
             for k in range(seg.count):
                 step = seg.first_step + k
                 body = view[int(offsets[k]) + FRAME_HEAD : int(offsets[k + 1])]
                 try:
-                    decode_record(reader.schema, reader._raw(seg, step, body))
+                    decode_record(reader.schema, reader._raw(seg, step, body, rows[k]))
                 except SchemaError as e:
                     raise TraceCorruptError(f"{seg.path}: record of step {step} is unreadable: {e}", str(seg.path),
                                             step) from None

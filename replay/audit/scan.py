@@ -28,7 +28,7 @@ import numpy as np
 
 import traces
 from traces import columns
-from traces.index import examples_key
+from traces.index import examples_key, index_path
 from traces.sorting import stable_argsort
 from traces.storage import is_remote
 from traces.trace import READ_AHEAD
@@ -322,11 +322,12 @@ def trace_rows(reader: traces.TraceReader, start: int):
     """rows(steps): the example hashes of steps start + s for each s, read from the records."""
     def rows(offsets: np.ndarray) -> np.ndarray:
         out = np.empty((offsets.size, reader.schema.examples_per_step), np.uint64)
-        steps = (start + offsets).tolist()
+        order = np.argsort(offsets, kind="stable")  # in step order: a segment's records together (a
+        steps = (start + offsets[order]).tolist()  # compacted one's hashes are rebuilt once, not again and again)
         for k, step in enumerate(steps):
             if k % READ_AHEAD == 0:
                 _frames_ahead(reader, steps[k : k + READ_AHEAD])
-            out[k] = reader.read(step).example_hashes
+            out[order[k]] = reader.read(step).example_hashes
         return out
     return rows
 
@@ -344,4 +345,8 @@ def _frames_ahead(reader: traces.TraceReader, steps: list[int]) -> None:
         offsets = reader.offsets(i)
         at, end = int(offsets[step - seg.first_step]), int(offsets[step - seg.first_step + 1])
         ranges.append((seg.path.key, at, end - at))
+        # a compacted segment's record takes its hashes from its index (traces/compaction.py)
+        k = step - seg.first_step
+        key = index_path(seg.path).key
+        ranges += [(key, a, n) for a, n in reader.hash_reads(i, k, k + 1) if (key, a, n) not in ranges]
     reader.dir.view.prefetch(ranges)

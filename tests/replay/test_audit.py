@@ -40,10 +40,10 @@ def order_ids(n_examples: int, steps: int, seed: int = 3) -> np.ndarray:
 
 
 def make_run(path: Path, hashes: np.ndarray, n_examples: int | None = None, data_info: dict | None = None,
-             segment_records: int = 16384, finish: bool = True) -> Path:
+             segment_records: int = 16384, finish: bool = True, compact: bool | None = None) -> Path:
     info = data_info if data_info is not None else ({"n_tokens": n_examples * (SEQ_LEN + 1)} if n_examples else {})
     run = traces.Run.create(path, SCHEMA, {"config": {"model": {"seq_len": SEQ_LEN}}, "data": info})
-    writer = run.writer(segment_records)
+    writer = run.writer(segment_records, compact=compact)
     for k, row in enumerate(hashes):
         writer.append(traces.StepRecord(k, np.array([k, 1], np.uint32), k + 1, np.asarray(row, np.uint64),
                                         np.array([1.0 / (k + 1)], np.float32)))

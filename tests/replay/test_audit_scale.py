@@ -135,7 +135,7 @@ def test_a_damaged_index_is_rebuilt_from_its_records_and_their_damage_stops_the_
     segment's records, every checksum checked; when they are damaged too, the audit refuses."""
     from traces.index import index_path
 
-    run = make_run(tmp_path / "run", resume_repeat(), 1000, segment_records=8)
+    run = make_run(tmp_path / "run", resume_repeat(), 1000, segment_records=8, compact=False)
     clean = audit(run, source=False)
     seg = sorted((run / "trace").glob("*.seg"))[1]
     idx = index_path(seg)
@@ -147,6 +147,21 @@ def test_a_damaged_index_is_rebuilt_from_its_records_and_their_damage_stops_the_
     assert_same(rebuilt, clean)
     _flip(seg, 0.5)
     with pytest.raises(Exception, match=seg.name):
+        audit(run, source=False)
+
+
+def test_a_damaged_index_of_a_compacted_segment_stops_the_audit_naming_it(tmp_path):
+    """A compacted segment's index is its hashes' only copy (traces/compaction.py): damaged, the
+    audit refuses, naming it, rather than rebuild it from records that no longer hold them."""
+    from traces.index import index_path
+
+    run = make_run(tmp_path / "run", resume_repeat(), 1000, segment_records=8)
+    seg = sorted((run / "trace").glob("*.seg"))[1]
+    idx = index_path(seg)
+    raw = bytearray(idx.read_bytes())
+    raw[len(raw) - 2 * 64 - 300] ^= 0x40  # inside the sorted table
+    idx.write_bytes(bytes(raw))
+    with pytest.raises(Exception, match=f"{idx.name}.*only copy"):
         audit(run, source=False)
 
 

@@ -103,7 +103,7 @@ def test_a_recorded_torch_run_holds_each_tensors_sketch(tmp_path):
         after.append({n: p.detach().numpy().copy() for n, p in model.named_parameters()})
     run.finish()
     r = Run.open(tmp_path / "run")
-    assert r.manifest["format_version"] == 2 and r.schema.sketch_width == 16
+    assert r.manifest["format_version"] == 3 and r.schema.sketch_width == 16  # sketches since 2
     names = r.schema.tensor_names
     for k in range(2):
         rec = r.trace.read(k)

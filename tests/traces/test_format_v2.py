@@ -61,7 +61,8 @@ def test_a_version_2_run_round_trips_its_sketches(tmp_path):
     w.close()
     run.finish()
     back = Run.open(tmp_path / "v2")
-    assert back.manifest["format_version"] == traces.FORMAT_VERSION == 2
+    assert back.manifest["format_version"] == traces.FORMAT_VERSION == 3  # sketches came with 2; compaction with 3
+    assert back.trace.segments[0].version == 3  # a sealed segment, compacted: its sketches read back all the same
     assert back.schema == schema and back.schema.to_json()["sketch_width"] == 16
     for rec in written:
         got = back.trace.read(rec.step)
@@ -101,8 +102,29 @@ def test_a_version_1_reader_refuses_a_version_2_run(tmp_path, monkeypatch):
 
     for mod in (trun, tseg, ttrace):
         monkeypatch.setattr(mod, "FORMAT_VERSION", 1)
-    with pytest.raises(NewerFormatError, match="format_version 2, this replay reads up to 1: upgrade replay"):
+    with pytest.raises(NewerFormatError, match="format_version 3, this replay reads up to 1: upgrade replay"):
         Run.open(tmp_path / "v2")
     # The segment header refuses it too (a trace read without its manifest).
     with pytest.raises(NewerFormatError, match="trace format_version 2"):
         traces.TraceReader(tmp_path / "v2" / "trace", schema)
+
+
+def test_a_version_2_reader_refuses_a_version_3_run_and_its_compacted_segments(tmp_path, monkeypatch):
+    schema = _schema()
+    run = Run.create(tmp_path / "v3", schema, {})
+    w = run.writer(segment_records=2)
+    for k in range(3):
+        w.append(_record(schema, k))
+    w.close()
+    run.finish()
+    import traces.manifest as trun
+    import traces.segment as tseg
+    import traces.trace as ttrace
+
+    for mod in (trun, tseg, ttrace):
+        monkeypatch.setattr(mod, "FORMAT_VERSION", 2)
+    with pytest.raises(NewerFormatError, match="format_version 3, this replay reads up to 2: upgrade replay"):
+        Run.open(tmp_path / "v3")
+    # Its compacted segment's header refuses it too (a trace read without its manifest).
+    with pytest.raises(NewerFormatError, match="trace format_version 3"):
+        traces.TraceReader(tmp_path / "v3" / "trace", schema)

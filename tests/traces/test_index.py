@@ -28,8 +28,11 @@ def planted(schema, steps=STEPS):
 
 
 def write(path, recs, schema, per=PER):
+    """A run whose sealed segments keep their hashes in their records (not compacted, as format 2
+    wrote them and a failed compaction leaves them): their indexes are derived, what this file tests.
+    Compacted segments, whose index is the hashes' only copy: tests/traces/test_compaction.py."""
     run = Run.create(path, schema, {})
-    w = run.writer(segment_records=per)
+    w = run.writer(segment_records=per, compact=False)
     for r in recs:
         w.append(r)
     run.close()
@@ -157,7 +160,7 @@ def test_a_resumed_writer_writes_the_index_its_predecessor_did_not(run):
     idx = path / "trace" / "000000000080.idx"
     written = idx.read_bytes()
     idx.unlink()  # the writer died between sealing the segment and writing its index
-    Run.resume(path).writer(segment_records=PER).close()
+    Run.resume(path).writer(segment_records=PER, compact=False).close()
     assert idx.read_bytes() == written
 
 
@@ -288,6 +291,6 @@ def test_damage_inside_the_unsealed_tail(run, sidecar):
             trace.read(98)
         [damage] = trace.verify()
     assert damage.path == str(tail) and damage.step == 98 and "checksum" in damage.reason
-    w = Run.resume(path).writer(segment_records=PER)
+    w = Run.resume(path).writer(segment_records=PER, compact=False)
     assert w.next_step == 98 and [d.step for d in w.repaired] == [98]
     w.close()

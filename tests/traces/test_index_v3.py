@@ -14,10 +14,12 @@ import pytest
 
 from traces import Schema, TraceReader, TraceWriter, index_table
 from traces import filter as example_filter
-from traces.index import _IHEAD, INDEX_HEADER_SIZE, INDEX_VERSION, _column_layout, index_path
+from traces.index import (
+    _IHEAD, DERIVED_INDEX_VERSION, INDEX_HEADER_SIZE, INDEX_VERSION, MemoryIndex, _column_layout, index_path,
+)
 from traces.index_file import FileIndex
 from tests.traces.helpers import make_record, make_schema
-from tests.traces.test_seal import write_trace
+from tests.traces.test_seal import fixture_record, write_trace
 
 V2_FIXTURE = Path(__file__).parent / "fixtures" / "v2_index"  # seal_bytes as version 2 wrote it
 
@@ -51,8 +53,11 @@ def answers(index, hashes: np.ndarray, k: int) -> dict:
 
 
 def memory_answers(reader: TraceReader, i: int, hashes: np.ndarray, k: int) -> dict:
-    builder, end = reader.index_builder(i)
-    return answers(builder.memory_index(end), hashes, k)
+    """The answers of the index built in memory from the hashes as written (fixture_record's: a
+    compacted segment's records no longer hold them, and reading them back goes through its index)."""
+    seg = reader.segments[i]
+    rows = np.stack([fixture_record(reader.schema, s).example_hashes for s in range(seg.first_step, seg.first_step + seg.count)])
+    return answers(MemoryIndex(None, rows), hashes, k)
 
 
 def segment_hashes(reader: TraceReader, i: int) -> np.ndarray:
@@ -60,28 +65,39 @@ def segment_hashes(reader: TraceReader, i: int) -> np.ndarray:
     return np.concatenate([reader.read(s).example_hashes for s in range(seg.first_step, seg.first_step + seg.count)])
 
 
-@pytest.fixture(params=(0, 8, 16), ids=lambda k: f"k{k}")
+@pytest.fixture(params=[(k, c) for c in (False, True) for k in (0, 8, 16)],
+                ids=lambda p: f"k{p[0]}" + ("-compacted" if p[1] else ""))
 def written(tmp_path, monkeypatch, request):
     """seal_bytes' trace (hashes that clash in their high bits and repeat) written with the
     bucket table standing for k bits, whatever the size would choose (24, for segments of 2**26
-    examples and more, is checked on the layout alone below: its bucket table is 64 MB)."""
-    monkeypatch.setattr(index_table, "prefix_bits", lambda entries: request.param)
-    write_trace(tmp_path / "trace")
-    return TraceReader(tmp_path / "trace", make_schema()), request.param
+    examples and more, is checked on the layout alone below: its bucket table is 64 MB); its
+    sealed segments as they are, or compacted (index version 4: traces/compaction.py)."""
+    k, compact = request.param
+    monkeypatch.setattr(index_table, "prefix_bits", lambda entries: k)
+    write_trace(tmp_path / "trace", compact)
+    return TraceReader(tmp_path / "trace", make_schema()), k, compact
 
 
 def test_every_layout_answers_as_the_index_built_in_memory(written):
-    reader, k = written
+    reader, k, compact = written
     sealed = [i for i, s in enumerate(reader.segments) if s.sealed]
     assert len(sealed) == 2
     for i in sealed:
         index = reader.index(i)
-        assert isinstance(index, FileIndex) and index.version == INDEX_VERSION == 3 and index.layout.k == k
+        version = INDEX_VERSION if compact else DERIVED_INDEX_VERSION
+        assert isinstance(index, FileIndex) and index.version == version and index.layout.k == k
         hashes = segment_hashes(reader, i)
         assert answers(index, hashes, k) == memory_answers(reader, i, hashes, k)
+        if compact:  # the records' hashes come back through the slot order, a step or the segment at once
+            seg, B = reader.segments[i], reader.schema.examples_per_step
+            rows = np.stack([fixture_record(reader.schema, s).example_hashes
+                             for s in range(seg.first_step, seg.first_step + seg.count)])
+            assert np.array_equal(hashes.reshape(rows.shape), rows)
+            assert np.array_equal(index.slot_hashes(3 * B, 5 * B), rows[3:5].reshape(-1))
         sample = index.sample()  # each block's first hash, to its top k bits
-        builder, end = reader.index_builder(i)
-        exact = builder.memory_index(end).sample()
+        exact = MemoryIndex(None, np.stack([fixture_record(reader.schema, s).example_hashes for s in
+                                            range(reader.segments[i].first_step,
+                                                  reader.segments[i].first_step + reader.segments[i].count)])).sample()
         mask = np.uint64(0) if k == 0 else ~np.uint64((1 << (64 - k)) - 1)
         assert np.array_equal(sample, exact & mask)
     assert not reader.notes  # read from the files, nothing rebuilt

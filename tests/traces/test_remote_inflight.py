@@ -31,7 +31,7 @@ class Gate:
     wait for `reopen`. Counts the record-holding objects stored."""
 
     def __init__(self, store):
-        self.store, self.stored = store, 0
+        self.store, self.names = store, set()
         self.open, self.held = threading.Event(), threading.Event()
         self.open.set()
 
@@ -43,8 +43,15 @@ class Gate:
             self.held.set()
             self.open.wait()
         out = fn(key, *args)
-        self.stored += holds_records(key) and fn.__name__ != "delete"
+        if holds_records(key) and fn.__name__ != "delete":
+            self.names.add(str(key).rsplit("/", 1)[-1])
         return out
+
+    @property
+    def stored(self) -> int:
+        """Record-holding objects stored, by name: a segment stored again compacted (its records
+        without their hashes, which its index holds: traces/compaction.py) holds no new record."""
+        return len(self.names)
 
     def write_if_absent(self, key, data):
         return self._through(self.store.write_if_absent, key, data)
@@ -60,12 +67,15 @@ def test_a_cut_network_at_any_record_leaves_one_object_in_flight_and_loses_less_
         tmp_path, s3, monkeypatch):  # noqa: F811
     monkeypatch.setattr(mirror, "TAIL_RECORDS", TAIL)
     monkeypatch.setenv("REPLAY_STAGING", str(tmp_path))
-    handed, in_flight, waiting = [0], [], threading.Event()
+    handed, in_flight, waiting, handed_names = [0], [], threading.Event(), set()
     submit, wait = Uploader.submit, Uploader.wait
 
     def counted_submit(self, fn, *args):  # how many record-holding objects are handed over, not stored
         if getattr(fn, "__name__", "") in ("put", "_put_file") and holds_records(args[0]):
-            handed[0] += 1
+            name = str(args[0]).rsplit("/", 1)[-1]
+            if name not in handed_names:  # (a compacted segment replacing its sealed upload: no new records)
+                handed_names.add(name)
+                handed[0] += 1
             in_flight.append(handed[0] - gate.stored)
         return submit(self, fn, *args)
 
@@ -82,6 +92,7 @@ def test_a_cut_network_at_any_record_leaves_one_object_in_flight_and_loses_less_
         run = traces.Run.create(url, SCHEMA, {"config": {"synthetic": True}})
         gate = run.mirror.store = Gate(run.mirror.store)
         writer, appended, handed[0] = run.writer(SEGMENT), [0], 0
+        handed_names.clear()
         waiting.clear()
 
         def record():

@@ -43,9 +43,9 @@ def fixture_record(schema: Schema, step: int):
     return dataclasses.replace(rec, example_hashes=h)
 
 
-def write_trace(trace: Path) -> None:
+def write_trace(trace: Path, compact: bool = False) -> None:
     schema = make_schema()
-    w = TraceWriter(trace, schema, segment_records=SEGMENT)
+    w = TraceWriter(trace, schema, segment_records=SEGMENT, compact=compact)
     for step in range(RECORDS):
         assert w.append(fixture_record(schema, step))
     w.close()

@@ -15,10 +15,10 @@ from tests.traces.helpers import BytesRead, make_record, make_schema
 from traces.index import INDEX_HEADER_SIZE, _column_layout
 
 
-def write_run(path, n, schema=None, segment_records=7, finish=True, start=0):
+def write_run(path, n, schema=None, segment_records=7, finish=True, start=0, compact=None):
     schema = schema or make_schema()
     run = Run.create(path, schema, {"config": {"name": "test"}})
-    w = run.writer(segment_records=segment_records)
+    w = run.writer(segment_records=segment_records, compact=compact)
     for k in range(start, start + n):
         assert w.append(make_record(schema, k)) is True
     run.finish() if finish else run.close()
@@ -110,12 +110,15 @@ def test_run_round_trip_random_access_across_segments(tmp_path):
         trace.read(50)
 
 
-def test_random_access_reads_only_the_segment_it_needs(tmp_path):
+@pytest.mark.parametrize("compact", [False, True], ids=["hashes-in-records", "compacted"])
+def test_random_access_reads_only_the_segment_it_needs(tmp_path, compact):
     """Bytes read are counted from before the trace is opened: the headers and seals, the
     unsealed tail, then the index columns of the one segment holding the step and its frame
-    (the reader before indexes read the whole segment holding the step)."""
+    (the reader before indexes read the whole segment holding the step); a compacted segment's
+    record also reads its hashes from the index: its block heads, the step's slot order and the
+    table blocks of their buckets (here every block: 16 hashes in 4 blocks of 256)."""
     per, sealed, tail = 64, 8, 10
-    schema = write_run(tmp_path / "run", sealed * per + tail, segment_records=per)
+    schema = write_run(tmp_path / "run", sealed * per + tail, segment_records=per, compact=compact)
     trace_dir = tmp_path / "run" / "trace"
     step = 3 * per + 17
     with BytesRead() as read:
@@ -127,12 +130,17 @@ def test_random_access_reads_only_the_segment_it_needs(tmp_path):
     assert opened <= sealed * 48 + 48 + tail_size + 200, opened
     frame = int(np.diff(trace.offsets(3))[17])
     columns = _column_layout(schema, per)[1]
-    assert read.count - opened <= INDEX_HEADER_SIZE + columns + frame + 200, (read.count - opened, columns, frame)
-    assert read.count < (trace_dir / "000000000192.seg").stat().st_size  # less than the one segment holding it
+    hashes = 0
+    if compact:
+        lay = trace.index(3).layout
+        hashes = lay.heads_size + lay.blocks * lay.block_bytes + schema.examples_per_step * lay.k // 8
+    assert read.count - opened <= INDEX_HEADER_SIZE + columns + hashes + frame + 200, (read.count - opened, columns, frame)
+    if not compact:
+        assert read.count < (trace_dir / "000000000192.seg").stat().st_size  # less than the one segment holding it
 
 
 def test_random_access_without_an_index_walks_frame_lengths(tmp_path):
-    schema = write_run(tmp_path / "run", 3 * 64, segment_records=64)
+    schema = write_run(tmp_path / "run", 3 * 64, segment_records=64, compact=False)  # a compacted one needs it
     trace_dir = tmp_path / "run" / "trace"
     (trace_dir / "000000000064.idx").unlink()  # a segment recorded before indexes
     trace = TraceReader(trace_dir, schema)

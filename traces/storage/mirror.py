@@ -42,6 +42,7 @@ from pathlib import Path
 from traces.errors import NotARunError
 from traces.storage import PreconditionFailed, RemotePath, as_path, ondemand, open_store, tails
 from traces.storage.lease import Lease
+from traces.segment import COMPACT_VERSION, HEADER_SIZE, header_version
 from traces.storage.uploader import Uploader
 from traces.writer import TraceWriter
 
@@ -157,13 +158,14 @@ class Mirror:
 class MirroredTraceWriter(TraceWriter):
     """The local TraceWriter on the staging folder, uploading as it goes (see the module's notes)."""
 
-    def __init__(self, trace_dir, schema, segment_records, first_step, mirror: Mirror, tails_sent: dict):
+    def __init__(self, trace_dir, schema, segment_records, first_step, mirror: Mirror, tails_sent: dict,
+                 compact: bool = False):
         self.mirror = mirror
         self._tails = dict(tails_sent)  # unsealed segment name -> (bytes uploaded, next tail number)
         self._index_due: list[Path] = []  # sealed segments whose index is still to upload
         self._since, self._sent_at = 0, time.monotonic()
         self._uploads = Uploader("replay-upload")
-        super().__init__(trace_dir, schema, segment_records, first_step)
+        super().__init__(trace_dir, schema, segment_records, first_step, compact=compact)
         self._resync_tail()
 
     @property
@@ -255,6 +257,8 @@ class MirroredTraceWriter(TraceWriter):
             idx = seg.with_suffix(".idx")
             if idx.is_file():  # not written (a full disk) is a note: readers index it in memory
                 self._uploads.submit(self._put_file, idx)
+                if _compacted(seg):  # after its index: the bucket never holds it without its hashes' only copy
+                    self._uploads.submit(self._put_file, seg)
         self._index_due = []
 
     def flush(self) -> None:
@@ -272,6 +276,13 @@ class MirroredTraceWriter(TraceWriter):
             self._uploads.wait()
         if path is not None:
             self._upload_whole()
+
+
+def _compacted(segment: Path) -> bool:
+    """Whether the staged segment is a compacted one now (its header's format_version)."""
+    with open(segment, "rb") as f:
+        head = f.read(HEADER_SIZE)
+    return len(head) == HEADER_SIZE and header_version(head) >= COMPACT_VERSION
 
 
 def staging_folder() -> Path:

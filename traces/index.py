@@ -257,7 +257,7 @@ class IndexBuilder:
         E = flat.size
         version = INDEX_VERSION if compacted else DERIVED_INDEX_VERSION
         lay = index_table.TableLayout(E, K, index_table.prefix_bits(E))
-        tops = index_table.encode_tops(lay, flat) if compacted else b""  # before the sort consumes the hashes
+        tops = index_table.encode_tops(lay, flat) if compacted else np.zeros((0, 1), np.uint8)  # before the sort
         block_crc = np.zeros(lay.blocks, "<u4")
         counts = np.zeros(lay.buckets, np.int64)
         bloom = example_filter.Builder(E, version)
@@ -273,7 +273,10 @@ class IndexBuilder:
                 bloom.add(part_h)
                 b0 += table.shape[0]
             del flat  # consumed: the sort key goes before the filter's checksums and the fsync
-            f.write(tops + b"\0" * (index_table.pad8(len(tops)) - len(tops)))
+            if tops.size:
+                f.write(memoryview(tops).cast("B"))
+            f.write(b"\0" * (index_table.pad8(tops.size) - tops.size))
+            del tops
             f.write(memoryview(bloom.finish()).cast("B"))
             heads = block_crc.tobytes() + index_table.bucket_starts(counts).tobytes()
             heads += b"\0" * (lay.heads_size - len(heads))

@@ -204,12 +204,19 @@ def tops_bytes(lay: TableLayout) -> int:
     return lay.entries * (lay.k // 8)
 
 
-def encode_tops(lay: TableLayout, hashes_in_slot_order: np.ndarray) -> bytes:
-    """Each slot's top k bits, little-endian in k / 8 bytes, in slot order."""
-    if lay.k == 0:
-        return b""
-    tops = (np.asarray(hashes_in_slot_order, np.uint64).reshape(-1) >> np.uint64(64 - lay.k)).astype("<u4")
-    return np.ascontiguousarray(tops.view(np.uint8).reshape(-1, 4)[:, : lay.k // 8]).tobytes()
+_TOPS_CHUNK = 1 << 20  # slots encoded at once (their uint64 shift is the working memory: 8 MB)
+
+
+def encode_tops(lay: TableLayout, hashes_in_slot_order: np.ndarray) -> np.ndarray:
+    """uint8 [slots, k / 8]: each slot's top k bits, little-endian, in slot order; built a chunk at
+    a time, so the writer's seal holds k / 8 bytes a slot beyond the hashes (32 MB at 2**24)."""
+    h = np.asarray(hashes_in_slot_order, np.uint64).reshape(-1)
+    width = lay.k // 8
+    out = np.empty((h.size, width), np.uint8)
+    for lo in range(0, h.size if width else 0, _TOPS_CHUNK):
+        tops = (h[lo : lo + _TOPS_CHUNK] >> np.uint64(64 - lay.k)).astype("<u4")
+        out[lo : lo + _TOPS_CHUNK] = tops.view(np.uint8).reshape(-1, 4)[:, :width]
+    return out
 
 
 def decode_tops(lay: TableLayout, data: bytes) -> np.ndarray:

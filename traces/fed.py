@@ -7,8 +7,9 @@ segment; one it lets through costs the block heads (0.5 MB, once a segment) and 
 The records are never scanned; the unsealed tail (and a segment without a usable index file)
 is searched in memory. Every occurrence returned is confirmed exactly in the
 record it names before it is returned (a compacted segment's record takes its hashes from the
-index, checked against the step's examples key: traces/compaction.py). A compacted segment's
-filter is leaner (index version 4: 6 bits an example): ~6% of absent hashes read their bucket.
+index: traces/compaction.py, so a hit read from its checksummed table blocks is the record's own,
+not read again). A compacted segment's filter is leaner (index version 4: 8 bits an example):
+~2-3% of absent hashes read their bucket.
 
 At 1.4M steps (86 segments) and 1,024 hashes: ~88K filter blocks (5.6 MB, through a memory
 map), ~5 false "maybe"s a segment (so its block heads and a few table blocks), and one
@@ -26,7 +27,7 @@ import numpy as np
 
 from traces.compare import _chunks, _same_summary
 from traces.index import IndexUnusable, MemoryIndex, record_prefix
-from traces.trace import TraceReader
+from traces.trace import COMPACT_VERSION, TraceReader
 
 Places = dict[int, list[tuple[int, int]]]
 
@@ -155,6 +156,8 @@ def _confirmed(reader: TraceReader, i: int, queries: np.ndarray, limit: int, sta
             continue
         keep = (slots >= start_slot) & (slots < stop_slot)
         qi, slots = qi[keep], slots[keep]
+        if reader.segments[i].version >= COMPACT_VERSION:  # its index is the record: the blocks' checksums held
+            return qi, slots
         if _hold(reader, i, queries[qi], slots):
             return qi, slots
         if isinstance(index, MemoryIndex):

@@ -30,10 +30,11 @@ BLOCK_BITS = 480  # 60 bytes of bits, then a u32 crc32 of them
 BITS_PER_EXAMPLE = 12
 K_BITS = 6
 # Index version 4 (a compacted segment: its index holds the only copy of its example hashes, and the
-# filter is what is left of ~4 bytes an example beyond the record): 6 bits an example and 4 bits a
-# hash, a "maybe" for ~6% of absent uniform hashes (each then costs one bucket's table blocks).
-LEAN_BITS_PER_EXAMPLE = 6
-LEAN_K_BITS = 4
+# filter is what is left of ~4 bytes an example beyond the record): 8 bits an example and 5 bits a
+# hash, a "maybe" for ~2-3% of absent uniform hashes (each then costs one bucket's table blocks; 6
+# bits and 4 made it ~6%, and bench.scale's bisect of repeated data 1.4-2.2 s at 1.4M steps).
+LEAN_BITS_PER_EXAMPLE = 8
+LEAN_K_BITS = 5
 
 
 def params(index_version: int) -> tuple[int, int]:

@@ -12,11 +12,11 @@ rebuilt in memory from its segment (`MemoryIndex`), which costs reading the segm
 `IndexBuilder.write` persists one. traces/index_file.py reads the files. A compacted segment's
 index (version 4, traces/compaction.py) is the exception: its records no longer hold their
 example hashes, so it holds their only copy, with each slot's hash top bits in slot order and
-a leaner filter (6 bits an example), and cannot be rebuilt.
+a leaner filter (8 bits an example), and cannot be rebuilt.
 
 Sizes at 1,024 examples a step and 16,384 records a segment: ~50 bytes a step of columns,
 9 bytes an example in the table (12 before version 3) and 1.6 in the filter (version 4: 2 more
-of slot order, 0.8 of filter, and the records 8 smaller); ~1.4 MB of
+of slot order, 1 of filter, and the records 8 smaller); ~1.4 MB of
 columns and block heads and 27 MB of filter a segment; writing one costs ~3-4 s on the
 writer's seal thread (not the loop's), in ~6 bytes an example of working memory beyond the
 hashes the builder holds (which become the sort key): less than the file it writes.

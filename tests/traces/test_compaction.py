@@ -84,7 +84,7 @@ def test_the_index_file_is_exactly_its_layout_with_the_slot_order_and_the_lean_f
     lay = index.layout
     assert index.version == 4 and lay.entries == PER * schema.examples_per_step
     bits, k = example_filter.params(4)
-    assert (bits, k) == (6, 4)
+    assert (bits, k) == (8, 5)
     size = (INDEX_HEADER_SIZE + _column_layout(schema, PER)[1] + lay.heads_size + lay.blocks * lay.block_bytes
             + index_table.pad8(index_table.tops_bytes(lay)) + example_filter.filter_blocks(lay.entries, bits) * 64)
     assert index_path(seg.path).stat().st_size == size
@@ -93,7 +93,7 @@ def test_the_index_file_is_exactly_its_layout_with_the_slot_order_and_the_lean_f
     assert np.array_equal(index.slot_hashes(16, 48), flat[16:48])  # a few steps: their buckets only
     assert index.maybe(flat).all()
     absent = np.random.default_rng(5).integers(0, 2**64 - 1, 4000, dtype=np.uint64, endpoint=True)
-    assert 0.005 < index.maybe(absent).mean() < 0.15  # 6 bits an example, 4 a hash: ~6% expected
+    assert 0.002 < index.maybe(absent).mean() < 0.1  # 8 bits an example, 5 a hash: ~2-3% expected
 
 
 def test_searches_find_hashes_fed_in_compacted_segments(compacted):
@@ -127,7 +127,8 @@ def test_a_flipped_slot_top_is_caught_by_the_steps_examples_key(tmp_path):
     idx = index_path(seg.path)
     lay = FileIndex(idx, schema, seg.first_step, seg.count, seg.content_crc, seg.size).layout
     assert lay.k == 8
-    tops_at = idx.stat().st_size - example_filter.filter_blocks(lay.entries, 6) * 64 - index_table.pad8(index_table.tops_bytes(lay))
+    bits = example_filter.params(4)[0]
+    tops_at = idx.stat().st_size - example_filter.filter_blocks(lay.entries, bits) * 64 - index_table.pad8(index_table.tops_bytes(lay))
     data = bytearray(idx.read_bytes())
     data[tops_at + 9 * B + 5] ^= 0x5A  # step 137, position 5
     idx.write_bytes(bytes(data))

@@ -114,15 +114,20 @@ def run_bytes(steps: int, examples: int) -> int:
     return steps * (26 * examples + 200)  # records (~12 B an example), index table (12 B) and filter (1.6 B)
 
 
-def mem_available() -> int | None:
-    """MemAvailable of /proc/meminfo (what the page cache can hold besides what runs), bytes."""
+def meminfo(field: str) -> int | None:
+    """A field of /proc/meminfo, bytes."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
+
+
+def mem_available() -> int | None:
+    """MemAvailable (what the page cache can hold besides what runs), bytes."""
+    return meminfo("MemAvailable")
 
 
 def files_of(*runs: Path) -> list[Path]:
@@ -262,17 +267,21 @@ def bench_size(root: Path, steps: int, examples: int, cache: str = "warm", repea
                  "fits_in_page_cache": None if available is None else footprint < available,
                  "cache": cache, "write_seconds": {k: round(v, 1) for k, v in written.items()},
                  "commands": {}}
+    # the three runs just written leave GBs dirty in the page cache; written back while a command
+    # runs, they would compete with its reads (and its time would be the writer's, not its own)
+    os.sync()
     for name, args in commands.items():
         paths = files_of(*reads[name])
         (drop_cache if cache == "cold" else warm)(paths)
         share = resident(paths)
+        dirty = meminfo("Dirty")
         # cold: once, since a second run would find the first one's reads in the page cache
         result = measure(args, root / f"{name}.out", 1 if cache == "cold" else repeats)
         text = (root / f"{name}.out").read_text(errors="replace")
         row = {"seconds": round(result["seconds"], 3), "cpu_seconds": round(result["cpu_seconds"], 3),
                "load_average": round(os.getloadavg()[0], 1),
                "peak_rss_mb": round(result["peak_rss_mb"], 1), "disk_read_mb": round(result["disk_read_mb"], 1),
-               "resident_before": share,
+               "resident_before": share, "dirty_mb_before": None if dirty is None else round(dirty / 1e6, 1),
                "exit_code": result["exit_code"]}
         if name.startswith("bisect"):
             try:

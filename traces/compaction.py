@@ -7,9 +7,9 @@ audit. Stored twice, they made the index as large as the records. So a writer of
 compacts each segment once it is sealed, on its seal thread: the same records without their
 example hashes, in a segment with header version 3, whose index (version 4) is then their only
 copy: the sorted table, plus each slot's hash top bits in slot order (traces/index_table.py),
-from which a step's hashes are found again. At 1,024 examples a step the index is then ~11.9
-bytes an example and the records 8 less: ~3.9 bytes an example beyond the records, where it was
-10.7 (bench.scale measures both on a written run).
+from which a step's hashes are found again. At 1,024 examples a step the index is then 12.15
+bytes an example and the records 8.24 less: 3.91 bytes an example beyond the records, where it
+was 10.7 (bench.scale measures both on a written run).
 
 Order, so that a crash at any point loses nothing: the compacted copy is written beside the
 sealed segment (`NNNN.seg.tmp`) and fsynced; its index is written (tmp, fsync, rename); then the

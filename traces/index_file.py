@@ -34,6 +34,9 @@ from traces.storage import is_remote
 
 PAGE = mmap.PAGESIZE
 _SLOT_CHUNK_BLOCKS = 4096  # table blocks decoded at once when rebuilding many slots' hashes (~9 MB)
+# slot_hashes of more than 1/WHOLE_TABLE_SHARE of a segment decodes its whole table: each slot read
+# alone costs its bucket's blocks (~2-5 KB), so past this share the whole table is fewer bytes
+WHOLE_TABLE_SHARE = 64
 
 
 class FileIndex:
@@ -318,6 +321,11 @@ class FileIndex:
         hashes, slots = self._blocks(wanted.tolist())
         return _hits(hashes, slots, queries, limit)
 
+    def reads_whole_table(self, slots: int) -> bool:
+        """Whether slot_hashes of `slots` slots decodes the whole table (more than 1/64 of them, or
+        no slot order bits to find their buckets by)."""
+        return self.layout.k == 0 or WHOLE_TABLE_SHARE * slots >= self.entries
+
     def slot_hashes(self, lo: int, hi: int) -> np.ndarray:
         """uint64 [hi - lo]: the example hashes of slots lo..hi-1 (version 4, a compacted segment's
         only copy). A few steps: their slots' top bits name their buckets, whose blocks are read
@@ -331,7 +339,7 @@ class FileIndex:
         if n <= 0:
             return np.zeros(0, np.uint64)
         self._heads()
-        if lay.k == 0 or 64 * n >= self.entries:
+        if self.reads_whole_table(n):
             parts = []
             for first in range(0, self.blocks, _SLOT_CHUNK_BLOCKS):
                 stop = min(self.blocks, first + _SLOT_CHUNK_BLOCKS)
@@ -360,7 +368,7 @@ class FileIndex:
         them ahead."""
         if self.version < 4 or hi <= lo or not self.blocks:
             return []
-        if self.layout.k == 0 or 64 * (hi - lo) >= self.entries:
+        if self.reads_whole_table(hi - lo):
             size = self._block_size
             return [(self._table_at + first * size, (min(self.blocks, first + _SLOT_CHUNK_BLOCKS) - first) * size)
                     for first in range(0, self.blocks, _SLOT_CHUNK_BLOCKS)]

@@ -304,7 +304,7 @@ class TraceReader:
         if not isinstance(index, FileIndex):
             raise self._lost(i, "it is missing or cannot be used")
         try:
-            if 64 * (hi - lo) >= seg.count:
+            if index.reads_whole_table((hi - lo) * self.schema.examples_per_step):
                 return self._cached(("hashes", i), lambda: self._checked_rows(i, index, 0, seg.count))[lo:hi]
             return self._checked_rows(i, index, lo, hi)
         except IndexUnusable as e:
@@ -320,9 +320,9 @@ class TraceReader:
         index = self._file_index(i)
         if not isinstance(index, FileIndex):
             return []
-        if 64 * (hi - lo) >= seg.count:
-            lo, hi = 0, seg.count
         B = self.schema.examples_per_step
+        if index.reads_whole_table((hi - lo) * B):
+            lo, hi = 0, seg.count
         return index.slot_hashes_spans(lo * B, hi * B)
 
     def _checked_rows(self, i: int, index: FileIndex, lo: int, hi: int) -> np.ndarray:

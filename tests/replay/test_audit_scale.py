@@ -12,6 +12,7 @@ from replay.audit import tables as audit_tables
 from replay.audit import audit, audit_hashes, audit_trace, read_example_hashes
 from replay.bisect.data import seen_before
 from tests.replay.test_audit import B, make_run, mix, order_ids, resume_repeat
+from tests.replay.test_cli_show import assert_one_error_line, invoke, tree_digest
 from traces import Run
 
 
@@ -163,6 +164,11 @@ def test_a_damaged_index_of_a_compacted_segment_stops_the_audit_naming_it(tmp_pa
     idx.write_bytes(bytes(raw))
     with pytest.raises(Exception, match=f"{idx.name}.*only copy"):
         audit(run, source=False)
+    # and the command says it in one line, exit 2 (bad input), the run untouched
+    before = tree_digest(run)
+    line = assert_one_error_line(invoke("audit", str(run)))
+    assert idx.name in line and "only copy" in line and "restore" in line, line
+    assert tree_digest(run) == before
 
 
 def _scan_seen(runs, step, positions, limit=5):

@@ -88,43 +88,27 @@ def test_a_sketched_schema_refuses_a_layer_record_without_sketches():
     np.testing.assert_array_equal(back.sketches, rec.sketches)
 
 
-def test_a_version_1_reader_refuses_a_version_2_run(tmp_path, monkeypatch):
+@pytest.mark.parametrize("reader, steps, segment_version", [
+    pytest.param(1, 1, 2, id="a version-1 reader refuses a newer run and its version-2 segment"),
+    pytest.param(2, 3, 3, id="a version-2 reader refuses a version-3 run and its compacted segment"),
+])
+def test_an_older_reader_refuses_a_newer_run(tmp_path, monkeypatch, reader, steps, segment_version):
     schema = _schema()
-    run = Run.create(tmp_path / "v2", schema, {})
-    w = run.writer()
-    w.append(_record(schema, 0))
-    w.close()
-    run.finish()
-    # The version-1 reader is this code with its version constant at 1: the check is the same code.
-    import traces.manifest as trun
-    import traces.segment as tseg
-    import traces.trace as ttrace
-
-    for mod in (trun, tseg, ttrace):
-        monkeypatch.setattr(mod, "FORMAT_VERSION", 1)
-    with pytest.raises(NewerFormatError, match="format_version 3, this replay reads up to 1: upgrade replay"):
-        Run.open(tmp_path / "v2")
-    # The segment header refuses it too (a trace read without its manifest).
-    with pytest.raises(NewerFormatError, match="trace format_version 2"):
-        traces.TraceReader(tmp_path / "v2" / "trace", schema)
-
-
-def test_a_version_2_reader_refuses_a_version_3_run_and_its_compacted_segments(tmp_path, monkeypatch):
-    schema = _schema()
-    run = Run.create(tmp_path / "v3", schema, {})
-    w = run.writer(segment_records=2)
-    for k in range(3):
+    run = Run.create(tmp_path / "run", schema, {})
+    w = run.writer(segment_records=2)  # 3 steps: the first segment sealed, so compacted (version 3)
+    for k in range(steps):
         w.append(_record(schema, k))
     w.close()
     run.finish()
+    # The older reader is this code with its version constant lowered: the check is the same code.
     import traces.manifest as trun
     import traces.segment as tseg
     import traces.trace as ttrace
 
     for mod in (trun, tseg, ttrace):
-        monkeypatch.setattr(mod, "FORMAT_VERSION", 2)
-    with pytest.raises(NewerFormatError, match="format_version 3, this replay reads up to 2: upgrade replay"):
-        Run.open(tmp_path / "v3")
-    # Its compacted segment's header refuses it too (a trace read without its manifest).
-    with pytest.raises(NewerFormatError, match="trace format_version 3"):
-        traces.TraceReader(tmp_path / "v3" / "trace", schema)
+        monkeypatch.setattr(mod, "FORMAT_VERSION", reader)
+    with pytest.raises(NewerFormatError, match=f"format_version 3, this replay reads up to {reader}: upgrade replay"):
+        Run.open(tmp_path / "run")
+    # The segment header refuses it too (a trace read without its manifest).
+    with pytest.raises(NewerFormatError, match=f"trace format_version {segment_version}"):
+        traces.TraceReader(tmp_path / "run" / "trace", schema)

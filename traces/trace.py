@@ -43,6 +43,7 @@ from traces.segment import (  # noqa: F401 - re-exported: the layout's names hav
 _FRAME = struct.Struct("<II")
 READ_AHEAD = 16  # remote segments whose index headers are requested together (traces/storage/path.py)
 _BUILD_CHUNK = 1024  # frames read at once when building an index (~12 MB at 1,024 examples a step)
+STEPS_HASHES_HELD = 16  # single steps' hashes of compacted segments held (8 KB each at 1,024 examples)
 
 
 def _bound_by_frames(index: FileIndex, seg: _Segment) -> FileIndex:
@@ -80,6 +81,7 @@ class TraceReader:
         self._dctx = _decompressor()
         self._memory: OrderedDict[tuple, MemoryIndex] = OrderedDict()  # indexes built in memory, most recent last
         self._cache_size = max(1, cache_segments)
+        self._steps_hashes: OrderedDict[tuple, np.ndarray] = OrderedDict()  # single steps' hashes read lately
         self.segments: list[_Segment] = []
         self.damage: list[Damage] = []
         self.notes: list[str] = []  # what was rebuilt (an index missing or damaged), once each
@@ -306,7 +308,20 @@ class TraceReader:
         try:
             if index.reads_whole_table((hi - lo) * self.schema.examples_per_step):
                 return self._cached(("hashes", i), lambda: self._checked_rows(i, index, 0, seg.count))[lo:hi]
-            return self._checked_rows(i, index, lo, hi)
+            if hi - lo != 1:
+                return self._checked_rows(i, index, lo, hi)
+            # One step: read again and again by a command that looks at one step several ways (a
+            # bisect compares the step, reads it, then finds where its examples were fed before:
+            # 4 reads of each run's, ~50 ms each at 1,024 examples), so the last few are held.
+            key = (seg.path.name, lo)
+            if key in self._steps_hashes:
+                self._steps_hashes.move_to_end(key)
+                return self._steps_hashes[key]
+            rows = self._steps_hashes[key] = self._checked_rows(i, index, lo, hi)
+            rows.flags.writeable = False  # held: a caller must not change what the next one reads
+            while len(self._steps_hashes) > STEPS_HASHES_HELD:
+                self._steps_hashes.popitem(last=False)
+            return rows
         except IndexUnusable as e:
             self._index_unusable(seg, e)
             raise self._lost(i, str(e)) from None

@@ -252,3 +252,30 @@ def test_a_truncated_compacted_segment_reads_its_whole_records_and_no_writer_cut
     with pytest.raises(TraceCorruptError, match="cannot append"):
         Run.resume(run).writer(segment_records=PER)
     assert seg.stat().st_size == (path / "trace" / "000000000007.seg").stat().st_size * 2 // 3  # not cut
+
+
+def test_a_step_read_again_reads_its_hashes_from_the_index_once(tmp_path, monkeypatch):
+    """A command that looks at one step several ways (bisect: compare, read, seen-before) reads
+    its hashes from the index once; the last STEPS_HASHES_HELD steps are held, no more. Segments
+    of 128 records of 16 examples: one step is under 1/64 of one, so read by its buckets."""
+    from traces import trace as trace_mod
+
+    schema = make_schema()
+    path = tmp_path / "run"
+    run = Run.create(path, schema, {"config": {"name": "held"}})
+    w = run.writer(segment_records=128)
+    for k in range(160):
+        w.append(make_record(schema, k))
+    run.finish()
+    calls = []
+    real = FileIndex.slot_hashes
+    monkeypatch.setattr(FileIndex, "slot_hashes", lambda self, lo, hi: calls.append((lo, hi)) or real(self, lo, hi))
+    monkeypatch.setattr(trace_mod, "STEPS_HASHES_HELD", 2)
+    trace = Run.open(path).trace
+    for _ in range(4):
+        assert same_bits(schema, make_record(schema, 9), trace.read(9))
+    assert len(calls) == 1
+    for step in (10, 11, 9):  # 9 pushed out by two others: read again
+        assert same_bits(schema, make_record(schema, step), trace.read(step))
+    assert len(calls) == 4
+    assert not trace.segment_hashes(0, 9, 10).flags.writeable  # what the next reader gets cannot be changed

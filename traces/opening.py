@@ -90,6 +90,36 @@ def open_segments(reader: TraceReader) -> None:
     _check_start(reader, paths)
 
 
+def reopen_compacted(reader: TraceReader, i: int) -> bool:
+    """Whether segment i, opened before its writer compacted it (FORMAT.md, "Compacted segments":
+    the compacted copy renamed over the sealed segment, or over what was the tail when this
+    reader opened it), is now that compacted segment, whole; then it replaces the one opened
+    (its offsets, index and columns, all of the old file, dropped with it). A reader of a live
+    run otherwise reads the new file at the old file's offsets: a checksum error for a healthy
+    run. Reads its header and seal."""
+    seg = reader.segments[i]
+    if seg.version >= COMPACT_VERSION:
+        return False
+    try:
+        with SegmentFile(seg.path, seg.first_step) as f:
+            if f.size < HEADER_SIZE or header_version(f.read(0, HEADER_SIZE)) < COMPACT_VERSION:
+                return False
+    except (TraceCorruptError, NewerFormatError):
+        return False
+    held, damage = reader.segments, len(reader.damage)
+    reader.segments = []
+    try:
+        stop = _open_segment(reader, seg.path, seg.first_step, is_last=False)
+        fresh = reader.segments
+    finally:
+        reader.segments = held
+    if stop or len(fresh) != 1 or not fresh[0].sealed or fresh[0].count < seg.count:
+        del reader.damage[damage:]  # not the compacted segment whole: the caller's error stands
+        return False
+    held[i] = fresh[0]
+    return True
+
+
 def _unreachable(reader: TraceReader, later: list[Path]) -> None:
     """One entry for every segment after the damage, however many: the first damage is the news."""
     if later:

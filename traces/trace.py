@@ -31,7 +31,7 @@ from traces.errors import SchemaError, TraceCorruptError
 from traces.index import INDEX_HEADER_SIZE, IndexBuilder, IndexUnusable, MemoryIndex, StepColumns, index_path
 from traces.compaction import check_rows, splice
 from traces.index_file import FileIndex
-from traces.opening import Damage, _Segment, describe_damage, open_segments  # noqa: F401 - Damage re-exported
+from traces.opening import Damage, _Segment, describe_damage, open_segments, reopen_compacted  # noqa: F401 - Damage re-exported
 from traces.schema import Schema, StepRecord, decode_record
 from traces.storage import as_path, is_remote
 from traces.segment import (  # noqa: F401 - re-exported: the layout's names have always been here
@@ -217,6 +217,8 @@ class TraceReader:
         for a in range(0, seg.count, _BUILD_CHUNK):
             b = min(seg.count, a + _BUILD_CHUNK)
             data, base, offs = self.frames(i, a, b)
+            if self.segments[i] is not seg:  # compacted since this reader opened it: built from that one
+                return self.index_builder(i, keep_hashes)
             rows = self.segment_hashes(i, a, b) if compacted else [None] * (b - a)
             crc = zlib.crc32(data, crc)
             view = memoryview(data)
@@ -265,8 +267,22 @@ class TraceReader:
         at, end = int(seg.offsets[k]), int(seg.offsets[k + 1])
         frame = read_at(seg.path, at, end - at, step)
         if check_frames(frame, at, [at, end]) is not None or len(frame) != end - at:
+            i = self._segment_index(step)
+            if self.reopened(i):
+                self.offsets(i)
+                return self._frame_body(self.segments[i], k, step)
             raise corrupt(seg.path, step, at, "record checksum mismatch")
         return frame[FRAME_HEAD:]
+
+    def reopened(self, i: int) -> bool:
+        """Whether segment i was compacted by a live run's writer since this reader opened it, and
+        is now read as the compacted segment (traces/opening.py `reopen_compacted`): the caller
+        whose read of it failed reads it again."""
+        if not reopen_compacted(self, i):
+            return False
+        for key in [key for key in self._memory if key[1] == i]:
+            del self._memory[key]
+        return True
 
     def raw_frame(self, step: int) -> bytes:
         """The stored (compressed) body of a step's frame, checksum verified."""
@@ -356,8 +372,8 @@ class TraceReader:
 
     def raw_record(self, step: int) -> bytes:
         """A step's record, decompressed (checksum and step checked)."""
-        seg = self.segments[self._segment_index(step)] if step in self else None
-        return self._raw(seg, step, self.raw_frame(step))
+        body = self.raw_frame(step)  # first: a segment compacted since it was opened is re-opened here
+        return self._raw(self.segments[self._segment_index(step)], step, body)
 
     def read(self, step: int) -> StepRecord:
         raw = self.raw_record(step)
@@ -381,6 +397,8 @@ class TraceReader:
         base = int(offsets[0])
         data = read_at(seg.path, base, int(offsets[-1]) - base, seg.first_step + lo)
         bad = check_frames(data, base, offsets, lo) if len(data) == int(offsets[-1]) - base else lo
+        if bad is not None and self.reopened(i):
+            return self.frames(i, lo, hi)
         if bad is not None:
             raise corrupt(seg.path, seg.first_step + bad, int(self.offsets(i)[bad]), "record checksum mismatch")
         return data, base, offsets

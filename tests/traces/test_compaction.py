@@ -279,3 +279,57 @@ def test_a_step_read_again_reads_its_hashes_from_the_index_once(tmp_path, monkey
         assert same_bits(schema, make_record(schema, step), trace.read(step))
     assert len(calls) == 4
     assert not trace.segment_hashes(0, 9, 10).flags.writeable  # what the next reader gets cannot be changed
+
+
+def _swap_in(src, dst, first_step):
+    """What a live run's writer does to a segment once sealed: its compacted copy's index
+    written, then the copy renamed over the segment (here copied from `src`, the same records
+    compacted)."""
+    import shutil
+
+    name = f"{first_step:012d}"
+    for suffix in (".idx", ".seg"):
+        tmp = dst / "trace" / f"{name}{suffix}.swap"
+        shutil.copyfile(src / "trace" / f"{name}{suffix}", tmp)
+        os.replace(tmp, dst / "trace" / f"{name}{suffix}")
+
+
+def _live(root, schema, steps):
+    """A run being written, not compacting (so its writer leaves the sealed segments as they were
+    before compaction), open; with a reader that already read segment 1's frame offsets."""
+    run = Run.create(root, schema, {"config": {"name": "compaction"}})
+    w = run.writer(segment_records=PER, compact=False)
+    for k in range(steps):
+        w.append(make_record(schema, k))
+    w.flush()
+    w._wait_seal()  # segment 7..13's index written (else it could land after the swap below)
+    trace = Run.open(root).trace
+    trace.offsets(1)
+    return w, trace
+
+
+READS = {"read": lambda t: [t.read(step) for step in range(7, 10)],
+         "columns": lambda t: columns.read_example_hashes(t, 7, 10),
+         "check_bytes": lambda t: t.check_bytes(),
+         "verify": lambda t: t.verify()}
+
+
+@pytest.mark.parametrize("opened_as", ["sealed", "tail"])
+@pytest.mark.parametrize("how", sorted(READS))
+def test_a_reader_of_a_live_run_reads_a_segment_compacted_since_it_opened_it(compacted, tmp_path, opened_as, how):
+    """A reader that opened a segment before its writer compacted it (sealed and not compacted
+    yet, or still the tail) reads the compacted file the writer renamed over it: its records,
+    their hashes, its checksums, never a false "damaged"."""
+    path, schema, recs = compacted
+    w, trace = _live(tmp_path / "live", schema, 14 if opened_as == "sealed" else 10)  # 7..13 sealed, or a tail of 3
+    assert (trace.segments[1].version, trace.segments[1].sealed) == (HASHED_VERSION, opened_as == "sealed")
+    _swap_in(path, tmp_path / "live", 7)
+    got = READS[how](trace)
+    if how == "read":
+        assert all(same_bits(schema, recs[r.step], r) for r in got)
+    elif how == "columns":
+        assert np.array_equal(got, np.stack([recs[k].example_hashes for k in range(7, 10)]))
+    elif how == "verify":
+        assert got == []
+    assert trace.segments[1].version == COMPACT_VERSION and trace.segments[1].sealed
+    w.close()

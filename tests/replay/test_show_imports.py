@@ -1,5 +1,7 @@
 """`replay show` starts without JAX (issue 12: show within a second at 1.4M steps, where JAX's
-import alone took longer than the budget's second). Only a fresh process can tell."""
+import alone took longer than the budget's second) and without pydantic (typer 0.29 coerces every
+parameter through it: ~0.12 s of every command's start-up; pyproject.toml keeps typer below it).
+Only a fresh process can tell."""
 
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ try:
     runpy.run_module("replay.cli.app", run_name="__main__")
 except SystemExit as e:
     code = e.code
-heavy = sorted({m.split(".")[0] for m in sys.modules} & {"jax", "jaxlib", "orbax", "optax", "trainer", "matplotlib"})
+heavy = sorted({m.split(".")[0] for m in sys.modules} & {"jax", "jaxlib", "orbax", "optax", "trainer", "matplotlib",
+                                                  "pydantic"})
 print("exit", code, "heavy", heavy, file=sys.stderr)
 """
 

@@ -96,39 +96,56 @@ def _finite_rows_median_mad(rows: np.ndarray, work: np.ndarray) -> tuple[np.ndar
 
 def rolling_scores(values_N: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(baseline, spread, score) of each value against the `window` values before it (NaN for
-    the first `window`, and where fewer than MIN_WINDOW of them are finite).
-
-    Scored ROLLING_CHUNK windows at a time, so memory is 3 floats a step plus a bounded working
-    set (a whole-run window matrix would be 400 bytes a step at --window 50)."""
-    v = np.asarray(values_N, np.float64)
+    the first `window`, and where fewer than MIN_WINDOW of them are finite): whole-run arrays,
+    24 bytes a step (the plot's curves); `scan` reads the same chunks without holding them."""
+    v = _floats(values_N)
     n = v.size
     base, spread, score = (np.full(n, np.nan) for _ in range(3))
+    for lo, med, sp, s in _scored_chunks(v, window):
+        at = slice(window + lo, window + lo + s.size)
+        base[at], spread[at], score[at] = med, sp, s
+    return base, spread, score
+
+
+def _floats(values_N: Any) -> np.ndarray:
+    """The values as a float array, float32 kept (a run's metric column: each chunk is widened
+    to float64 exactly, so the whole run is never held twice)."""
+    v = np.asarray(values_N)
+    return v if v.dtype in (np.float32, np.float64) else v.astype(np.float64)
+
+
+def _scored_chunks(v: np.ndarray, window: int):
+    """(lo, baseline, spread, score) for ROLLING_CHUNK values at a time: those of v[window + lo:]
+    against the `window` values before each, as float64 (NaN where fewer than MIN_WINDOW of
+    them are finite). Memory: the chunk's working set (~0.8 MB each at --window 50), nothing a
+    step: at 1.4M steps the whole-run temporaries (finite copy, running counts, three outputs)
+    were ~110 MB of fresh pages, written once and faulted in first."""
+    n = v.size
     if n <= window:
-        return base, spread, score
-    finite = np.where(np.isfinite(v), v, np.nan)
-    windows = np.lib.stride_tricks.sliding_window_view(finite, window)[:-1]  # row i = v[i : i+window], before i+window
-    counted = np.r_[0, np.cumsum(np.isfinite(v))]
-    finite_in = counted[window:-1] - counted[: n - window]  # finite values in row i's window
+        return
+    windows = np.lib.stride_tricks.sliding_window_view(v, window)[:-1]  # row i = v[i : i+window], before i+window
     work = np.empty((2, min(ROLLING_CHUNK, windows.shape[0]), window))
     for lo in range(0, windows.shape[0], ROLLING_CHUNK):
-        win = windows[lo : lo + ROLLING_CHUNK]
-        at = slice(window + lo, window + lo + win.shape[0])
-        enough = finite_in[lo : lo + win.shape[0]] >= MIN_WINDOW
+        m = min(ROLLING_CHUNK, windows.shape[0] - lo)
+        span = v[lo : lo + m + window].astype(np.float64)  # the chunk's windows, then the values they score
+        finite = np.isfinite(span)
+        counted = np.r_[0, np.cumsum(finite)]
+        enough = counted[window : window + m] - counted[:m] >= MIN_WINDOW  # finite values in each row's window
         with np.errstate(all="ignore"), warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN windows: masked out below
-            if np.all(finite_in[lo : lo + win.shape[0]] == window):  # no NaN: one sort a row
-                med, mad = _finite_rows_median_mad(win, work)
+            if finite[: m + window - 1].all():  # no NaN: one sort a row
+                med, mad = _finite_rows_median_mad(windows[lo : lo + m], work)
             else:
+                win = np.lib.stride_tricks.sliding_window_view(np.where(finite, span, np.nan)[: m + window - 1], window)
                 med = _row_nanmedian(win)
                 mad = _row_nanmedian(np.abs(win - med[:, None]))
         sp = np.maximum(np.maximum(MAD_SCALE * mad, REL_FLOOR * np.abs(med)), 1e-12)
         med[~enough], sp[~enough] = np.nan, np.nan
-        base[at], spread[at] = med, sp
+        scored = span[window:]
         with np.errstate(all="ignore"):
-            s = (v[at] - med) / sp
-        s[~np.isfinite(v[at]) & enough] = np.inf  # a NaN or inf loss is always a spike
-        score[at] = s
-    return base, spread, score
+            s = (scored - med) / sp
+        s[~finite[window:] & enough] = np.inf  # a NaN or inf loss is always a spike
+        yield lo, med, sp, s
 
 
 def _json_safe(obj: Any) -> Any:
@@ -206,15 +223,21 @@ def check_metric(run: Run, name: str = DEFAULT_METRIC) -> int:
     raise SpikeInputError(f"{shown(run)}: records no metric named {name!r} (its metrics: {have}); {how}")
 
 
-def _loss_curve(run: Run, name: str = DEFAULT_METRIC) -> tuple[np.ndarray, np.ndarray]:
-    """The metric's column, read from the segments' indexes (traces.columns): at 1.4M steps
-    ~75 MB of index columns read and 4 bytes a step held, no record decoded."""
+def _loss_column(run: Run, name: str = DEFAULT_METRIC) -> tuple[int, np.ndarray]:
+    """(the first step, the metric's column in its recorded dtype), read from the segments'
+    indexes (traces.columns): at 1.4M steps ~75 MB of index columns read and 4 bytes a step
+    held, no record decoded."""
     trace = run.trace
     check_metric(run, name)
     if len(trace) == 0:
         raise SpikeInputError(f"{shown(run)}: the trace holds no steps (was it recorded with trace.level=off?)")
-    steps = np.arange(trace.start, trace.end)
-    return steps, columns.metric(trace, name).astype(np.float64)
+    return trace.start, columns.metric(trace, name)
+
+
+def _loss_curve(run: Run, name: str = DEFAULT_METRIC) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, the metric as float64): the whole curve, for plots."""
+    start, loss = _loss_column(run, name)
+    return np.arange(start, start + loss.size), loss.astype(np.float64)
 
 
 def scan(run: Run, window: int = DEFAULT_WINDOW, threshold: float = DEFAULT_THRESHOLD,
@@ -222,22 +245,33 @@ def scan(run: Run, window: int = DEFAULT_WINDOW, threshold: float = DEFAULT_THRE
     """Every recorded step whose `metric` (the loss) scores at least `threshold` against the previous window.
 
     Vectorised over the run (rows of windows sorted by numpy: one sort a row where no value is
-    NaN, _finite_rows_median_mad; two, _row_nanmedian, where some are): rolling_scores of 1.4M
-    finite losses at --window 50 in 0.29 s on this 2-core VM (0.62 s with two sorts a row);
-    memory ~40 bytes a step."""
+    NaN, _finite_rows_median_mad; two, _row_nanmedian, where some are), ROLLING_CHUNK steps at a
+    time, keeping only the spikes and the highest score: memory is the metric's column (4 bytes
+    a step) and a chunk's working set. At 1.4M float32 losses, --window 50, in a fresh process on
+    this 2-core VM: 0.49-0.71 s and 49 MB peak (whole-run arrays: 0.67-1.18 s, 130 MB; the same
+    spikes); `replay spike` of a 350k-step run 0.66-0.76 -> 0.48-0.54 s, the same JSON."""
     check_window(window, threshold)
-    steps, loss = _loss_curve(run, metric)
-    if steps.size <= window:
-        raise SpikeInputError(f"{shown(run)} records {steps.size} steps ({steps[0]}..{steps[-1]}), too few for a baseline "
-                              f"of --window {window} previous steps: pass a smaller --window (at least {MIN_WINDOW})")
-    base, spread, score = rolling_scores(loss, window)
-    result = Scan(shown(run), window, threshold, (int(steps[window]), int(steps[-1])))
+    start, loss = _loss_column(run, metric)
+    return scan_values(shown(run), start, loss, window, threshold)
 
-    def spike(i: int) -> Spike:
-        return Spike(int(steps[i]), float(loss[i]), float(base[i]), float(spread[i]), float(score[i]))
 
-    scored = ~np.isnan(score)
-    result.spikes = [spike(i) for i in np.flatnonzero(scored & (score >= threshold)).tolist()]
-    if scored.any():
-        result.max_score = spike(int(np.flatnonzero(scored)[np.argmax(score[scored])]))  # the first of the highest
+def scan_values(name: str, start: int, values_N: np.ndarray, window: int = DEFAULT_WINDOW,
+                threshold: float = DEFAULT_THRESHOLD) -> Scan:
+    """`scan` of values recorded at steps start, start + 1, ...; `name` names the run in messages."""
+    loss = _floats(values_N)
+    if loss.size <= window:
+        raise SpikeInputError(f"{name} records {loss.size} steps ({start}..{start + loss.size - 1}), too few for a "
+                              f"baseline of --window {window} previous steps: pass a smaller --window (at least {MIN_WINDOW})")
+    result = Scan(name, window, threshold, (start + window, start + loss.size - 1))
+    for lo, base, spread, score in _scored_chunks(loss, window):
+        def spike(j: int) -> Spike:
+            i = window + lo + j
+            return Spike(start + i, float(loss[i]), float(base[j]), float(spread[j]), float(score[j]))
+
+        scored = ~np.isnan(score)
+        result.spikes += [spike(j) for j in np.flatnonzero(scored & (score >= threshold)).tolist()]
+        if scored.any():
+            best = spike(int(np.flatnonzero(scored)[np.argmax(score[scored])]))  # the chunk's first of its highest
+            if result.max_score is None or best.score > result.max_score.score:  # the run's first of the highest
+                result.max_score = best
     return result

@@ -8,7 +8,8 @@ import warnings
 import numpy as np
 import pytest
 
-from replay.spike.detect import MIN_WINDOW, _finite_rows_median_mad, _row_nanmedian, rolling_scores
+from replay.spike.detect import (MIN_WINDOW, ROLLING_CHUNK, _finite_rows_median_mad, _row_nanmedian,
+                                 rolling_scores, scan_values)
 
 
 @pytest.mark.parametrize("width", [1, 5, 6, 50, 51])
@@ -79,3 +80,49 @@ def test_rolling_scores_without_nan_match_a_direct_computation():
         med = np.median(w)
         sp = max(1.4826 * np.median(np.abs(w - med)), 1e-3 * abs(med), 1e-12)
         assert (base[i], spread[i], score[i]) == (med, sp, (v[i] - med) / sp)
+
+
+def _fields(spike) -> tuple:
+    return (spike.step, spike.loss, spike.baseline, spike.spread, spike.score)
+
+
+def _whole_run(start: int, v: np.ndarray, window: int, threshold: float) -> tuple[list, tuple]:
+    """The spikes and the first highest score as rolling_scores' whole-run arrays give them."""
+    base, spread, score = rolling_scores(v.astype(np.float64), window)
+    at = lambda i: (start + i, float(v[i]), float(base[i]), float(spread[i]), float(score[i]))  # noqa: E731
+    scored = ~np.isnan(score)
+    return ([at(i) for i in np.flatnonzero(scored & (score >= threshold))],
+            at(int(np.flatnonzero(scored)[np.argmax(score[scored])])))
+
+
+def _bits(rows) -> bytes:
+    return np.array(rows, np.float64).tobytes()
+
+
+def test_scan_chunk_by_chunk_gives_the_whole_run_scores():
+    """`replay spike` scores ROLLING_CHUNK steps at a time and keeps only the spikes and the highest
+    score (no whole-run arrays: at 1.4M steps they were ~110 MB of fresh pages): the same steps,
+    losses, baselines, spreads and scores, bit for bit, as the whole-run arrays, across chunks
+    with and without NaN, an inf, a float32 column; the first of two equal highest scores in
+    different chunks is the run's. The comparison sees a changed loss."""
+    window, threshold, start = 50, 6.0, 100
+    rng = np.random.default_rng(7)
+    v = (5 + 0.05 * rng.standard_normal(3 * ROLLING_CHUNK + 777)).astype(np.float32)
+    v[[ROLLING_CHUNK - 1, ROLLING_CHUNK, ROLLING_CHUNK + 60]] = np.nan  # NaNs at a chunk's edge: the NaN path
+    v[2 * ROLLING_CHUNK + 5] = np.inf
+    v[[500, 3 * ROLLING_CHUNK + 100]] = 6.0  # spikes in the first and last chunks
+    got = scan_values("run", start, v, window, threshold)
+    spikes, best = _whole_run(start, v, window, threshold)
+    assert len(got.spikes) >= 5 and got.scanned == (start + window, start + v.size - 1)
+    assert _bits([_fields(s) for s in got.spikes]) == _bits(spikes)
+    assert _bits(_fields(got.max_score)) == _bits(best) and got.max_score.score == np.inf
+
+    changed = v.copy()
+    changed[3 * ROLLING_CHUNK + 100] = 6.5
+    assert _bits(_whole_run(start, changed, window, threshold)[0]) != _bits(spikes)
+
+    flat = np.full(3 * ROLLING_CHUNK, 5.0, np.float32)
+    flat[[500, 2 * ROLLING_CHUNK + 500]] = 6.0  # the same baseline and spread: equal scores in two chunks
+    got = scan_values("run", 0, flat, window, threshold)
+    assert [s.step for s in got.spikes] == [500, 2 * ROLLING_CHUNK + 500]
+    assert _fields(got.max_score) == _whole_run(0, flat, window, threshold)[1] and got.max_score.step == 500

@@ -19,7 +19,7 @@ def stable_argsort(flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return order, flat[order]
     low = np.uint64((1 << bits) - 1)
     key = flat & ~low
-    key |= np.arange(flat.size, dtype=np.uint64)
+    _or_positions(key)
     key.sort()
     order = (key & low).view(np.int64)  # slots < 2**40: the bits are the same as int64
     hs = flat[order]
@@ -33,6 +33,20 @@ def stable_argsort(flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         fix = np.lexsort((order[at], hs[at]))  # by full hash, then slot; buckets keep their place
         order[at], hs[at] = order[at][fix], hs[at][fix]
     return order, hs
+
+
+_POSITIONS = 1 << 16  # positions OR-ed in at a time
+
+
+def _or_positions(key: np.ndarray) -> None:
+    """key[i] |= i, in place, a block at a time: a whole-size arange is a fresh 8 bytes an entry
+    (48 MB for an unsealed tail of 6M examples), and on this machine touching fresh pages cost
+    ~0.28 s of the audit of a 350k-step run where the block costs nothing (replay/audit)."""
+    positions = np.arange(min(key.size, _POSITIONS), dtype=np.uint64)
+    for lo in range(0, key.size, _POSITIONS):
+        part = key[lo : lo + _POSITIONS]
+        part |= positions[: part.size]
+        positions += np.uint64(_POSITIONS)
 
 
 def sorted_chunks(flat: np.ndarray, chunk: int, consume: bool = False):

@@ -176,6 +176,11 @@ def test_stable_argsort_survives_hash_clashes():
         order, hs = _stable_argsort(flat)
         expected = np.argsort(flat, kind="stable")
         assert np.array_equal(order, expected) and np.array_equal(hs, flat[expected])
+    flat = rng.integers(0, 2**64 - 1, 3 * 65_536 + 5, dtype=np.uint64, endpoint=True)  # several position blocks
+    flat[::5] = flat[70_000]
+    order, hs = _stable_argsort(flat)
+    expected = np.argsort(flat, kind="stable")
+    assert np.array_equal(order, expected) and np.array_equal(hs, flat[expected])
 
 
 # ------------------------------------------------------------------------------ the command

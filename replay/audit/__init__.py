@@ -261,13 +261,14 @@ def audit_trace(reader: traces.TraceReader, start: int, stop: int, dataset_size:
         raise ValueError("no examples to audit")
 
     def distinct() -> int:
-        return sum(audit_scan.range_distinct(pieces) for pieces in audit_tables.trace_pieces(reader, start, stop))
+        return sum(audit_scan.judged(audit_scan.range_distinct, audit_tables.trace_pieces(reader, start, stop)))
 
     # With verify the records' checksums are checked in a thread beside the analysis (crc32 and
     # numpy's sorts release the GIL), and the report waits for them.
     with audit_scan.BytesCheck(reader, start, stop, enabled=verify) as checked:
         N, size_from, notes = _epoch_size(distinct, dataset_size, copies, size_from)
-        parts = [audit_scan.range_part(pieces, N, B, copies) for pieces in audit_tables.trace_pieces(reader, start, stop)]
+        parts = list(audit_scan.judged(lambda pieces: audit_scan.range_part(pieces, N, B, copies),
+                                       audit_tables.trace_pieces(reader, start, stop)))
         replayed = audit_scan.replayed_batches(audit_scan.trace_keys(reader, start, stop),
                                                audit_scan.trace_rows(reader, start), start * B, N, B)
     checked.result()

@@ -250,11 +250,11 @@ def _repeats(pieces: list[Piece], M: int) -> tuple[np.ndarray, int, dict[int, in
 
 def _candidates(s: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, int] | None:
     """The hashes of `s` (unsorted uint64, all in [lo, hi]) that may repeat, and how many certainly
-    do not; None when none repeats. A repeat is found on 32-bit keys: each hash's top 32 bits above
-    `lo` (equal hashes get equal keys), which numpy's SIMD sort
-    orders ~2x faster an entry than the hashes themselves (1 << 17 of them: 0.6 ms against 1.6
-    on this machine's AVX2). Keys that clash (about two pairs a sub-range of 1 << 17 within one
-    epoch: distinct hashes can share 32 bits) only make their hashes candidates, sorted exactly."""
+    do not; None when none repeats. Repeats are looked for on 32-bit keys, each hash's top 32 bits
+    above `lo` (equal hashes get equal keys), which numpy's SIMD sort orders ~2x faster an entry
+    than the hashes (1 << 17 of them: 0.6 ms against 1.6 on this machine's AVX2). Keys that clash
+    (about two pairs a sub-range of 1 << 17 within one epoch: distinct hashes may share their top
+    bits) only make their hashes candidates, which are sorted exactly."""
     shift = max(0, (hi - lo).bit_length() - 32)
     keys = ((s - np.uint64(lo)) >> np.uint64(shift)).astype(np.uint32)
     ordered = np.sort(keys)

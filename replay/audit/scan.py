@@ -41,6 +41,7 @@ from replay.audit.tables import Piece, request_ahead
 SORT_ENTRIES = 1 << 17  # sorted at once within a range: numpy sorts what fits the cache ~2x faster an entry
 _SAMPLE_EVERY = 64  # of each piece's sorted hashes, where to cut a range into sorts
 JUDGES = max(1, min(4, os.cpu_count() or 1))  # hash ranges judged at once (threads): `judged`
+_FEW_CLASHES = 8  # clashing keys of a sub-range looked for one pass each (more: np.isin)
 _EMPTY = np.zeros(0, np.int64)
 
 
@@ -264,7 +265,12 @@ def _candidates(s: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, int] | Non
     clashing = ordered[1:][same]
     if clashing.size * 16 > s.size:  # many repeats (several epochs): sort them all
         return s, 0
-    maybe = np.isin(keys, clashing)
+    if clashing.size <= _FEW_CLASHES:  # a pass a key: np.isin's own setup cost ~3x these passes at 1 << 17
+        maybe = keys == clashing[0]
+        for key in clashing[1:].tolist():
+            maybe |= keys == key
+    else:
+        maybe = np.isin(keys, clashing)
     return s[maybe], s.size - int(np.count_nonzero(maybe))
 
 

@@ -22,10 +22,7 @@ the distinct count is needed first: one more pass.
 
 from __future__ import annotations
 
-import os
 import threading
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,6 +30,7 @@ import numpy as np
 import traces
 from traces import columns
 from traces.index import examples_key, index_path
+from traces.parallel import WORKERS, ordered_map
 from traces.sorting import stable_argsort
 from traces.storage import is_remote
 from traces.trace import READ_AHEAD
@@ -40,7 +38,7 @@ from replay.audit.tables import Piece, request_ahead
 
 SORT_ENTRIES = 1 << 17  # sorted at once within a range: numpy sorts what fits the cache ~2x faster an entry
 _SAMPLE_EVERY = 64  # of each piece's sorted hashes, where to cut a range into sorts
-JUDGES = max(1, min(4, os.cpu_count() or 1))  # hash ranges judged at once (threads): `judged`
+JUDGES = WORKERS  # hash ranges judged at once (threads): `judged`
 _FEW_CLASHES = 8  # clashing keys of a sub-range looked for one pass each (more: np.isin)
 _EMPTY = np.zeros(0, np.int64)
 
@@ -304,21 +302,12 @@ def range_part(pieces: list[Piece], N: int, B: int, copies) -> Part:
 
 
 def judged(judge, ranges):
-    """judge(pieces) of each range, in range order, JUDGES ranges at a time in threads: a range's
-    work is mostly numpy's sorts, copies and comparisons, which release the GIL, so on several
-    cores ranges are judged side by side (this 2-core machine: the audit of a 350k-step run
-    used ~1.2 cores with one). Memory: JUDGES ranges held beside the one being read (~50 MB each)."""
-    if JUDGES == 1:
-        yield from map(judge, ranges)
-        return
-    with ThreadPoolExecutor(JUDGES, thread_name_prefix="replay-audit-judge") as pool:
-        pending: deque = deque()
-        for pieces in ranges:
-            pending.append(pool.submit(judge, pieces))
-            if len(pending) >= JUDGES:
-                yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
+    """judge(pieces) of each range, in range order, JUDGES ranges at a time in threads
+    (traces.parallel.ordered_map): a range's work is mostly numpy's sorts, copies and
+    comparisons, which release the GIL, so on several cores ranges are judged side by side (this
+    2-core machine: the audit of a 350k-step run used ~1.2 cores with one). Memory: JUDGES ranges
+    held beside the one being read (~50 MB each)."""
+    return ordered_map(judge, ranges, workers=JUDGES, name="replay-audit-judge")
 
 
 def range_distinct(pieces: list[Piece]) -> int:

@@ -8,6 +8,7 @@ import warnings
 import numpy as np
 import pytest
 
+from replay.spike import detect
 from replay.spike.detect import (MIN_WINDOW, ROLLING_CHUNK, _finite_rows_median_mad, _row_nanmedian,
                                  rolling_scores, scan_values)
 
@@ -80,6 +81,30 @@ def test_rolling_scores_without_nan_match_a_direct_computation():
         med = np.median(w)
         sp = max(1.4826 * np.median(np.abs(w - med)), 1e-3 * abs(med), 1e-12)
         assert (base[i], spread[i], score[i]) == (med, sp, (v[i] - med) / sp)
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_chunks_scored_in_threads_match_numpy_median_and_mad(monkeypatch, workers):
+    """Chunks are scored side by side in threads (traces.parallel) and sorted as float32 when the
+    column is float32: every step of a multi-chunk float32 column has numpy's float64 median and
+    MAD of its window, bit for bit, in step order, with one thread or several. The comparison
+    sees chunks put out of order."""
+    monkeypatch.setattr(detect, "WORKERS", workers)
+    rng = np.random.default_rng(11)
+    n, window = 3 * ROLLING_CHUNK + 333, 50
+    v = (3 + np.exp(-np.arange(n) / 5e3) + 0.05 * rng.standard_normal(n)).astype(np.float32)
+    v[rng.integers(0, n, 20)] *= 2
+    base, spread, score = rolling_scores(v, window)
+    wins = np.lib.stride_tricks.sliding_window_view(v.astype(np.float64), window)[:-1]
+    med = np.median(wins, axis=1)
+    sp = np.maximum(np.maximum(1.4826 * np.median(np.abs(wins - med[:, None]), axis=1), 1e-3 * np.abs(med)), 1e-12)
+    assert base[window:].tobytes() == med.tobytes() and spread[window:].tobytes() == sp.tobytes()
+    assert score[window:].tobytes() == ((v[window:].astype(np.float64) - med) / sp).tobytes()
+
+    chunks = list(detect._scored_chunks(v, window))
+    assert [lo for lo, *_ in chunks] == list(range(0, n - window, ROLLING_CHUNK))
+    swapped = np.concatenate([c[1] for c in (chunks[1], chunks[0], *chunks[2:])])
+    assert swapped.tobytes() != med.tobytes()
 
 
 def _fields(spike) -> tuple:

@@ -328,8 +328,9 @@ class MemoryIndex:
             self._table, self.hashes = (hs, order.astype(np.uint32)), None  # 12 bytes an example from now on
         return self._table
 
-    def find(self, queries: np.ndarray, limit: int):
-        """(query index, slot) of the first `limit` occurrences of each sorted unique query."""
+    def find(self, queries: np.ndarray, limit: int, advised: bool = False):
+        """(query index, slot) of the first `limit` occurrences of each sorted unique query
+        (`advised`: FileIndex.find's; held in memory, there is nothing to ask the kernel for)."""
         if self._table is not None:
             return _hits(*self._table, queries, limit)
         # One search needs no sort: a scan of the hashes, a chunk at a time, is cheaper and bounded.

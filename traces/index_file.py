@@ -284,15 +284,17 @@ class FileIndex:
         self._heads()
         return self._fence if self.layout is None else index_table.first_hashes(self.layout, self._starts)
 
-    def find(self, queries: np.ndarray, limit: int):
+    def find(self, queries: np.ndarray, limit: int, advised: bool = False):
         """(query index, slot) of the first `limit` occurrences of each sorted unique query.
         The filter first (version 2): only the queries it does not rule out go on. Then the
         block that can hold each one's first occurrence (and the next ones while they start
-        with it) is read: one read of 3 KB a query."""
+        with it) is read: one read of 3 KB a query. `advised`: prefetch(queries) was called
+        already (traces.fed advises the next segment while it searches this one)."""
         none = np.zeros(0, np.int64), np.zeros(0, np.int64)
         if not self.blocks:
             return none
-        self.prefetch(queries)
+        if not advised:
+            self.prefetch(queries)
         kept = self.maybe(queries)
         if kept is not None:
             sub = np.flatnonzero(kept)

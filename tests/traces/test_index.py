@@ -130,8 +130,8 @@ def test_hits_an_index_names_are_confirmed_in_the_records(run, monkeypatch):
     path, schema, recs = run
     real = FileIndex.find
 
-    def lying(self, queries, limit):
-        qi, slots = real(self, queries, limit)
+    def lying(self, queries, limit, advised=False):
+        qi, slots = real(self, queries, limit, advised)
         return qi, (slots + 1) % (self.count * schema.examples_per_step)
 
     monkeypatch.setattr(FileIndex, "find", lying)

@@ -121,11 +121,14 @@ def test_a_search_asks_for_each_segments_filter_pages_before_reading_them(run, m
     from traces import index_file
 
     path, schema, recs = run
-    events = []
-    monkeypatch.setattr(index_file.os, "posix_fadvise", lambda fd, at, size, how: events.append("advice"))
+    events = []  # (what, index file), in the order they happened (the next segment's advice comes from a thread)
+    willneed = index_file._willneed
+    monkeypatch.setattr(index_file, "_willneed", lambda p, spans: events.append(("advice", p)) or willneed(p, spans))
     maybe = FileIndex.maybe
-    monkeypatch.setattr(FileIndex, "maybe", lambda self, q: events.append("read") or maybe(self, q))
+    monkeypatch.setattr(FileIndex, "maybe", lambda self, q: events.append(("read", self.path)) or maybe(self, q))
     h = recs[5].example_hashes[2]
     assert fed(Run.open(path), [h], limit=5)[int(h)] == brute_fed(recs, h, STEPS, 5)
-    reads = [k for k, e in enumerate(events) if e == "read"]
-    assert len(reads) == 6 and all(events[k - 1] == "advice" for k in reads)  # six sealed segments
+    reads = [(k, p) for k, (e, p) in enumerate(events) if e == "read"]
+    assert len({p for _, p in reads}) == len(reads) == 6  # six sealed segments, each read once
+    assert all(("advice", p) in events[:k] for k, p in reads)  # each one's pages asked for before it is read
+    assert len(events) == 12  # and once only

@@ -122,9 +122,9 @@ def _scored_chunks(v: np.ndarray, window: int):
     against the `window` values before each, as float64 (NaN where fewer than MIN_WINDOW of
     them are finite), in order. Chunks are independent, so they are scored on every core
     (traces.parallel: numpy's sorts and array passes release the GIL). Memory: each thread's
-    chunk working set (two (chunk, window) float64 arrays, ~6.6 MB at --window 50), nothing a step: at 1.4M steps the whole-run
-    temporaries (finite copy, running counts, three outputs) were ~110 MB of fresh pages,
-    written once and faulted in first."""
+    chunk working set (two (chunk, window) float64 arrays, ~6.6 MB at --window 50), nothing a
+    step: at 1.4M steps the whole-run temporaries (finite copy, running counts, three outputs)
+    were ~110 MB of fresh pages, written once and faulted in first."""
     n = v.size
     if n <= window:
         return

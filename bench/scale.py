@@ -90,14 +90,17 @@ print(json.dumps({"seconds": seconds, "cpu_seconds": use.ru_utime + use.ru_stime
 """
 
 
-def measure(args: list[str], stdout: Path, repeats: int = 1) -> dict:
+def measure(args: list[str], stdout: Path, repeats: int = 1, before=None) -> dict:
     """Seconds and peak RSS of one command in a fresh process (its stdout kept in `stdout`).
 
     A command that takes under REPEAT_BELOW_S runs `repeats` times and the run of median seconds
     is reported: at a fraction of a second, one run's wall time is mostly when the shared cores
-    were free, and the fits below extrapolate it four-fold."""
+    were free, and the fits below extrapolate it four-fold. `before()` runs before each run (a
+    cold-cache measurement evicts the command's files again, so every run reads them from disk)."""
     runs = []
     for _ in range(repeats):
+        if before is not None:
+            before()
         done = subprocess.run([sys.executable, "-c", _WRAPPER, str(stdout), *args], capture_output=True, text=True,
                               check=True)
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -275,8 +278,9 @@ def bench_size(root: Path, steps: int, examples: int, cache: str = "warm", repea
         (drop_cache if cache == "cold" else warm)(paths)
         share = resident(paths)
         dirty = meminfo("Dirty")
-        # cold: once, since a second run would find the first one's reads in the page cache
-        result = measure(args, root / f"{name}.out", 1 if cache == "cold" else repeats)
+        # cold: the files are evicted again before each repeat (a run finds none of the last one's reads)
+        evict = (lambda: drop_cache(paths)) if cache == "cold" else None
+        result = measure(args, root / f"{name}.out", repeats, before=evict)
         text = (root / f"{name}.out").read_text(errors="replace")
         row = {"seconds": round(result["seconds"], 3), "cpu_seconds": round(result["cpu_seconds"], 3),
                "load_average": round(os.getloadavg()[0], 1),
@@ -322,7 +326,8 @@ def bench_tail(root: Path, examples: int, records: int, cache: str, repeats: int
         (drop_cache if cache == "cold" else warm)(paths)
         opened = measure([sys.executable, "-c", _OPEN, str(path)], root / "open.out", 1)
         (drop_cache if cache == "cold" else warm)(paths)
-        result = measure(replay_cmd("show", str(path)), root / "show.out", 1 if cache == "cold" else repeats)
+        result = measure(replay_cmd("show", str(path)), root / "show.out", repeats,
+                         before=(lambda: drop_cache(paths)) if cache == "cold" else None)
         out[name] = {"open_seconds": round(float((root / "open.out").read_text()), 4),  # in process: Run.open, tail columns
                      "open_disk_read_mb": round(opened["disk_read_mb"], 1),
                      "show_seconds": round(result["seconds"], 3), "show_cpu_seconds": round(result["cpu_seconds"], 3),

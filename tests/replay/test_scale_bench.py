@@ -34,3 +34,16 @@ def test_scale_bench_reports_every_command_and_finds_both_divergences(tmp_path):
     assert summary["commands"]["audit"]["budget_34_seconds"] == 30.0
     assert all(isinstance(summary["commands"][n]["within_budget_34"], bool) for n in ("show", "audit", "spike", "bisect_data"))
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("replay-scale-")]  # cleaned up
+
+
+
+def test_cold_measurements_evict_before_every_repeat(tmp_path):
+    # --cache cold evicts a command's files before each of its runs, not only before the first:
+    # a second run would otherwise read the first one's pages from the page cache
+    from bench.scale import measure
+
+    log = tmp_path / "log"
+    args = [sys.executable, "-c", f"open({str(log)!r}, 'a').write('run;')"]
+    result = measure(args, tmp_path / "out", repeats=3, before=lambda: log.open("a").write("evict;"))
+    assert result["exit_code"] == 0
+    assert log.read_text() == "evict;run;" * 3

@@ -32,11 +32,11 @@ of CHUNK_RECORDS records (~12 MB of working memory).
 from __future__ import annotations
 
 import os
-import zlib
 from pathlib import Path
 
 import numpy as np
 
+from traces.checksum import crc32
 from traces.errors import TraceCorruptError
 from traces.index import IndexBuilder, examples_key, record_prefix
 from traces.schema import Schema
@@ -91,7 +91,7 @@ def compact(path: Path, schema: Schema, builder: IndexBuilder, end: int) -> tupl
     with SegmentFile(path) as f, open(tmp, "wb") as out:
         head = encode_header(schema.digest(), builder.first_step, COMPACT_VERSION)
         out.write(head)
-        crc, pos = zlib.crc32(head), len(head)
+        crc, pos = crc32(head), len(head)
         for a in range(0, n, CHUNK_RECORDS):
             b = min(n, a + CHUNK_RECORDS)
             data = f.read(old[a], old[b] - old[a])
@@ -110,7 +110,7 @@ def compact(path: Path, schema: Schema, builder: IndexBuilder, end: int) -> tupl
                 pos += len(frame)
                 frames.append(frame)
             blob = b"".join(frames)
-            crc = zlib.crc32(blob, crc)
+            crc = crc32(blob, crc)
             out.write(blob)
         seal = encode_seal(n, crc)
         out.write(seal)

@@ -19,10 +19,10 @@ seal thread, a chunk of the sorted table at a time (`Builder`).
 from __future__ import annotations
 
 import time
-import zlib
 
 import numpy as np
 
+from traces.checksum import crc32
 from traces.errors import TraceCorruptError
 
 BLOCK_BYTES = 64
@@ -112,7 +112,7 @@ def crc_rows(rows: np.ndarray, width: int) -> np.ndarray:
     out = np.empty(rows.shape[0], "<u4")
     for lo in range(0, rows.shape[0], _CRC_ROWS):
         hi = min(rows.shape[0], lo + _CRC_ROWS)
-        out[lo:hi] = [zlib.crc32(mv[a : a + width]) for a in range(lo * stride, hi * stride, stride)]
+        out[lo:hi] = [crc32(mv[a : a + width]) for a in range(lo * stride, hi * stride, stride)]
         time.sleep(_YIELD_S)
     return out
 
@@ -140,7 +140,7 @@ def maybe(blocks_view: np.ndarray, queries: np.ndarray, k_bits: int = K_BITS) ->
     bits = np.ascontiguousarray(rows[:, : BLOCK_BITS // 8])
     first = np.unique(which, return_index=True)[1]
     for k in first.tolist():
-        if zlib.crc32(bits[k]) != int(stored[k]):
+        if crc32(bits[k]) != int(stored[k]):
             raise FilterDamaged(f"filter block {int(which[k])}'s checksum does not match")
     pos = bit_positions(q, k_bits)
     got = (bits[np.arange(q.size)[:, None], pos >> 3] >> (pos & 7).astype(np.uint8)) & 1

@@ -28,12 +28,12 @@ import hashlib
 import mmap
 import os
 import struct
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from traces.checksum import crc32
 from traces import filter as example_filter
 from traces import index_table
 from traces.errors import SchemaError, TraceCorruptError
@@ -282,12 +282,12 @@ class IndexBuilder:
             heads += b"\0" * (lay.heads_size - len(heads))
             spans = column_spans(schema, len(self))
             head = _IHEAD.pack(INDEX_MAGIC, version, lay.k, schema.digest(), self.first_step, len(self), content_crc,
-                               K, segment_size, zlib.crc32(columns), zlib.crc32(heads), 0)
-            head += _IHEAD_EXT.pack(*[zlib.crc32(memoryview(columns)[pos : pos + size]) for _, _, pos, size in
+                               K, segment_size, crc32(columns), crc32(heads), 0)
+            head += _IHEAD_EXT.pack(*[crc32(memoryview(columns)[pos : pos + size]) for _, _, pos, size in
                                       (spans[name] for name in COLUMN_NAMES)],
                                     summary(schema, columns, len(self)), bloom.blocks, 0)
             f.seek(0)
-            for part in (head, struct.pack("<I", zlib.crc32(head)), columns, heads):
+            for part in (head, struct.pack("<I", crc32(head)), columns, heads):
                 f.write(part)
             f.flush()
             os.fsync(f.fileno())

@@ -16,11 +16,11 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-import zlib
 from pathlib import Path
 
 import numpy as np
 
+from traces.checksum import crc32
 from traces import filter as example_filter
 from traces import index_table
 from traces.errors import TraceCorruptError
@@ -61,7 +61,7 @@ class FileIndex:
         if len(head) < self.header_size:
             raise IndexUnusable("it is shorter than its header")
         at = self.header_size - 4
-        if struct.unpack_from("<I", head, at)[0] != zlib.crc32(head[:at]):
+        if struct.unpack_from("<I", head, at)[0] != crc32(head[:at]):
             raise IndexUnusable("its header checksum does not match")
         (_, _, k, digest, first, n, crc, K, seg_size, self._columns_crc, self._heads_crc, _) = _IHEAD.unpack_from(head)
         self.column_crc: dict[str, int] = {}
@@ -118,7 +118,7 @@ class FileIndex:
     def columns(self) -> StepColumns:
         if self._cols is None:
             data = self._read(self.header_size, self._columns_size)
-            if zlib.crc32(data) != self._columns_crc:
+            if crc32(data) != self._columns_crc:
                 raise IndexUnusable("its columns' checksum does not match")
             self._cols = decode_columns(self.schema, data, self.first_step, self.count)
         return self._cols
@@ -131,7 +131,7 @@ class FileIndex:
         if name not in self._column:
             dtype, shape, _, _ = column_spans(self.schema, self.count)[name]
             data = self._read(*self.column_span(name))
-            if zlib.crc32(data) != self.column_crc[name]:
+            if crc32(data) != self.column_crc[name]:
                 raise IndexUnusable(f"its {name} column's checksum does not match")
             self._column[name] = np.frombuffer(data, dtype, int(np.prod(shape))).reshape(shape)
         return self._column[name]
@@ -195,7 +195,7 @@ class FileIndex:
         """The block checksums (and the fences, or version 3's bucket starts), read and checked once."""
         if self._block_crc is None:
             data = self._read(*self.heads_span())
-            if zlib.crc32(data) != self._heads_crc:
+            if crc32(data) != self._heads_crc:
                 raise IndexUnusable("its block heads' checksum does not match")
             if self.layout is None:
                 self._fence = np.frombuffer(data, "<u8", self.blocks)
@@ -243,7 +243,7 @@ class FileIndex:
             raise IndexUnusable("it was truncated after it was opened")
         view = memoryview(data)
         for k, block in enumerate(wanted):
-            if zlib.crc32(view[k * size : (k + 1) * size]) != crcs[block]:
+            if crc32(view[k * size : (k + 1) * size]) != crcs[block]:
                 raise IndexUnusable(f"block {block}'s checksum does not match")
         if self.layout is not None:  # one decode for all of them
             rows = np.frombuffer(data, np.uint8).reshape(-1, size)
@@ -389,7 +389,7 @@ class FileIndex:
             return np.zeros(0, np.uint64), np.zeros(0, np.uint32)
         size = self._block_size
         data = self._read(self._table_at + first * size, (stop - first) * size)
-        view, crc32 = memoryview(data), zlib.crc32
+        view = memoryview(data)
         crcs = self._heads()[first:stop].tolist()
         bad = [k for k, c in enumerate(crcs) if crc32(view[k * size : (k + 1) * size]) != c]
         if bad:

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import os
 import struct
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import zstandard
 
+from traces.checksum import crc32
 from traces.errors import NewerFormatError, TraceCorruptError
 from traces.storage import is_remote
 
@@ -55,11 +55,11 @@ def segment_name(first_step: int) -> str:
 
 def encode_header(schema_digest: int, first_step: int, version: int = HASHED_VERSION) -> bytes:
     head = _HEADER.pack(SEGMENT_MAGIC, version, 0, schema_digest, first_step)
-    return head + _HEADER_CRC.pack(zlib.crc32(head))
+    return head + _HEADER_CRC.pack(crc32(head))
 
 
 def frame_crc(length_bytes: bytes, body) -> int:
-    return zlib.crc32(body, zlib.crc32(length_bytes))
+    return crc32(body, crc32(length_bytes))
 
 
 def encode_frame(body: bytes) -> bytes:
@@ -69,7 +69,7 @@ def encode_frame(body: bytes) -> bytes:
 
 def encode_seal(count: int, content_crc: int) -> bytes:
     head = struct.pack("<IQI", SEAL_MARK, count, content_crc)
-    return head + struct.pack("<I", zlib.crc32(head))
+    return head + struct.pack("<I", crc32(head))
 
 
 def parse_seal(seal: bytes) -> tuple[int, int] | None:
@@ -77,7 +77,7 @@ def parse_seal(seal: bytes) -> tuple[int, int] | None:
     if len(seal) != SEAL_SIZE:
         return None
     mark, count, content_crc, seal_crc = _SEAL.unpack(seal)
-    if mark != SEAL_MARK or seal_crc != zlib.crc32(seal[:16]):
+    if mark != SEAL_MARK or seal_crc != crc32(seal[:16]):
         return None
     return count, content_crc
 
@@ -94,7 +94,7 @@ def read_header(path: Path, data: bytes) -> tuple[int, int]:
     magic, version, _, digest, first = _HEADER.unpack_from(data)
     if magic != SEGMENT_MAGIC:
         raise TraceCorruptError(f"{path}: not a trace segment (bad magic)", str(path))
-    if _HEADER_CRC.unpack_from(data, _HEADER.size)[0] != zlib.crc32(data[: _HEADER.size]):
+    if _HEADER_CRC.unpack_from(data, _HEADER.size)[0] != crc32(data[: _HEADER.size]):
         raise TraceCorruptError(f"{path}: segment header checksum mismatch", str(path))
     if version > FORMAT_VERSION:
         raise NewerFormatError(

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import os
 import struct
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from traces.checksum import crc32
 from traces.errors import TraceError
 from traces.index import _MIX_SEED, StepColumns, record_prefix, splitmix64
 from traces.schema import METRIC_DTYPES, Schema
@@ -57,7 +57,7 @@ def entry_dtype(schema: Schema) -> np.dtype:
 
 def header(schema: Schema, first_step: int) -> bytes:
     head = _HEAD.pack(SIDECAR_MAGIC, SIDECAR_VERSION, 0, schema.digest(), first_step, entry_dtype(schema).itemsize)
-    return head + struct.pack("<I", zlib.crc32(head))
+    return head + struct.pack("<I", crc32(head))
 
 
 class EntryMaker:
@@ -85,7 +85,7 @@ class EntryMaker:
         out = []
         for head, key in zip(heads, keys):
             body = head + struct.pack("<Q", key)
-            out.append(body + struct.pack("<I", zlib.crc32(body)))
+            out.append(body + struct.pack("<I", crc32(body)))
         return b"".join(out)
 
     def from_columns(self, cols: StepColumns) -> bytes:
@@ -99,7 +99,7 @@ class EntryMaker:
         raw = bytearray(e.tobytes())
         size = self.dtype.itemsize
         for k in range(n):
-            raw[k * size + size - 4 : (k + 1) * size] = struct.pack("<I", zlib.crc32(raw[k * size : (k + 1) * size - 4]))
+            raw[k * size + size - 4 : (k + 1) * size] = struct.pack("<I", crc32(raw[k * size : (k + 1) * size - 4]))
         return bytes(raw)
 
 
@@ -130,7 +130,7 @@ def parse(data: bytes, schema: Schema, first_step: int, segment_size: int) -> Si
     """The sidecar's trusted prefix; raises SidecarUnusable when its header does not hold."""
     if len(data) < SIDECAR_HEADER_SIZE or data[:8] != SIDECAR_MAGIC:
         raise SidecarUnusable("not a tail sidecar (bad magic or too short)")
-    if struct.unpack_from("<I", data, _HEAD.size)[0] != zlib.crc32(data[: _HEAD.size]):
+    if struct.unpack_from("<I", data, _HEAD.size)[0] != crc32(data[: _HEAD.size]):
         raise SidecarUnusable("its header checksum does not match")
     _, version, _, digest, first, size = _HEAD.unpack_from(data)
     dtype = entry_dtype(schema)
@@ -143,7 +143,7 @@ def parse(data: bytes, schema: Schema, first_step: int, segment_size: int) -> Si
     entries = np.frombuffer(body, dtype, n)
     problem = None
     good = n
-    crcs = [zlib.crc32(body[k * size : (k + 1) * size - 4]) for k in range(n)]
+    crcs = [crc32(body[k * size : (k + 1) * size - 4]) for k in range(n)]
     bad = np.flatnonzero((np.array(crcs, np.uint32) != entries["crc"])
                          | (entries["step"] != np.arange(first_step, first_step + n, dtype=np.uint64)))
     if bad.size:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import struct
-import zlib
 from collections import OrderedDict
 from pathlib import Path
 from typing import Iterator
@@ -27,6 +26,7 @@ from typing import Iterator
 import numpy as np
 import zstandard
 
+from traces.checksum import crc32
 from traces.errors import SchemaError, TraceCorruptError
 from traces.index import INDEX_HEADER_SIZE, IndexBuilder, IndexUnusable, MemoryIndex, StepColumns, index_path
 from traces.compaction import check_rows, splice
@@ -212,7 +212,7 @@ class TraceReader:
         seg = self.segments[i]
         offsets = self.offsets(i)
         builder = IndexBuilder(self.schema, seg.first_step, seg.count, keep_hashes)
-        crc = zlib.crc32(read_at(seg.path, 0, int(offsets[0]), seg.first_step))
+        crc = crc32(read_at(seg.path, 0, int(offsets[0]), seg.first_step))
         compacted = seg.version >= COMPACT_VERSION
         for a in range(0, seg.count, _BUILD_CHUNK):
             b = min(seg.count, a + _BUILD_CHUNK)
@@ -220,7 +220,7 @@ class TraceReader:
             if self.segments[i] is not seg:  # compacted since this reader opened it: built from that one
                 return self.index_builder(i, keep_hashes)
             rows = self.segment_hashes(i, a, b) if compacted else [None] * (b - a)
-            crc = zlib.crc32(data, crc)
+            crc = crc32(data, crc)
             view = memoryview(data)
             for k in range(b - a):
                 at, stop = int(offs[k]) - base, int(offs[k + 1]) - base

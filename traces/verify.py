@@ -5,10 +5,10 @@ decode (compare's "identical", the audit's), rest on. Each reads whole segments,
 from __future__ import annotations
 
 import struct
-import zlib
 
 import numpy as np
 
+from traces.checksum import crc32
 from traces.errors import SchemaError, TraceCorruptError
 from traces.schema import decode_record
 from traces.segment import COMPACT_VERSION, FRAME_HEAD, HEADER_SIZE, SEAL_MARK, SEAL_SIZE, SegmentFile, check_frames, read_whole
@@ -41,7 +41,7 @@ def _checked(seg) -> tuple[bytes, np.ndarray]:
     bad = check_frames(data, 0, offsets)
     if bad is not None:
         raise _corrupt(seg.path, seg.first_step + bad, int(offsets[bad]), "record checksum mismatch")
-    if seg.sealed and zlib.crc32(memoryview(data)[:end]) != seg.content_crc:
+    if seg.sealed and crc32(memoryview(data)[:end]) != seg.content_crc:
         raise _corrupt(seg.path, seg.first_step, 0, "segment checksum mismatch")
     return data, offsets
 
@@ -90,7 +90,7 @@ def _seal_crc(seg) -> int:
     with SegmentFile(seg.path, seg.first_step) as f:
         for at in range(0, end, _CHUNK):
             piece = f.read(at, min(_CHUNK, end - at))
-            crc = zlib.crc32(piece, crc)
+            crc = crc32(piece, crc)
             if len(piece) < min(_CHUNK, end - at):
                 break
     return crc

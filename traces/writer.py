@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import os
 import threading
-import zlib
 from pathlib import Path
 
+from traces.checksum import crc32
 from traces.errors import (
     DISK_FULL_ERRNOS, DiskFullError, ResumeDivergedError, StepOrderError, TraceCorruptError, disk_full_message,
 )
@@ -297,7 +297,7 @@ class TraceWriter:
                 view = view[os.write(self._fd, view) :]
         except OSError as e:
             raise self._failed(e, doing) from None
-        self._crc = zlib.crc32(data, self._crc)
+        self._crc = crc32(data, self._crc)
         self._size += len(data)
 
     def _fsync(self, doing: str) -> None:

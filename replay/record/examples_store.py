@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import os
 import struct
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ import numpy as np
 import zstandard
 
 from replay.record import examples_index as ix
+from traces.checksum import crc32
 from traces.errors import TraceError
 import contextlib
 from replay.record.examples_frames import HEAD as _HEAD, MAGIC, SIZE as _FRAME  # the frame layout
@@ -85,7 +85,7 @@ def hashes_of(leaves: list[tuple[str, np.ndarray]]) -> np.ndarray:
 def _frame(h: int, raw: bytes, cctx) -> bytes:
     comp = cctx.compress(raw)
     head = _HEAD.pack(MAGIC, h, len(comp), len(raw))
-    return head + struct.pack("<I", zlib.crc32(comp, zlib.crc32(head))) + comp
+    return head + struct.pack("<I", crc32(comp, crc32(head))) + comp
 
 
 def scan(path: Path, tolerate_tail: bool = True, start: int = 0) -> tuple[dict[int, tuple[int, int, int]], int]:
@@ -116,7 +116,7 @@ def _scan(path: Path, tolerate_tail: bool, start: int) -> tuple[dict[int, tuple[
                 raise ExampleStoreError(f"{path}: damaged example store at byte {pos} (not a frame); {_DAMAGED}")
             comp = f.read(clen)
             crc = struct.unpack_from("<I", head, _HEAD.size)[0]
-            if zlib.crc32(comp, zlib.crc32(head[:_HEAD.size])) != crc:
+            if crc32(comp, crc32(head[:_HEAD.size])) != crc:
                 raise ExampleStoreError(f"{path}: damaged example store: the frame at byte {pos} fails its checksum; "
                                         f"{_DAMAGED}")
             index.setdefault(h, (pos + _FRAME, clen, rlen))
@@ -276,7 +276,7 @@ class ExampleReader:
         data = f.read(_FRAME + clen)
         if len(data) < _FRAME + clen or _HEAD.unpack_from(data) != (MAGIC, h, clen, rlen):
             return "elsewhere"
-        if zlib.crc32(data[_FRAME:], zlib.crc32(data[:_HEAD.size])) != struct.unpack_from("<I", data, _HEAD.size)[0]:
+        if crc32(data[_FRAME:], crc32(data[:_HEAD.size])) != struct.unpack_from("<I", data, _HEAD.size)[0]:
             return "damaged"
         return data
 

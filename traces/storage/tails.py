@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import re
 import struct
-import zlib
+
+from traces.checksum import crc32
 
 TAIL_MAGIC = b"RTAIL\x00\x01\x00"
 _HEAD = struct.Struct("<8sIQII")  # magic, number, offset, payload length, payload crc32
@@ -38,8 +39,8 @@ def parse_name(name: str) -> tuple[str, int] | None:
 
 
 def encode(number: int, offset: int, payload: bytes) -> bytes:
-    head = _HEAD.pack(TAIL_MAGIC, number, offset, len(payload), zlib.crc32(payload))
-    return head + struct.pack("<I", zlib.crc32(head)) + payload
+    head = _HEAD.pack(TAIL_MAGIC, number, offset, len(payload), crc32(payload))
+    return head + struct.pack("<I", crc32(head)) + payload
 
 
 def decode(data: bytes, number: int, offset: int) -> tuple[bytes | None, str | None]:
@@ -48,12 +49,12 @@ def decode(data: bytes, number: int, offset: int) -> tuple[bytes | None, str | N
     if len(data) < TAIL_HEAD:
         return None, f"it is {len(data)} bytes, shorter than its {TAIL_HEAD}-byte head"
     magic, n, at, size, crc = _HEAD.unpack_from(data)
-    if magic != TAIL_MAGIC or struct.unpack_from("<I", data, _HEAD.size)[0] != zlib.crc32(data[: _HEAD.size]):
+    if magic != TAIL_MAGIC or struct.unpack_from("<I", data, _HEAD.size)[0] != crc32(data[: _HEAD.size]):
         return None, "its head is damaged (bad magic or checksum)"
     if (n, at) != (number, offset):
         return None, f"it holds tail {n} from byte {at}, expected tail {number} from byte {offset}"
     payload = data[TAIL_HEAD:]
-    if len(payload) != size or zlib.crc32(payload) != crc:
+    if len(payload) != size or crc32(payload) != crc:
         return None, "its bytes do not match its checksum"
     return payload, None
 
@@ -62,7 +63,7 @@ def start_of(data: bytes | None) -> int | None:
     """Where a tail object says its bytes go in the segment (None: not a readable tail object)."""
     if data is None or len(data) < TAIL_HEAD or data[:8] != TAIL_MAGIC:
         return None
-    if struct.unpack_from("<I", data, _HEAD.size)[0] != zlib.crc32(data[: _HEAD.size]):
+    if struct.unpack_from("<I", data, _HEAD.size)[0] != crc32(data[: _HEAD.size]):
         return None
     return _HEAD.unpack_from(data)[2]
 

@@ -67,6 +67,8 @@ def _prepare_process(args: list[str]) -> None:
 
     if not args or args[0] in _NO_STEPS:
         return
+    if args[0] == "spike" and not any(a == "--step" or a.startswith("--step=") for a in args[1:]):
+        return  # the scan reads the trace only: no plugin discovery (~35 ms of importlib.metadata)
     for arg in args[1:]:
         location = arg.split("=", 1)[-1]
         try:

@@ -68,6 +68,11 @@ def test_a_replayed_run_reaches_the_plugins_before_the_command(monkeypatch, run)
     SEEN.clear()
     invoke("show", str(run))  # never runs a step: no plugin is asked
     assert SEEN == []
+    invoke("spike", str(run), "--json")  # the scan reads the trace only (4 steps: refused, too few for a window)
+    assert SEEN == []
+    invoke("spike", str(run), "--step=2")  # a replay is prepared (this run has no checkpoint: refused after that)
+    assert [m["config"]["tag"] for m in SEEN][:1] == ["seen"]
+    SEEN.clear()
     invoke("bisect", str(run), f"{run}/")  # each run an argument names, before the command starts JAX
     assert [m["config"]["tag"] for m in SEEN] == ["seen", "seen"]
     SEEN.clear()

@@ -19,6 +19,7 @@ def test_scale_bench_reports_every_command_and_finds_both_divergences(tmp_path):
                          cwd=ROOT, capture_output=True, text=True, check=True)
     *sizes, summary = [json.loads(line) for line in out.stdout.strip().splitlines()]
     assert [s["steps"] for s in sizes] == summary["steps"] == [300, 700] and summary["repeats"] == 1
+    assert summary["byte_compiled"] is True  # the commands read bytecode, as from an installed package
     for size in sizes:
         commands = size["commands"]
         assert set(commands) == {"show", "audit", "spike", "bisect_metric", "bisect_data"}
@@ -47,3 +48,14 @@ def test_cold_measurements_evict_before_every_repeat(tmp_path):
     result = measure(args, tmp_path / "out", repeats=3, before=lambda: log.open("a").write("evict;"))
     assert result["exit_code"] == 0
     assert log.read_text() == "evict;run;" * 3
+
+
+def test_the_commands_modules_are_byte_compiled_before_they_are_timed(tmp_path):
+    import importlib.util
+
+    from bench.scale import byte_compile
+
+    app = Path(importlib.util.find_spec("replay.cli.app").origin)
+    cached = Path(importlib.util.cache_from_source(str(app)))
+    cached.unlink(missing_ok=True)
+    assert byte_compile() is True and cached.exists()

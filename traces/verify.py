@@ -64,7 +64,8 @@ def _walk_bytes(seg, data) -> np.ndarray:
 
 def check_bytes(reader, start: int | None = None, stop: int | None = None) -> None:
     """The checksums of every segment holding a step of start..stop-1: a sealed one's seal
-    checksum, read in pieces; the tail's frames. At 1.4M steps: the trace read once, ~5 s of crc32."""
+    checksum, read in pieces; the tail's frames. At 1.4M steps: the trace read once, ~15 GB of crc32
+    (traces.checksum: ~1.5 s at ISA-L's 10.9 GB/s here, ~5 s at zlib's 3.1)."""
     start = reader.start if start is None else start
     stop = reader.end if stop is None else stop
     for i, seg in enumerate(reader.segments):

@@ -197,3 +197,40 @@ def test_uploads_run_off_the_writers_thread_and_a_failed_one_stops_the_writer(tm
     resumed = traces.Run.resume(url)  # the failed writer gave its lease back
     assert resumed.trace.end == 4
     resumed.close()
+
+
+def test_a_compacted_segment_never_reaches_the_bucket_before_its_index(tmp_path, s3, monkeypatch):  # noqa: F811
+    """The seal thread compacts a sealed segment (renaming the compacted copy over it) while its
+    sealed upload may still wait in the upload queue: that upload must be the sealed bytes, not the
+    compacted copy, whose example hashes live only in the index uploaded later. Here each segment's
+    upload waits for the seal thread, so the compaction has always happened first (a writer killed
+    between the two uploads once left a compacted segment without its index: CI of f63c92d)."""
+    from traces.segment import COMPACT_VERSION, HEADER_SIZE, header_version
+
+    url = f"{s3}/{tmp_path.name}/run"
+    run = traces.Run.create(url, SCHEMA, {"config": {"synthetic": True}})
+    writer = run.writer(5)
+    put, stored, early = mirror.Mirror.put, set(), []
+
+    def after_the_seal_thread(self, rel, data, replace=False):
+        name = rel.rsplit("/", 1)[-1]
+        if name.endswith(".seg"):
+            sealing = writer._sealing
+            if sealing is not None:
+                sealing.join()  # the compaction is done: the name holds the compacted copy now
+            if header_version(data[:HEADER_SIZE]) >= COMPACT_VERSION and name[:-4] + ".idx" not in stored:
+                early.append(name)
+        out = put(self, rel, data, replace)
+        stored.add(name)
+        return out
+
+    monkeypatch.setattr(mirror.Mirror, "put", after_the_seal_thread)
+    for k in range(12):  # two segments sealed (and compacted), two records in the open one
+        writer.append(make_record(SCHEMA, k))
+    writer.flush()
+    assert early == [], f"compacted segments uploaded before their index: {early}"
+    assert {"000000000000.idx", "000000000005.idx"} <= stored  # (both were compacted and indexed)
+    run.close()
+    opened = traces.Run.open(url)
+    for k in range(12):
+        assert traces.same_bits(SCHEMA, opened.trace.read(k), make_record(SCHEMA, k))

@@ -217,10 +217,19 @@ class MirroredTraceWriter(TraceWriter):
 
     def _seal(self) -> None:
         path = self._path
-        super()._seal()  # the seal is written: the file is final (its fsync is the seal thread's)
-        if self._uploads.busy():  # a tail object in flight: one object in flight at most, or the loss
-            self._uploads.wait()  # could reach that tail, the segment and the records after it
-        self._uploads.submit(self._put_file, path)  # (replacing an unsealed upload of it, if any)
+        # Opened before the seal thread starts: it may compact the segment and rename the compacted
+        # copy over this name before the upload thread reads it, and a compacted segment must never
+        # reach the bucket before its index (its hashes' only copy). The open file keeps the
+        # sealed bytes (the seal is appended to this same file), whatever the name comes to hold.
+        sealed = open(path, "rb")
+        try:
+            super()._seal()  # the seal is written: the file is final (its fsync is the seal thread's)
+            if self._uploads.busy():  # a tail object in flight: one object in flight at most, or the loss
+                self._uploads.wait()  # could reach that tail, the segment and the records after it
+            self._uploads.submit(self._put_file, path, sealed)  # (replacing an unsealed upload of it, if any)
+        except BaseException:
+            sealed.close()
+            raise
         self._drop_tails(path.name)
         self._uploads.submit(self.mirror.delete, self._rel(path.with_suffix(".tix")))
         self._index_due.append(path)
@@ -231,8 +240,15 @@ class MirroredTraceWriter(TraceWriter):
         for k in range(number):
             self._uploads.submit(self.mirror.delete, self._rel(self.dir / tails.tail_name(name, k)))
 
-    def _put_file(self, path: Path) -> None:
-        self.mirror.put(self._rel(path), path.read_bytes(), replace=True)
+    def _put_file(self, path: Path, opened=None) -> None:
+        """`path` uploaded under its name: what `opened` (a file object, closed here) holds when given,
+        else what the name holds now."""
+        if opened is None:
+            data = path.read_bytes()
+        else:
+            with opened:
+                data = opened.read()
+        self.mirror.put(self._rel(path), data, replace=True)
 
     def _upload_tail(self) -> None:
         if self._path is None or self._fd is None:

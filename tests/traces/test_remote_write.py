@@ -234,3 +234,28 @@ def test_a_compacted_segment_never_reaches_the_bucket_before_its_index(tmp_path,
     opened = traces.Run.open(url)
     for k in range(12):
         assert traces.same_bits(SCHEMA, opened.trace.read(k), make_record(SCHEMA, k))
+
+
+def test_a_resume_uploads_the_index_a_killed_writer_never_uploaded_and_its_compacted_segment(
+        tmp_path, s3, monkeypatch):  # noqa: F811
+    from traces.segment import COMPACT_VERSION, HEADER_SIZE, header_version
+
+    monkeypatch.setattr(lease, "LEASE_S", 0.5)
+    url = f"{s3}/{tmp_path.name}/run"
+    upload_indexes = mirror.MirroredTraceWriter._upload_indexes
+    monkeypatch.setattr(mirror.MirroredTraceWriter, "_upload_indexes", lambda self, wait=False: None)
+    _, stopped = write(url, 9, finish=False)  # killed after its first seal, before that segment's index went up
+    stopped.flush()
+    monkeypatch.setattr(mirror.MirroredTraceWriter, "_upload_indexes", upload_indexes)
+    time.sleep(0.6)  # its lease runs out
+    assert "000000000000.idx" not in objects(url, "trace")
+    resumed = traces.Run.resume(url)
+    writer = resumed.writer(5)
+    for k in range(8, 12):
+        writer.append(make_record(SCHEMA, k))
+    resumed.finish()
+    assert "000000000000.idx" in objects(url, "trace")
+    store, key = storage.open_store(url)
+    assert header_version(store.read(f"{key}/trace/000000000000.seg")[:HEADER_SIZE]) >= COMPACT_VERSION
+    local, _ = write(tmp_path / "local", 12)
+    same_shown(local.path, url)

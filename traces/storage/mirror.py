@@ -172,6 +172,13 @@ class MirroredTraceWriter(TraceWriter):
     def run_path(self):
         return self.mirror.url  # what the user named, not the staging folder
 
+    def _resume_tail(self) -> None:
+        """As the local writer's; a sealed segment it indexes (and compacts) here, one the killed
+        writer uploaded without its index, is uploaded again after its new index at the first append."""
+        indexed = set(self.dir.glob("*.idx"))
+        super()._resume_tail()
+        self._index_due += sorted(p.with_suffix(".seg") for p in set(self.dir.glob("*.idx")) - indexed)
+
     def _rel(self, path: Path) -> str:
         return f"trace/{path.name}"
 

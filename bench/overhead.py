@@ -21,6 +21,10 @@ Then the same three levels for a user's own loop recorded through the public API
 whose step is a real LM step on this CPU (bench/_api_lanes.py; `--api-set KEY=VALUE` changes
 its config, `--api-example ''` skips it). Its figures are under "api", with the same budgets.
 
+A fourth lane is the layer level with `trace.sketches=true` (each tensor's distance sketch, for
+the cross-framework bisect), under "sketched_layer", against the layer budget: issue 34 wants the
+layer level within it with sketches on (`--no-sketches` skips it; "within_budget" then leaves it out).
+
 Prints one JSON object on its last line: step_overhead, layer_overhead (budgets from issue 3:
 <= 0.01 and <= 0.03), the median seconds per step of each level, and how they were measured;
 "api" holds the user loop's; "within_budget" is true only when both are.
@@ -59,20 +63,24 @@ from trainer.loop import build
 from trainer.mesh import MeshError
 from replay.record.recorder import Recorder
 from trainer.constants import TRACE_LEVELS
+from trainer import sketches as trainer_sketches
 from trainer.step import tensor_schema
 
 BUDGETS = {"step_overhead": 0.01, "layer_overhead": 0.03, "attention_slowdown": 0.01}
+SKETCHED = "layer+sketches"  # the layer level with each tensor's distance sketch (trace.sketches=true)
 
 
 class Lane:
     """One recording level: its compiled step, state, recorder and position in the data."""
 
-    def __init__(self, cfg, level: str, trace_dir: Path):
-        self.level = level
-        cfg = apply_overrides(cfg, [f"trace.level={level}", "trace.layer_every=1"])
+    def __init__(self, cfg, level: str, trace_dir: Path, sketches: bool = False):
+        """`sketches`: the layer level with trace.sketches=true (named SKETCHED), else the config's."""
+        self.level = SKETCHED if sketches else level
+        cfg = apply_overrides(cfg, [f"trace.level={level}", "trace.layer_every=1",
+                                    *(["trace.sketches=true"] if sketches else [])])
         self.built = build(cfg)  # what `replay train` compiles and runs, step for step
         self.state = meshlib.init_sharded_state(cfg, self.built.mesh)
-        self.writer = TraceWriter(trace_dir / level, self.built.schema) if level != "off" else None
+        self.writer = TraceWriter(trace_dir / self.level, self.built.schema) if level != "off" else None
         self.recorder = Recorder(self.built.schema, self.writer, level)
         self.step = 0
 
@@ -92,13 +100,24 @@ class Lane:
             self.writer.close()
 
 
-def measure(preset: str, rounds: int, steps_per_round: int, warmup_rounds: int, overrides: list[str]) -> dict:
+def measure(preset: str, rounds: int, steps_per_round: int, warmup_rounds: int, overrides: list[str],
+            sketched: bool = True) -> dict:
+    """`sketched`: a fourth lane, the layer level with sketches on (issue 34 wants the layer level
+    within its budget with them on), judged against the layer budget."""
     cfg = apply_overrides(get_preset(preset), overrides)
-    wall: dict[str, list[float]] = {lvl: [] for lvl in TRACE_LEVELS}
-    cpu: dict[str, list[float]] = {lvl: [] for lvl in TRACE_LEVELS}
+    if sketched:
+        try:  # refused before anything compiles
+            trainer_sketches.check(apply_overrides(cfg, ["trace.level=layer", "trace.sketches=true"]))
+        except ConfigError as e:
+            raise ConfigError(f"{e} (or pass --no-sketches to skip the sketched lane)") from None
+    levels = (*TRACE_LEVELS, *([SKETCHED] if sketched else []))
+    wall: dict[str, list[float]] = {lvl: [] for lvl in levels}
+    cpu: dict[str, list[float]] = {lvl: [] for lvl in levels}
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="replay-bench-overhead-") as tmp:
         lanes = [Lane(cfg, lvl, Path(tmp)) for lvl in TRACE_LEVELS]
+        if sketched:
+            lanes.append(Lane(cfg, "layer", Path(tmp), sketches=True))
         try:
             for r in range(warmup_rounds + rounds):
                 order = lanes[r % len(lanes):] + lanes[:r % len(lanes)]
@@ -118,7 +137,7 @@ def measure(preset: str, rounds: int, steps_per_round: int, warmup_rounds: int, 
     med = {lvl: statistics.median(s) for lvl, s in wall.items()}
     cpu_med = {lvl: statistics.median(s) for lvl, s in cpu.items()}
     # Per-round paired ratios: a second estimate, robust to slow drift within the run.
-    paired = {lvl: statistics.median(s / o for s, o in zip(wall[lvl], wall["off"])) - 1 for lvl in ("step", "layer")}
+    paired = {lvl: statistics.median(s / o for s, o in zip(wall[lvl], wall["off"])) - 1 for lvl in levels[1:]}
     result = {
         "bench": "overhead",
         "preset": preset,
@@ -147,6 +166,17 @@ def measure(preset: str, rounds: int, steps_per_round: int, warmup_rounds: int, 
     }
     result["within_budget"] = (result["step_overhead"] <= BUDGETS["step_overhead"]
                                and result["layer_overhead"] <= BUDGETS["layer_overhead"])
+    if sketched:
+        result["sketched_layer"] = {
+            "overhead": round(med[SKETCHED] / med["off"] - 1, 5),
+            "paired_overhead": round(paired[SKETCHED], 5),
+            "cpu_overhead": round(cpu_med[SKETCHED] / cpu_med["off"] - 1, 5),
+            "median_s": round(med[SKETCHED], 6),
+            "budget_overhead": BUDGETS["layer_overhead"],
+            "recorded_sketch_width": int(lanes[-1].built.schema.sketch_width),  # what its trace holds
+        }
+        result["sketched_layer"]["within_budget"] = result["sketched_layer"]["overhead"] <= BUDGETS["layer_overhead"]
+        result["within_budget"] = result["within_budget"] and result["sketched_layer"]["within_budget"]
     return result
 
 
@@ -177,6 +207,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="measured rounds of the explicit vs fused attention comparison (0: skip)")
     parser.add_argument("--attention-only", action="store_true",
                         help="measure only the attention comparison (needs --attention-rounds)")
+    parser.add_argument("--no-sketches", action="store_true",
+                        help="skip the fourth lane (the layer level with trace.sketches=true, judged against the "
+                             "layer budget; a config whose checks refuse sketches needs this)")
     parser.add_argument("--sdc-rounds", type=int, default=8,
                         help="measured rounds of the SDC re-run check at N=10 and N=100 (bench/sdc_overhead.py, "
                              "its own 8-device process; 0: skip)")
@@ -198,7 +231,8 @@ def main(argv: list[str] | None = None) -> None:
             result["within_budget"] = result["attention"]["no_slower"]
             print(json.dumps(result))
             return
-        result = measure(args.preset, args.rounds, args.steps_per_round, args.warmup_rounds, args.overrides)
+        result = measure(args.preset, args.rounds, args.steps_per_round, args.warmup_rounds, args.overrides,
+                         sketched=not args.no_sketches)
         if args.attention_rounds:
             result["attention"] = compare_attention(args.preset, args.attention_rounds, args.steps_per_round,
                                                     args.warmup_rounds, args.overrides)

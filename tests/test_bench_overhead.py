@@ -43,7 +43,12 @@ def test_overhead_bench_reports_every_level():
     assert result["preset"] == "tiny" and result["devices"] >= 1 and result["tensors_per_layer_record"] > 0
     assert (result["budget_step_overhead"], result["budget_layer_overhead"]) == (0.01, 0.03)
     assert isinstance(result["within_budget"], bool)
-    assert result["identical_training"] is True  # the three levels trained bit-identically
+    assert result["identical_training"] is True  # the levels trained bit-identically, sketched lane included
+    sketched = result["sketched_layer"]  # the layer level with trace.sketches=true (issue 34's budget)
+    assert sketched["recorded_sketch_width"] > 0 and sketched["budget_overhead"] == 0.03
+    assert isinstance(sketched["overhead"], float) and sketched["median_s"] > 0
+    assert result["trainer_within_budget"] == (result["step_overhead"] <= 0.01 and result["layer_overhead"] <= 0.03
+                                               and sketched["overhead"] <= 0.03)
     api = result["api"]  # the user loop through replay.init / run.step, measured in the same run
     assert api["loop"] == "examples/linen_lm.py" and api["config"]["d_model"] == 16 and api["rounds"] == 2
     for key in ("step_overhead", "layer_overhead", "paired_step_overhead", "paired_layer_overhead",
@@ -90,6 +95,14 @@ def test_overhead_bench_rejects_an_unknown_preset():
     out = subprocess.run([sys.executable, "-m", "bench.overhead", "--preset", "nope", "--rounds", "1"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "nope" in out.stderr
+
+
+def test_overhead_bench_refuses_a_config_that_refuses_sketches_naming_the_way_out():
+    out = subprocess.run([sys.executable, "-m", "bench.overhead", "--preset", "tiny", "--set", "mesh.mesh_invariant=true",
+                          "--set", "check.rerun_every=10", "--sdc-rounds", "0"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr
+    assert "trace.sketches" in out.stderr and "--no-sketches" in out.stderr, out.stderr
 
 
 def test_overhead_bench_rejects_an_unknown_example_field_before_measuring():

@@ -259,3 +259,43 @@ def test_a_resume_uploads_the_index_a_killed_writer_never_uploaded_and_its_compa
     assert header_version(store.read(f"{key}/trace/000000000000.seg")[:HEADER_SIZE]) >= COMPACT_VERSION
     local, _ = write(tmp_path / "local", 12)
     same_shown(local.path, url)
+
+
+def test_a_resume_uploads_the_compacted_segment_a_killed_writer_indexed_but_never_uploaded(
+        tmp_path, s3, monkeypatch):  # noqa: F811
+    """Killed between a segment's index and its compacted copy: the bucket holds the index of the
+    compacted segment beside the sealed one, which readers index in memory; a resume compacts it
+    again and uploads both."""
+    from traces.segment import COMPACT_VERSION, HEADER_SIZE, header_version
+
+    monkeypatch.setattr(lease, "LEASE_S", 0.5)
+    url = f"{s3}/{tmp_path.name}/run"
+    upload_indexes = mirror.MirroredTraceWriter._upload_indexes
+
+    def indexes_only(self, wait=False):  # the kill falls after each index, before its compacted segment
+        if self._index_due and not (self._sealing is not None and self._sealing.is_alive() and not wait):
+            self._wait_seal()
+            for seg in self._index_due:
+                self._uploads.submit(self._put_file, seg.with_suffix(".idx"))
+            self._index_due = []
+
+    monkeypatch.setattr(mirror.MirroredTraceWriter, "_upload_indexes", indexes_only)
+    _, stopped = write(url, 9, finish=False)
+    stopped._upload_indexes(wait=True)  # (the seal thread may still be at work: its index goes up once it is done)
+    stopped.flush()
+    monkeypatch.setattr(mirror.MirroredTraceWriter, "_upload_indexes", upload_indexes)
+    time.sleep(0.6)
+    store, key = storage.open_store(url)
+
+    def compacted() -> bool:
+        return header_version(store.read(f"{key}/trace/000000000000.seg")[:HEADER_SIZE]) >= COMPACT_VERSION
+
+    assert "000000000000.idx" in objects(url, "trace") and not compacted()
+    resumed = traces.Run.resume(url)
+    writer = resumed.writer(5)
+    for k in range(8, 12):
+        writer.append(make_record(SCHEMA, k))
+    resumed.finish()
+    assert compacted()
+    local, _ = write(tmp_path / "local", 12)
+    same_shown(local.path, url)

@@ -174,10 +174,14 @@ class MirroredTraceWriter(TraceWriter):
 
     def _resume_tail(self) -> None:
         """As the local writer's; a sealed segment it indexes (and compacts) here, one the killed
-        writer uploaded without its index, is uploaded again after its new index at the first append."""
-        indexed = set(self.dir.glob("*.idx"))
+        writer uploaded without its index or without its compacted copy, is uploaded again after its
+        new index at the first append."""
+        def indexes() -> dict:
+            return {p: p.stat().st_mtime_ns for p in self.dir.glob("*.idx")}
+
+        before = indexes()
         super()._resume_tail()
-        self._index_due += sorted(p.with_suffix(".seg") for p in set(self.dir.glob("*.idx")) - indexed)
+        self._index_due += sorted(p.with_suffix(".seg") for p, t in indexes().items() if before.get(p) != t)
 
     def _rel(self, path: Path) -> str:
         return f"trace/{path.name}"

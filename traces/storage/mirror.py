@@ -5,7 +5,10 @@ as today to a local staging folder (`REPLAY_STAGING`, else the system's temporar
 unchanged local code, and every piece is uploaded as an immutable object once it is final:
 
 - sealed segments whole (write-if-absent), their indexes when built; then the segment's tail
-  objects are deleted;
+  objects are deleted. A format-3 run's segment goes up twice: as sealed (the bytes of the seal,
+  read through a file opened before the seal thread renames the compacted copy over it), then
+  compacted, after its index, which holds the compacted segment's example hashes alone; a resumed
+  writer uploads the index (and compacted copy) it writes for a segment the killed one left without;
 - the unsealed tail as tail objects (traces/storage/tails.py) of the bytes appended since the
   last upload, after every TAIL_RECORDS records or TAIL_SECONDS seconds (checked at each append)
   and at `flush()`, by an upload thread (traces/storage/uploader.py) with one tail object in

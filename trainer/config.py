@@ -148,6 +148,9 @@ class TraceConfig:
     # level=layer: also each tensor's distance sketch (trainer/sketches.py), so bisect measures distances from
     # the trace alone; off by default: it costs ~1.5-2% of a demo step's CPU (trainer/sketches.py), not ~free
     sketches: bool = False
+    # level=step/layer: the step returns its record as ONE uint32 vector (replay/record/packed.py, as run.step's):
+    # one output buffer to dispatch and copy, not 7-11; same record bits; false: a dict, the program of older runs
+    packed_record: bool = True
 
     def __post_init__(self) -> None:
         _positive(self, "layer_every")
@@ -312,13 +315,21 @@ _ADDED_LATER: dict[str, dict[str, Any]] = {
     "trace": {"sketches": False},
 }
 
+# Fields that change the step's program but not its results, added with a default other than what
+# the trainer did before: an older manifest reads as the program it ran, so a replay or resume of it
+# compiles that program again and its recorded program_hash still holds (bit-exact expected).
+_PROGRAM_BEFORE: dict[str, dict[str, Any]] = {
+    "trace": {"packed_record": False},
+}
+
 
 def _fill_added_later(d: dict[str, Any]) -> dict[str, Any]:
     out = dict(d)
-    for section, added in _ADDED_LATER.items():
-        sub = out.get(section)
-        if isinstance(sub, dict) and any(k not in sub for k in added):
-            out[section] = {**{k: v for k, v in added.items() if k not in sub}, **sub}
+    for table in (_ADDED_LATER, _PROGRAM_BEFORE):
+        for section, added in table.items():
+            sub = out.get(section)
+            if isinstance(sub, dict) and any(k not in sub for k in added):
+                out[section] = {**{k: v for k, v in added.items() if k not in sub}, **sub}
     return out
 
 

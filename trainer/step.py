@@ -13,7 +13,11 @@ With optimizer.microbatches = M > 1 the gradient is accumulated over M sequentia
 (`_accumulated_grads`); the records are the same fields, in global example order.
 
 Fingerprints only read the bits of tensors the step computes anyway; training results are
-identical at every level (tested), so recording can be switched on for any run.
+identical at every level (tested), so recording can be switched on for any run. With
+trace.packed_record (the default; not in runs recorded before it) the step and layer levels return
+their metrics as ONE uint32 vector, a `PackedRecord` (replay/record/packed.py, as run.step's records)
+that reads like the dict it packs (`metrics["loss"]`, `"fingerprints" in metrics`) and that the
+recorder slices instead of copying 7-11 arrays.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from trainer.config import Config, ConfigError
 from trainer.constants import BATCH_AXES, TRACE_LEVELS
 from replay.record.fingerprint import fingerprint_lanes, fingerprints_and_sums_of_squares
 from replay.record.names import get_path  # noqa: F401 - trainer.step.get_path: the recorded names' lookup
+from replay.record.packed import pack
 from trainer.optim import applied_lr
 from trainer import hf_checkpoint
 
@@ -242,7 +247,7 @@ def train_step(state: TrainState, batch: dict, *, cfg: Config, level: str = "ste
         metrics["fingerprints"] = jnp.concatenate([lanes for lanes, _ in parts])
         metrics["rms"] = jnp.concatenate([rms for _, rms in parts])
         metrics.update(sketches.assemble(state_sketch, tensors, rms))  # "sketches", "norms" with trace.sketches
-    return new_state, metrics
+    return new_state, pack(metrics) if cfg.trace.packed_record else metrics
 
 
 def compile_step(cfg: Config, level: str, state_sharding: Any = None, batch_sharding: Any = None, *,

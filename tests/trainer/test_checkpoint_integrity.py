@@ -6,6 +6,7 @@ One tiny run is read by the module (the session's, tests/tiny_run.py); each test
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -188,8 +189,9 @@ def test_a_resume_that_does_not_reproduce_a_recorded_step_exits_1(run_copy, monk
 
     def drifted(schema, step, metrics, example_hashes):
         rec = real(schema, step, metrics, example_hashes)
-        rec.metrics.view(np.uint32)[0] ^= 1  # the loss's last bit: what a nondeterministic step would do
-        return rec
+        changed = rec.metrics.copy()  # the record's values are views of the step's one read-only output vector
+        changed.view(np.uint32)[0] ^= 1  # the loss's last bit: what a nondeterministic step would do
+        return dataclasses.replace(rec, metrics=changed)
 
     monkeypatch.setattr(recorder, "to_record", drifted)
     result = invoke("train", "--resume", str(run_copy), "--steps", "21")

@@ -170,3 +170,16 @@ def test_a_config_recorded_before_the_model_options_existed_reads_as_the_one_it_
     del old["data"]["sampler"]
     with pytest.raises(c.ConfigError, match="data.sampler"):
         c.from_dict(old)
+
+
+def test_a_config_recorded_before_the_packed_record_reads_as_the_program_it_ran():
+    """trace.packed_record changes the step's program, not its records: a manifest without it reads
+    as false, the dict program such a run compiled (its program_hash holds), while new configs get
+    the packed one (true)."""
+    from trainer import config as c
+
+    cfg = PRESETS["tiny"]
+    assert cfg.trace.packed_record is True
+    old = c.to_dict(cfg)
+    del old["trace"]["packed_record"]
+    assert c.from_dict(old) == dataclasses.replace(cfg, trace=dataclasses.replace(cfg.trace, packed_record=False))

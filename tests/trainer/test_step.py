@@ -71,6 +71,47 @@ def test_step_level_outputs(runs):
     assert history[0][1]["lr"] == 0.0 and history[1][1]["lr"] > 0  # warmup starts at 0
 
 
+def test_recorded_levels_return_one_packed_vector_the_recorder_reads_by_slices(runs):
+    """The step and layer programs return their record as ONE uint32 vector (one output buffer to
+    dispatch and copy, as run.step's), laid out so that the recorder slices it (its packed plan)
+    instead of reading field by field: a field out of the schema's order would fall back silently."""
+    from replay.record.packed import PackedRecord
+    from replay.record.recorder import _packed_plan
+    from trainer.loop import make_schema
+
+    for level in ("step", "layer"):
+        _, metrics = runs[level][1][0]
+        assert isinstance(metrics, PackedRecord) and len(jax.tree.leaves(metrics)) == 1, level
+        schema = make_schema(CFG.data.global_batch_size, level, tensor_schema(CFG))
+        plan = _packed_plan(metrics.layout, schema.metric_names, schema.example_metrics)
+        assert plan is not None and ("fingerprints" in plan) == (level == "layer"), (level, metrics.layout)
+
+
+def test_the_unpacked_program_of_older_runs_records_the_same_bits(runs):
+    """trace.packed_record=false (what a run recorded before the field existed reads as) is the dict
+    program those runs ran; its records are bit for bit the packed program's, and the comparison
+    sees a one-bit change of the loss."""
+    import dataclasses
+
+    from replay.record.recorder import to_record
+    from traces.schema import same_bits
+    from trainer.loop import make_schema
+
+    cfg = dataclasses.replace(CFG, trace=dataclasses.replace(CFG.trace, packed_record=False))
+    schema = make_schema(CFG.data.global_batch_size, "step", tensor_schema(CFG))
+    fn, state = loop_step(cfg, "step"), init_state(cfg)
+    hashes = np.arange(CFG.data.global_batch_size, dtype=np.uint64)
+    for k, (_, packed) in enumerate(runs["step"][1]):
+        state, metrics = fn(state, batch(k))
+        metrics = jax.device_get(metrics)
+        assert isinstance(metrics, dict)
+        old, new = to_record(schema, k, metrics, hashes), to_record(schema, k, packed, hashes)
+        assert same_bits(schema, old, new), k
+    changed = new.metrics.copy()
+    changed.view(np.uint32)[0] ^= 1
+    assert not same_bits(schema, old, dataclasses.replace(new, metrics=changed))
+
+
 def test_layer_fingerprints_equal_the_numpy_reference(runs):
     names = [n for n, _ in tensor_schema(CFG)]
     final, history = runs["layer"]
